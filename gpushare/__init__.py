@@ -1,0 +1,53 @@
+"""gpushare: hand a GPU or host buffer to another process, on this GPU, this
+node or another node, as fast as the hardware allows, safely.
+
+Importing this package starts no thread, sets no environment variable and
+touches no GPU.  UCX is loaded the first time :mod:`gpushare.ucx` creates an
+agent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._errors import (
+    ClosedError,
+    GpuShareError,
+    InvalidInputError,
+    OutOfBoundsError,
+    UCXCanceledError,
+    UCXConnectionError,
+    UCXError,
+    UCXInvalidError,
+    UCXTimeoutError,
+    UCXUnsupportedError,
+    WaitTimeoutError,
+)
+
+if TYPE_CHECKING:
+    from . import ucx
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "__version__",
+    "ClosedError",
+    "GpuShareError",
+    "InvalidInputError",
+    "OutOfBoundsError",
+    "UCXCanceledError",
+    "UCXConnectionError",
+    "UCXError",
+    "UCXInvalidError",
+    "UCXTimeoutError",
+    "UCXUnsupportedError",
+    "WaitTimeoutError",
+    "ucx",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ucx":
+        return importlib.import_module(".ucx", __name__)
+    raise AttributeError(f"module 'gpushare' has no attribute {name!r}")

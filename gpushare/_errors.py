@@ -1,0 +1,127 @@
+"""The error hierarchy, and the one place native failures are translated.
+
+Every error gpushare raises derives from :class:`GpuShareError`.  Errors about
+input (a malformed descriptor, a key blob from another process, an argument
+out of range) also derive from :class:`ValueError`; errors about a peer that
+went away also derive from :class:`ConnectionError`; timeouts from
+:class:`TimeoutError`.  Native UCX failures are turned into subclasses of
+:class:`UCXError` by :func:`translate` and nowhere else; they carry UCX's
+status name (``"UCS_ERR_CONNECTION_RESET"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = [
+    "GpuShareError",
+    "ClosedError",
+    "InvalidInputError",
+    "OutOfBoundsError",
+    "WaitTimeoutError",
+    "UCXError",
+    "UCXConnectionError",
+    "UCXCanceledError",
+    "UCXTimeoutError",
+    "UCXInvalidError",
+    "UCXUnsupportedError",
+    "translate",
+    "native_errors",
+]
+
+
+class GpuShareError(Exception):
+    """Base class of every error raised by gpushare."""
+
+
+class ClosedError(GpuShareError):
+    """The object (agent, endpoint, handle, key, view) was closed before this use."""
+
+
+class InvalidInputError(GpuShareError, ValueError):
+    """Input failed validation: a descriptor, key or address from another
+    process, or an argument of the wrong type, size or range."""
+
+
+class OutOfBoundsError(InvalidInputError):
+    """A transfer would touch memory outside the range a remote key or buffer covers."""
+
+
+class WaitTimeoutError(GpuShareError, TimeoutError):
+    """A wait on a request ran past its timeout.  The request stays in flight."""
+
+
+class UCXError(GpuShareError):
+    """A failure reported by UCX.
+
+    Attributes
+    ----------
+    status : str
+        UCX's status name, for example ``"UCS_ERR_CONNECTION_RESET"``.
+    """
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{message} [{status}]")
+        self.status = status
+        self.message = message
+
+
+class UCXConnectionError(UCXError, ConnectionError):
+    """The peer is unreachable, disconnected or dead."""
+
+
+class UCXCanceledError(UCXError):
+    """The request was canceled, usually because its endpoint or agent closed."""
+
+
+class UCXTimeoutError(UCXError, TimeoutError):
+    """UCX gave up waiting (``UCS_ERR_TIMED_OUT``)."""
+
+
+class UCXInvalidError(UCXError, ValueError):
+    """UCX refused an argument (a corrupt key or address, a bad parameter)."""
+
+
+class UCXUnsupportedError(UCXError):
+    """The operation or memory type is not supported by the transports UCX found."""
+
+
+_CONNECTION = {
+    "UCS_ERR_CONNECTION_RESET",
+    "UCS_ERR_UNREACHABLE",
+    "UCS_ERR_NOT_CONNECTED",
+    "UCS_ERR_ENDPOINT_TIMEOUT",
+    "UCS_ERR_LINK_FAILURE",
+    "UCS_ERR_ENDPOINT_FAILURE",
+    "UCS_ERR_IO_ERROR",
+    "UCS_ERR_REJECTED",
+    "UCS_ERR_SOME_CONNECTS_FAILED",
+}
+_BY_STATUS: dict[str, type[UCXError]] = {
+    **dict.fromkeys(_CONNECTION, UCXConnectionError),
+    "UCS_ERR_CANCELED": UCXCanceledError,
+    "UCS_ERR_TIMED_OUT": UCXTimeoutError,
+    "UCS_ERR_INVALID_PARAM": UCXInvalidError,
+    "UCS_ERR_INVALID_ADDR": UCXInvalidError,
+    "UCS_ERR_UNSUPPORTED": UCXUnsupportedError,
+    "UCS_ERR_NOT_IMPLEMENTED": UCXUnsupportedError,
+    "UCS_ERR_NO_DEVICE": UCXUnsupportedError,
+}
+
+
+def translate(status: str, message: str) -> UCXError:
+    """Return the :class:`UCXError` subclass instance for a UCX status name."""
+    return _BY_STATUS.get(status, UCXError)(status, message)
+
+
+@contextlib.contextmanager
+def native_errors() -> Iterator[None]:
+    """Re-raise the native module's ``NativeError`` as a :class:`UCXError`."""
+    from ._ucx._loader import native
+
+    try:
+        yield
+    except native().NativeError as exc:
+        status, message = exc.args
+        raise translate(status, message) from None
