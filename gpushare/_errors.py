@@ -26,6 +26,10 @@ __all__ = [
     "UCXTimeoutError",
     "UCXInvalidError",
     "UCXUnsupportedError",
+    "AccessDeniedError",
+    "ExporterUnreachableError",
+    "UnsupportedError",
+    "CUDAError",
     "translate",
     "native_errors",
 ]
@@ -125,3 +129,33 @@ def native_errors() -> Iterator[None]:
     except native().NativeError as exc:
         status, message = exc.args
         raise translate(status, message) from None
+
+
+class AccessDeniedError(GpuShareError, PermissionError):
+    """An exporter refused an import: wrong token, or a peer whose credentials
+    (user id) may not receive the memory."""
+
+
+class ExporterUnreachableError(GpuShareError, ConnectionError):
+    """The exporting process cannot be reached to hand over its memory: it
+    exited, closed the buffer, or did not answer in time."""
+
+
+class UnsupportedError(GpuShareError):
+    """This path cannot serve this buffer or peer here: another node, a handle
+    type the device or driver lacks, no CUDA driver.  The message says which."""
+
+
+class CUDAError(GpuShareError):
+    """A failure reported by the CUDA driver.
+
+    Attributes
+    ----------
+    status : str
+        The driver's status name, for example ``"CUDA_ERROR_INVALID_VALUE"``.
+    """
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{message} [{status}]")
+        self.status = status
+        self.message = message

@@ -13,6 +13,9 @@
 
 #include <sys/mman.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -377,6 +380,23 @@ class Endpoint {
 
   bool alive() { return ep && ep->isAlive(); }
 
+  // What ucp_ep_print_info says: the lanes and transports this endpoint uses.
+  std::string info()
+  {
+    auto e = get();
+    return call("ucp_ep_print_info", [&] {
+      char* text = nullptr;
+      size_t length = 0;
+      FILE* stream = open_memstream(&text, &length);
+      if (stream == nullptr) throw NativeError("UCS_ERR_NO_MEMORY", "open_memstream failed");
+      ucp_ep_print_info(e->getHandle(), stream);
+      fclose(stream);
+      std::string out(text, length);
+      free(text);
+      return out;
+    });
+  }
+
   RemoteKey unpackRemoteKey(nb::bytes blob)
   {
     auto e = get();
@@ -636,6 +656,7 @@ NB_MODULE(_native, m)
 
   nb::class_<Endpoint>(m, "Endpoint")
     .def("alive", &Endpoint::alive)
+    .def("info", &Endpoint::info)
     .def("unpack_remote_key", &Endpoint::unpackRemoteKey, "blob"_a)
     .def("mem_put", &Endpoint::memPut, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
          "callback"_a.none())

@@ -1,0 +1,164 @@
+"""Turn a user's buffer object into (address, nbytes, memory type), pinned.
+
+Host memory: anything with the buffer protocol (NumPy arrays, bytearray,
+memoryview, mmap), or DLPack on the CPU.  CUDA memory: a cuda.core
+``Buffer``, anything with ``__cuda_array_interface__`` (CuPy, torch, Numba)
+or DLPack on a CUDA device.  The returned :class:`LocalBuffer` keeps the
+object (and, for host memory, a buffer-protocol export that stops it from
+being resized) alive until :meth:`LocalBuffer.release`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import InvalidInputError
+
+__all__ = ["LocalBuffer", "resolve", "MEMORY_TYPES"]
+
+#: Memory type names, as accepted by ``memory_type=`` arguments.
+MEMORY_TYPES = ("host", "cuda")
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3
+_DLPACK_CUDA_MANAGED = 13
+
+
+@dataclass
+class LocalBuffer:
+    """A resolved, pinned local buffer."""
+
+    address: int
+    nbytes: int
+    memory_type: str
+    readonly: bool
+    owner: Any
+    pin: Any = None
+    device: int | None = None
+
+    def release(self) -> None:
+        """Drop the pin and the reference to the owner."""
+        pin, self.pin, self.owner = self.pin, None, None
+        if pin is not None:
+            pin.release()
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
+    if strides is None:
+        return True
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def _itemsize(typestr: str) -> int:
+    try:
+        return int(typestr[2:])
+    except (TypeError, ValueError, IndexError):
+        raise InvalidInputError(f"unrecognised typestr {typestr!r} in array interface") from None
+
+
+def _from_cuda_array_interface(obj: Any, cai: dict) -> LocalBuffer:
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        ptr, readonly = cai["data"]
+        strides = cai.get("strides")
+        itemsize = _itemsize(cai["typestr"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"malformed __cuda_array_interface__: {exc}") from None
+    if strides is not None:
+        strides = tuple(int(s) for s in strides)
+    if not _c_contiguous(shape, strides, itemsize):
+        raise InvalidInputError("CUDA array is not C-contiguous; copy it first (e.g. cupy.ascontiguousarray)")
+    nbytes = math.prod(shape) * itemsize
+    return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj)
+
+
+def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:
+    if getattr(obj, "is_host_accessible", False):
+        # Pinned or managed memory the CPU can touch: register it as host.
+        mtype = "host"
+    else:
+        mtype = "cuda"
+    device = getattr(obj, "device_id", None)
+    return LocalBuffer(int(obj.handle), int(obj.size), mtype, False, obj, device=device)
+
+
+def _is_cuda_core_buffer(obj: Any) -> bool:
+    mod = type(obj).__module__ or ""
+    return mod.startswith("cuda.core") and hasattr(obj, "handle") and hasattr(obj, "size")
+
+
+def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
+    """Resolve ``obj`` into a pinned :class:`LocalBuffer`.
+
+    Parameters
+    ----------
+    obj
+        The buffer object.
+    writable
+        Whether the caller will write into it (a get's destination).
+
+    Raises
+    ------
+    InvalidInputError
+        If ``obj`` is not a contiguous buffer gpushare understands, or is
+        read-only while ``writable`` is true.
+    """
+    if isinstance(obj, LocalBuffer):
+        return obj
+    if _is_cuda_core_buffer(obj):
+        lb = _from_cuda_core_buffer(obj)
+    elif hasattr(obj, "__cuda_array_interface__"):
+        lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
+    else:
+        lb = _from_host_or_dlpack(obj, writable)
+    if writable and lb.readonly:
+        lb.release()
+        raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
+    return lb
+
+
+def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
+    from ._ucx._loader import native
+
+    n = native()
+    try:
+        pin = n.PinnedBuffer(obj, writable)
+    except BufferError as exc:
+        raise InvalidInputError(f"{type(obj).__name__} cannot be used as a buffer: {exc}") from None
+    except TypeError:
+        pin = None
+    if pin is not None:
+        return LocalBuffer(pin.address, pin.nbytes, "host", pin.readonly, obj, pin)
+    if hasattr(obj, "__dlpack_device__"):
+        dev_type, dev_id = obj.__dlpack_device__()
+        if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+            import numpy
+
+            arr = numpy.from_dlpack(obj)
+            return _from_host_or_dlpack(arr, writable)
+        if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+            try:
+                from cuda.core.utils import StridedMemoryView
+            except ImportError:
+                raise ImportError(
+                    "CUDA DLPack tensors need the 'cuda-core' package (pip install 'gpushare[cuda]')"
+                ) from None
+            view = StridedMemoryView(obj, stream_ptr=-1)
+            itemsize = view.dtype.itemsize
+            if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
+                raise InvalidInputError("CUDA tensor is not C-contiguous; make it contiguous first")
+            nbytes = math.prod(view.shape) * itemsize
+            return LocalBuffer(int(view.ptr), nbytes, "cuda", bool(view.readonly), (obj, view), device=int(dev_id))
+        raise InvalidInputError(f"DLPack device type {dev_type} is not supported (host and CUDA are)")
+    raise InvalidInputError(
+        f"{type(obj).__name__} is not a buffer: expected the buffer protocol, "
+        "__cuda_array_interface__, DLPack or a cuda.core Buffer"
+    )

@@ -1,0 +1,486 @@
+"""Plain-data descriptors for same-node sharing.
+
+A descriptor says where an exported buffer's physical memory can be fetched
+from; it is made by :func:`gpushare.export_buffer` and turned back into memory
+by :func:`gpushare.import_buffer`.  Descriptors hold only bytes, integers and
+strings, are immutable, and pickle through ``__reduce__`` to a constructor that
+validates every field again, because a descriptor that crossed a process
+boundary is untrusted.  Nothing here loads a driver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+from ._errors import InvalidInputError
+
+__all__ = [
+    "FABRIC_HANDLE_BYTES",
+    "MAX_ALLOCATIONS",
+    "MAX_SIZE",
+    "PosixFdBufferDescriptor",
+    "VirtualMemoryFabricBufferDescriptor",
+    "cuda_core_fabric_descriptor_class",
+]
+
+#: Bytes in one CUDA fabric handle (``CUmemFabricHandle``).
+FABRIC_HANDLE_BYTES = 64
+#: Most physical allocations one descriptor may name.
+MAX_ALLOCATIONS = 1 << 16
+#: Every size (one allocation, their sum, the buffer) is below this.
+MAX_SIZE = 1 << 63
+#: The one format of :class:`PosixFdBufferDescriptor` this version reads.
+POSIX_FD_FORMAT = 1
+_MAX_TOKEN_BYTES = 32
+_MAX_TEXT = 256
+_MAX_SUN_PATH = 107
+_MAX_DEVICE = 1 << 16
+_MAX_PID = 1 << 31
+
+
+def _integer(value: object, what: str) -> int:
+    """``value`` as an ``int``, refusing bools, floats and anything without ``__index__``."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise InvalidInputError(f"{what} is a bool ({value!r}); expected an integer")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInputError(
+            f"{what} is {type(value).__name__} {value!r:.60}; expected an integer"
+        ) from None
+
+
+def _size_list(sizes: object, what: str = "allocation size") -> tuple[int, ...]:
+    items = _bounded_items(sizes, "sizes")
+    out = []
+    for i, raw in enumerate(items):
+        value = _integer(raw, f"{what} {i}")
+        if value <= 0:
+            raise InvalidInputError(f"{what} {i} is {value}; expected a positive integer")
+        if value >= MAX_SIZE:
+            raise InvalidInputError(f"{what} {i} is {value}; expected less than 2**63")
+        out.append(value)
+    total = sum(out)
+    if total >= MAX_SIZE:
+        raise InvalidInputError(f"allocation sizes add up to {total}; expected less than 2**63")
+    return tuple(out)
+
+
+def _bounded_items(items: object, what: str) -> list[Any]:
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise InvalidInputError(
+            f"{what} is a single {type(items).__name__}; expected an iterable of them"
+        )
+    try:
+        iterator = iter(items)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidInputError(f"{what} is {type(items).__name__}; expected an iterable") from None
+    out = list(itertools.islice(iterator, MAX_ALLOCATIONS + 1))
+    if len(out) > MAX_ALLOCATIONS:
+        raise InvalidInputError(f"{what} has more than {MAX_ALLOCATIONS} entries")
+    if not out:
+        raise InvalidInputError(f"{what} is empty; expected one entry per physical allocation")
+    return out
+
+
+def _buffer_size(size: object, sizes: tuple[int, ...]) -> int:
+    total = sum(sizes)
+    if size is None:
+        return total
+    value = _integer(size, "buffer size")
+    if not 0 <= value <= total:
+        raise InvalidInputError(
+            f"buffer size is {value}; expected between 0 and {total}, the sum of the allocation sizes"
+        )
+    return value
+
+
+def _text(value: object, what: str, *, optional: bool = True) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} is {type(value).__name__}; expected a str")
+    if len(value) > _MAX_TEXT:
+        raise InvalidInputError(f"{what} is {len(value)} characters; expected at most {_MAX_TEXT}")
+    return value
+
+
+class _Frozen:
+    """Refuses attribute assignment and deletion after construction."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _fields(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._fields()))
+
+
+def cuda_core_fabric_descriptor_class() -> type | None:
+    """cuda.core's own ``VirtualMemoryFabricBufferDescriptor`` where the
+    installed cuda.core has one, else ``None``.  Imports cuda.core lazily."""
+    try:
+        from cuda.core._memory import _ipc
+    except ImportError:
+        return None
+    return getattr(_ipc, "VirtualMemoryFabricBufferDescriptor", None)
+
+
+class VirtualMemoryFabricBufferDescriptor(_Frozen):
+    """Plain-data descriptor of a CUDA virtual-memory buffer exported with
+    fabric handles.
+
+    Each physical allocation contributes one opaque 64-byte handle, in address
+    order.  Plain pickle, multiprocessing, or a transport of your own can carry
+    it; :meth:`from_handles` rebuilds one from handles received outside
+    gpushare, :func:`gpushare.import_buffer` imports it.  This is the contract
+    of cuda.core's class of the same name: where the installed cuda.core has
+    that class, :func:`gpushare.import_buffer` accepts its instances and
+    :meth:`to_cuda_core` produces one.
+
+    Nothing is pinned: a fabric descriptor parked in a queue does not retain
+    the memory.  The exporter must keep the buffer alive until every importer
+    has imported it; an imported allocation then holds its own driver
+    references.  Importing a stale or forged handle fails with a driver error.
+
+    Attributes
+    ----------
+    handle_type : str
+        Always ``"fabric"``.
+    handles : tuple[bytes, ...]
+        One opaque 64-byte fabric handle per allocation, in address order.
+    sizes : tuple[int, ...]
+        Size of each physical allocation, in address order; the sum is at
+        least ``size``.
+    size : int
+        The buffer size.
+    owner_uuid : str or None
+        The exporting device's UUID, if the exporter supplied it.
+    """
+
+    __slots__ = ("_handles", "_sizes", "_size", "_owner_uuid")
+
+    handle_type = "fabric"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "VirtualMemoryFabricBufferDescriptor cannot be constructed directly; "
+            "use VirtualMemoryFabricBufferDescriptor.from_handles() or gpushare.export_buffer()"
+        )
+
+    @classmethod
+    def from_handles(
+        cls,
+        handles: Iterable[bytes],
+        sizes: Iterable[int],
+        *,
+        size: int | None = None,
+        owner_uuid: str | None = None,
+    ) -> VirtualMemoryFabricBufferDescriptor:
+        """Build a descriptor from fabric handles received through a transport
+        of your own.
+
+        Parameters
+        ----------
+        handles : Iterable[bytes]
+            One opaque 64-byte handle per physical allocation, in address order.
+        sizes : Iterable[int]
+            One positive allocation size per handle, in the same order.
+        size : int, optional
+            Buffer size, between zero and the sum of ``sizes``; the sum by default.
+        owner_uuid : str, optional
+            Exporting device's UUID, used to identify the owner in error messages.
+
+        Returns
+        -------
+        VirtualMemoryFabricBufferDescriptor
+
+        Raises
+        ------
+        ValueError
+            (:class:`gpushare.InvalidInputError`) If counts differ, a handle is
+            not 64 bytes, an allocation size is not a positive integer below
+            2**63, or the buffer size is outside the allocation sizes.
+        """
+        raw = _bounded_items(handles, "handles")
+        checked = []
+        for i, handle in enumerate(raw):
+            if not isinstance(handle, (bytes, bytearray, memoryview)):
+                raise InvalidInputError(
+                    f"handle {i} is {type(handle).__name__}; expected {FABRIC_HANDLE_BYTES} bytes"
+                )
+            data = bytes(handle)
+            if len(data) != FABRIC_HANDLE_BYTES:
+                raise InvalidInputError(
+                    f"handle {i} is {len(data)} bytes; expected {FABRIC_HANDLE_BYTES}"
+                )
+            checked.append(data)
+        sizes_t = _size_list(sizes)
+        if len(sizes_t) != len(checked):
+            raise InvalidInputError(
+                f"{len(checked)} handles but {len(sizes_t)} sizes; expected one size per handle"
+            )
+        self = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(self, "_handles", tuple(checked))
+        set_(self, "_sizes", sizes_t)
+        set_(self, "_size", _buffer_size(size, sizes_t))
+        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
+        return self
+
+    @classmethod
+    def _coerce(cls, other: object) -> VirtualMemoryFabricBufferDescriptor:
+        """Ours as is; cuda.core's class of the same name re-validated into ours."""
+        if isinstance(other, cls):
+            return other
+        theirs = cuda_core_fabric_descriptor_class()
+        if theirs is not None and isinstance(other, theirs):
+            return cls.from_handles(
+                other.handles, other.sizes, size=other.size, owner_uuid=other.owner_uuid
+            )
+        raise InvalidInputError(
+            f"expected a VirtualMemoryFabricBufferDescriptor, got {type(other).__name__}"
+        )
+
+    def to_cuda_core(self) -> Any:
+        """The same descriptor as cuda.core's own class, for
+        ``Buffer.from_ipc_descriptor()``.
+
+        Raises
+        ------
+        ImportError
+            If the installed cuda.core has no ``VirtualMemoryFabricBufferDescriptor``
+            (cuda.core 1.2 has none; import with :func:`gpushare.import_buffer`).
+        """
+        theirs = cuda_core_fabric_descriptor_class()
+        if theirs is None:
+            raise ImportError(
+                "the installed cuda.core has no VirtualMemoryFabricBufferDescriptor; "
+                "upgrade cuda-core, or import with gpushare.import_buffer()"
+            )
+        return theirs.from_handles(
+            self._handles, self._sizes, size=self._size, owner_uuid=self._owner_uuid
+        )
+
+    @property
+    def handles(self) -> tuple[bytes, ...]:
+        """One opaque 64-byte fabric handle per allocation, in address order."""
+        return self._handles
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Size of each physical allocation, in address order."""
+        return self._sizes
+
+    @property
+    def size(self) -> int:
+        """The buffer size in bytes."""
+        return self._size
+
+    @property
+    def owner_uuid(self) -> str | None:
+        """The exporting device's UUID, if supplied by the exporter."""
+        return self._owner_uuid
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self._handles, self._sizes, self._size, self._owner_uuid)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_fabric, self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"VirtualMemoryFabricBufferDescriptor(allocations={len(self._sizes)}, "
+            f"size={self._size}, owner_uuid={self._owner_uuid!r})"
+        )
+
+
+def _rebuild_fabric(
+    handles: object, sizes: object, size: object, owner_uuid: object
+) -> VirtualMemoryFabricBufferDescriptor:
+    return VirtualMemoryFabricBufferDescriptor.from_handles(
+        handles,  # type: ignore[arg-type]
+        sizes,  # type: ignore[arg-type]
+        size=size,  # type: ignore[arg-type]
+        owner_uuid=owner_uuid,  # type: ignore[arg-type]
+    )
+
+
+class PosixFdBufferDescriptor(_Frozen):
+    """Plain-data descriptor of a buffer whose physical allocations are file
+    descriptors held by the exporting process.
+
+    The descriptor itself holds no file descriptor.  It names the exporter's
+    broker (a Unix socket on this node) and carries an unguessable token; the
+    broker hands one file descriptor per physical allocation, with
+    ``SCM_RIGHTS``, to a process of the same user (or root) that presents the
+    token.  Host buffers share memfds this way, CUDA virtual memory its POSIX
+    file-descriptor handles.  Made by :func:`gpushare.export_buffer`; carried
+    by pickle; imported by :func:`gpushare.import_buffer`.
+
+    Attributes
+    ----------
+    handle_type : str
+        Always ``"posix_fd"``.
+    version : int
+        Format version (1).
+    address : str
+        The broker's Unix-socket address; a leading ``"\\0"`` means the
+        abstract namespace.
+    export_id : int
+        The export's number within that broker.
+    token : bytes
+        32 random bytes; whoever holds them may map the memory.
+    pid : int
+        The exporting process.
+    node : str
+        The exporting node's identity (boot id and host name).
+    device : str or int
+        ``"host"``, or the exporting CUDA device's ordinal.
+    sizes : tuple[int, ...]
+        Size of each physical allocation, in address order.
+    size : int
+        The buffer size; at most the sum of ``sizes``.
+    owner_uuid : str or None
+        The exporting CUDA device's UUID, ``None`` for host memory.
+    """
+
+    __slots__ = (
+        "_version",
+        "_address",
+        "_export_id",
+        "_token",
+        "_pid",
+        "_node",
+        "_device",
+        "_sizes",
+        "_size",
+        "_owner_uuid",
+    )
+
+    handle_type = "posix_fd"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "PosixFdBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
+        )
+
+    @classmethod
+    def _from_fields(
+        cls,
+        version: object,
+        address: object,
+        export_id: object,
+        token: object,
+        pid: object,
+        node: object,
+        device: object,
+        sizes: object,
+        size: object,
+        owner_uuid: object,
+    ) -> PosixFdBufferDescriptor:
+        """The validating constructor; unpickling goes through it."""
+        version_i = _integer(version, "descriptor format version")
+        if version_i != POSIX_FD_FORMAT:
+            raise InvalidInputError(
+                f"descriptor format version {version_i} is not supported; "
+                f"this gpushare reads version {POSIX_FD_FORMAT}"
+            )
+        if not isinstance(address, str):
+            raise InvalidInputError(f"broker address is {type(address).__name__}; expected a str")
+        encoded = address.encode("utf-8", "surrogateescape")
+        if not encoded or len(encoded) > _MAX_SUN_PATH:
+            raise InvalidInputError(
+                f"broker address is {len(encoded)} bytes; expected 1 to {_MAX_SUN_PATH}"
+            )
+        if b"\0" in encoded[1:] or address == "\0":
+            raise InvalidInputError("broker address has a NUL byte after its first character")
+        export_i = _integer(export_id, "export id")
+        if not 0 <= export_i < MAX_SIZE:
+            raise InvalidInputError(f"export id is {export_i}; expected 0 to 2**63 - 1")
+        if not isinstance(token, bytes):
+            raise InvalidInputError(f"token is {type(token).__name__}; expected bytes")
+        if len(token) != _MAX_TOKEN_BYTES:
+            raise InvalidInputError(f"token is {len(token)} bytes; expected {_MAX_TOKEN_BYTES}")
+        pid_i = _integer(pid, "exporter pid")
+        if not 0 < pid_i < _MAX_PID:
+            raise InvalidInputError(f"exporter pid is {pid_i}; expected 1 to 2**31 - 1")
+        node_s = _text(node, "node identity", optional=False)
+        if device != "host":
+            if isinstance(device, str):
+                raise InvalidInputError(f"device is {device!r}; expected 'host' or a device ordinal")
+            device = _integer(device, "device")
+            if not 0 <= device < _MAX_DEVICE:
+                raise InvalidInputError(f"device is {device}; expected 'host' or 0 to {_MAX_DEVICE - 1}")
+        sizes_t = _size_list(sizes)
+        self = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(self, "_version", version_i)
+        set_(self, "_address", address)
+        set_(self, "_export_id", export_i)
+        set_(self, "_token", token)
+        set_(self, "_pid", pid_i)
+        set_(self, "_node", node_s)
+        set_(self, "_device", device)
+        set_(self, "_sizes", sizes_t)
+        set_(self, "_size", _buffer_size(size, sizes_t))
+        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
+        return self
+
+    version = property(lambda self: self._version, doc="Format version.")
+    address = property(lambda self: self._address, doc="The broker's Unix-socket address.")
+    export_id = property(lambda self: self._export_id, doc="The export's number within its broker.")
+    token = property(lambda self: self._token, doc="The 32-byte secret that grants the import.")
+    pid = property(lambda self: self._pid, doc="The exporting process id.")
+    node = property(lambda self: self._node, doc="The exporting node's identity.")
+    device = property(lambda self: self._device, doc='"host" or a CUDA device ordinal.')
+    sizes = property(lambda self: self._sizes, doc="Size of each physical allocation, in order.")
+    size = property(lambda self: self._size, doc="The buffer size in bytes.")
+    owner_uuid = property(lambda self: self._owner_uuid, doc="The exporting device's UUID, or None.")
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (
+            self._version,
+            self._address,
+            self._export_id,
+            self._token,
+            self._pid,
+            self._node,
+            self._device,
+            self._sizes,
+            self._size,
+            self._owner_uuid,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_posix_fd, self._fields())
+
+    def __repr__(self) -> str:
+        # The token is a secret: never print it.
+        return (
+            f"PosixFdBufferDescriptor(device={self._device!r}, allocations={len(self._sizes)}, "
+            f"size={self._size}, pid={self._pid}, export_id={self._export_id})"
+        )
+
+
+def _rebuild_posix_fd(*fields: object) -> PosixFdBufferDescriptor:
+    if len(fields) != 10:
+        raise InvalidInputError(
+            f"posix_fd descriptor has {len(fields)} fields; expected 10"
+        )
+    return PosixFdBufferDescriptor._from_fields(*fields)

@@ -1,0 +1,905 @@
+"""UCX remote memory access: Agent, Endpoint, MemoryHandle, RemoteKey, Request.
+
+Policy lives here; ``_native`` only adapts libucxx.  See ``docs/ucx.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import struct
+import sys
+import threading
+import types
+import weakref
+import zlib
+from collections import deque
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
+
+from .. import _buffers
+from .._errors import (
+    ClosedError,
+    GpuShareError,
+    InvalidInputError,
+    OutOfBoundsError,
+    UCXConnectionError,
+    WaitTimeoutError,
+    native_errors,
+    translate,
+)
+from ._loader import native
+
+__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
+
+#: Progress modes an :class:`Agent` accepts.
+PROGRESS_MODES = ("blocking", "polling")
+
+_ADDRESS_MAGIC = b"GSUA"
+_KEY_MAGIC = b"GSRK"
+_FORMAT_VERSION = 1
+# magic(4) | version(u16) | memory type(u16) | payload length(u32) | crc32(u32)
+_HEADER = struct.Struct("<4sHHII")
+_MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
+_MAX_KEY = 1 << 16  # a packed remote key is tens to hundreds of bytes
+_U64 = (1 << 64) - 1
+_MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
+_MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
+
+
+def _pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:
+    return _HEADER.pack(magic, _FORMAT_VERSION, memory_type, len(payload), zlib.crc32(payload)) + payload
+
+
+def _unpack(blob: Any, magic: bytes, what: str, limit: int) -> tuple[int, bytes]:
+    """Check an envelope from another process; return (memory type, payload)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{what} must be bytes, not {type(blob).__name__}")
+    blob = bytes(blob)
+    if len(blob) < _HEADER.size:
+        raise InvalidInputError(f"{what} is {len(blob)} bytes; at least {_HEADER.size} expected")
+    got_magic, version, mtype, length, crc = _HEADER.unpack_from(blob)
+    if got_magic != magic:
+        raise InvalidInputError(f"not a gpushare {what}: starts with {got_magic!r}, expected {magic!r}")
+    if version != _FORMAT_VERSION:
+        raise InvalidInputError(f"{what} has format version {version}; this gpushare reads version {_FORMAT_VERSION}")
+    payload = blob[_HEADER.size :]
+    if length > limit or len(payload) != length:
+        raise InvalidInputError(f"{what} says {length} payload bytes; {len(payload)} came (limit {limit})")
+    if zlib.crc32(payload) != crc:
+        raise InvalidInputError(f"{what} is corrupted: checksum mismatch")
+    return mtype, payload
+
+
+def _check_int(value: Any, name: str, *, minimum: int = 0, maximum: int = _U64) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, not {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise InvalidInputError(f"{name} is {value}; expected {minimum} <= {name} <= {maximum}")
+    return value
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise InvalidInputError(f"timeout must be None or a non-negative number, not {timeout!r}")
+    return float(timeout)
+
+
+def _report_callback_error(where: str) -> None:
+    """Report the exception being handled through sys.unraisablehook."""
+    exc = sys.exc_info()[1]
+    sys.unraisablehook(
+        types.SimpleNamespace(
+            exc_type=type(exc),
+            exc_value=exc,
+            exc_traceback=exc.__traceback__ if exc is not None else None,
+            err_msg=f"Exception ignored in gpushare {where} callback",
+            object=None,
+        )
+    )
+
+
+def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: weakref.WeakSet,
+                    quarantine: list, lock: threading.Lock) -> None:
+    """Close an agent's native state; also runs at interpreter exit.
+
+    Holds the native objects, never the Agent itself.  In a forked child the
+    parent's UCX state has none of its threads: it is left alone (leaked).
+    """
+    if os.getpid() != pid:
+        return
+    with lock:
+        eps, mhs = list(endpoints), list(handles)
+    for ep in eps:
+        ep._shutdown(2.0)
+    for mh in mhs:
+        mh.close()
+    try:
+        nagent.close()
+    except Exception:  # noqa: BLE001 - never fail in a finalizer
+        _report_callback_error("agent close")
+        return  # leak the quarantined memory rather than free it under a live worker
+    with lock:
+        parked, quarantine[:] = list(quarantine), []
+    for mm, local in parked:
+        if local is not None:
+            local.release()
+        if mm is not None:
+            mm.close()
+
+
+# --------------------------------------------------------------------------
+
+
+class Request:
+    """A non-blocking operation (put, get or flush) in flight.
+
+    Made by :meth:`Endpoint.mem_put`, :meth:`Endpoint.mem_get` and
+    :meth:`Endpoint.flush`; not constructed by users.  It can be waited on,
+    polled, given callbacks, and awaited from asyncio.  The local buffer stays
+    referenced until the request completes.
+    """
+
+    __slots__ = ("_native", "_buffer", "_endpoint", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Request objects are made by Endpoint.mem_put/mem_get/flush")
+
+    @classmethod
+    def _from_native(cls, nreq: Any, buffer: _buffers.LocalBuffer | None, endpoint: Endpoint) -> Request:
+        self = object.__new__(cls)
+        self._native = nreq
+        self._buffer = buffer
+        self._endpoint = endpoint
+        return self
+
+    @property
+    def kind(self) -> str:
+        """``"put"``, ``"get"`` or ``"flush"``."""
+        return self._native.kind
+
+    def done(self) -> bool:
+        """Whether the request has completed (successfully or not)."""
+        done = self._native.done()
+        if done and self._buffer is not None:
+            self._buffer = None  # the transfer no longer touches it
+        return done
+
+    def _error(self) -> GpuShareError | None:
+        status = self._native.status()
+        if status is None or status[0] == "UCS_OK":
+            return None
+        name, message = status
+        return translate(name, f"{self.kind} failed: {message}")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the request completes.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; ``None`` waits until UCX completes or fails the
+            request (a dead peer fails it).
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` passes first; the request stays in flight.
+        UCXError
+            If the request failed.
+        """
+        t = _check_timeout(timeout)
+        if not self._native.wait(-1.0 if t is None else t):
+            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
+        self._buffer = None
+        err = self._error()
+        if err is not None:
+            raise err
+
+    def exception(self, timeout: float | None = None) -> GpuShareError | None:
+        """Wait like :meth:`wait` and return the request's error, or ``None``."""
+        t = _check_timeout(timeout)
+        if not self._native.wait(-1.0 if t is None else t):
+            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
+        return self._error()
+
+    def add_done_callback(self, fn: Callable[[Request], Any]) -> None:
+        """Call ``fn(request)`` when the request completes.
+
+        It runs in the agent's progress thread, or at once in this thread if
+        the request has already completed.  Exceptions it raises are reported
+        through :func:`sys.unraisablehook`.
+        """
+        if not callable(fn):
+            raise InvalidInputError("callback must be callable")
+        ref = self
+
+        def run() -> None:
+            try:
+                fn(ref)
+            except Exception:
+                _report_callback_error("done")
+
+        self._native.add_callback(run)
+
+    def __await__(self) -> Generator[Any, None, Request]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def wake() -> None:
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass  # the loop closed; nobody is awaiting any more
+
+        self._native.add_callback(wake)
+        yield from fut.__await__()
+        self._buffer = None
+        err = self._error()
+        if err is not None:
+            raise err
+        return self
+
+    def __repr__(self) -> str:
+        state = "done" if self._native.done() else "pending"
+        return f"<gpushare.ucx.Request {self.kind} {state}>"
+
+
+class RemoteKey:
+    """A remote key: the capability to read and write one registered region.
+
+    Two kinds exist.  A *local* key comes from
+    :meth:`MemoryHandle.create_remote_key` and is serialized with
+    :meth:`serialize` to be sent to a peer.  A *remote* key comes from
+    :meth:`Endpoint.unpack_remote_key` and is used in puts and gets on that
+    endpoint.  Both report the region: :attr:`base_address` and :attr:`size`.
+    """
+
+    __slots__ = ("_native", "_blob", "_base", "_size", "_memory_type", "_endpoint", "_closed", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "RemoteKey objects are made by MemoryHandle.create_remote_key and Endpoint.unpack_remote_key"
+        )
+
+    @classmethod
+    def _make(cls, *, native_key: Any, blob: bytes | None, base: int, size: int, memory_type: str,
+              endpoint: Endpoint | None) -> RemoteKey:
+        self = object.__new__(cls)
+        self._native = native_key
+        self._blob = blob
+        self._base = base
+        self._size = size
+        self._memory_type = memory_type
+        self._endpoint = endpoint
+        self._closed = False
+        return self
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("remote key is closed")
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether this key was unpacked for an endpoint (usable in put/get)."""
+        return self._endpoint is not None
+
+    @property
+    def handle(self) -> int:
+        """The ``ucp_rkey_h`` as an integer (0 for a local, packed key)."""
+        self._check_open()
+        if self._native is None:
+            return 0
+        with native_errors():
+            return self._native.handle
+
+    @property
+    def size(self) -> int:
+        """Size in bytes of the region the key covers."""
+        self._check_open()
+        return self._size
+
+    @property
+    def base_address(self) -> int:
+        """Address, in the exporter's process, of the region's first byte."""
+        self._check_open()
+        return self._base
+
+    @property
+    def memory_type(self) -> str:
+        """``"host"`` or ``"cuda"``: where the region lives in the exporter."""
+        return self._memory_type
+
+    def serialize(self) -> bytes:
+        """Return the key as bytes to send to a peer over any transport."""
+        self._check_open()
+        if self._blob is None:
+            raise InvalidInputError("a remote key unpacked for an endpoint cannot be serialized again")
+        return self._blob
+
+    def close(self) -> None:
+        """Release the key (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self) -> RemoteKey:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "remote" if self.is_remote else "local"
+        return f"<gpushare.ucx.RemoteKey {kind} base=0x{self._base:x} size={self._size}>"
+
+
+def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources: tuple) -> None:
+    """Unregister a memory handle, keeping its memory reserved until agent close.
+
+    UCX does not stop a peer that still holds a key from writing into the
+    region after it is unregistered (on TCP and shared memory nothing checks).
+    So the memory is never handed back to the allocator while the worker can
+    still receive: memory gpushare allocated is replaced by fresh zero pages
+    (a stale write lands nowhere useful, a stale read sees zeros), and a
+    user's buffer stays referenced.
+    """
+    if os.getpid() != pid:
+        return  # a forked child: the parent's UCX state is not ours to touch
+    addr, length, mm, local = resources
+    try:
+        nmh.close()
+    except Exception:  # noqa: BLE001
+        _report_callback_error("memory handle close")
+    if mm is not None:
+        native().quarantine(addr, length)
+    with lock:
+        quarantine.append((mm, local))
+
+
+class MemoryHandle:
+    """A registered memory region other processes can access with a remote key.
+
+    Made by :meth:`Agent.create_memory_handle`; mirrors ``ucxx::MemoryHandle``.
+    """
+
+    __slots__ = ("_native", "_agent", "_local", "_mm", "_finalizer", "_memory_type", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("MemoryHandle objects are made by Agent.create_memory_handle")
+
+    @classmethod
+    def _make(cls, agent: Agent, nmh: Any, local: _buffers.LocalBuffer | None, mm: mmap.mmap | None,
+              memory_type: str) -> MemoryHandle:
+        self = object.__new__(cls)
+        self._native = nmh
+        self._agent = agent
+        self._local = local
+        self._mm = mm
+        self._memory_type = memory_type
+        addr = nmh.base_address
+        length = len(mm) if mm is not None else nmh.size
+        self._finalizer = weakref.finalize(
+            self, _park, agent._pid, agent._quarantine, agent._lock, nmh, (addr, length, mm, local)
+        )
+        return self
+
+    def _check_open(self) -> Any:
+        if not self._finalizer.alive:
+            raise ClosedError("memory handle is closed")
+        self._agent._check_usable()
+        return self._native
+
+    @property
+    def handle(self) -> int:
+        """The ``ucp_mem_h`` as an integer."""
+        n = self._check_open()
+        with native_errors():
+            return n.handle
+
+    @property
+    def size(self) -> int:
+        """Registered size in bytes (at least what was asked for)."""
+        n = self._check_open()
+        with native_errors():
+            return n.size
+
+    @property
+    def base_address(self) -> int:
+        """Address of the region's first byte; remote puts/gets target it."""
+        n = self._check_open()
+        with native_errors():
+            return n.base_address
+
+    @property
+    def memory_type(self) -> str:
+        """``"host"`` or ``"cuda"``."""
+        self._check_open()
+        return self._memory_type
+
+    @property
+    def buffer(self) -> Any:
+        """The memory: the object passed in, or a writable ``memoryview`` of
+        host memory gpushare allocated (``None`` for UCX-allocated CUDA memory)."""
+        self._check_open()
+        if self._mm is not None:
+            return memoryview(self._mm)[: self.size]
+        return self._local.owner if self._local is not None else None
+
+    def create_remote_key(self) -> RemoteKey:
+        """Pack a remote key for this region; send ``key.serialize()`` to peers."""
+        n = self._check_open()
+        with native_errors():
+            blob = n.pack_remote_key()
+            base, size = native().serialized_remote_key_range(blob)
+        packed = _pack(_KEY_MAGIC, _MEMORY_TYPE_CODES[self._memory_type], blob)
+        return RemoteKey._make(native_key=None, blob=packed, base=base, size=size,
+                               memory_type=self._memory_type, endpoint=None)
+
+    def close(self) -> None:
+        """Unregister the region (idempotent).
+
+        Peers lose access from gpushare's point of view; the memory itself is
+        kept reserved until the agent closes (see the class notes in
+        ``docs/ucx.md``), so a stale key can never corrupt reused memory.
+        """
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> MemoryHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<gpushare.ucx.MemoryHandle closed>"
+        return f"<gpushare.ucx.MemoryHandle {self._memory_type} base=0x{self._native.base_address:x} size={self._native.size}>"
+
+
+class Endpoint:
+    """A connection to one peer agent; made by :meth:`Agent.connect`."""
+
+    __slots__ = ("_native", "_agent", "_inflight", "_closed", "_lock", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Endpoint objects are made by Agent.connect")
+
+    @classmethod
+    def _make(cls, agent: Agent, nep: Any) -> Endpoint:
+        self = object.__new__(cls)
+        self._native = nep
+        self._agent = agent
+        self._inflight: deque[Request] = deque()
+        self._closed = False
+        self._lock = threading.Lock()
+        return self
+
+    def _check_open(self) -> Any:
+        if self._closed:
+            raise ClosedError("endpoint is closed")
+        self._agent._check_usable()
+        return self._native
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is up (false once closed or the peer failed)."""
+        return not self._closed and self._native.alive()
+
+    def transport_info(self) -> str:
+        """UCX's description of the lanes and transports this endpoint uses."""
+        n = self._check_open()
+        with native_errors():
+            return n.info()
+
+    def unpack_remote_key(self, blob: bytes) -> RemoteKey:
+        """Turn a peer's serialized key into a key usable on this endpoint.
+
+        The blob is untrusted: its envelope, length, checksum and layout are
+        checked before UCX parses it.
+
+        Raises
+        ------
+        InvalidInputError
+            If the blob is truncated, corrupted, foreign or from another version.
+        """
+        n = self._check_open()
+        mtype, payload = _unpack(blob, _KEY_MAGIC, "remote key", _MAX_KEY)
+        if mtype not in _MEMORY_TYPE_NAMES:
+            raise InvalidInputError(f"remote key names unknown memory type {mtype}")
+        try:
+            base, size = native().serialized_remote_key_range(payload)
+        except native().NativeError as exc:
+            raise InvalidInputError(f"remote key is malformed: {exc.args[1]}") from None
+        if size == 0 or base + size > _U64:
+            raise InvalidInputError(f"remote key covers an impossible range: base 0x{base:x}, size {size}")
+        with native_errors():
+            nkey = n.unpack_remote_key(payload)
+        return RemoteKey._make(native_key=nkey, blob=None, base=base, size=size,
+                               memory_type=_MEMORY_TYPE_NAMES[mtype], endpoint=self)
+
+    def _submit(self, op: str, buffer: Any, remote_address: int, rkey: RemoteKey,
+                callback: Callable | None, callback_data: Any, nbytes: int | None) -> Request:
+        n = self._check_open()
+        if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
+            raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
+        rkey._check_open()
+        _check_int(remote_address, "remote_address")
+        if callback is not None and not callable(callback):
+            raise InvalidInputError("callback must be callable or None")
+        local = _buffers.resolve(buffer, writable=(op == "get"))
+        try:
+            if nbytes is None:
+                nbytes = local.nbytes
+            else:
+                _check_int(nbytes, "nbytes")
+                if nbytes > local.nbytes:
+                    raise InvalidInputError(
+                        f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}"
+                    )
+            lo, hi = rkey._base, rkey._base + rkey._size
+            if remote_address < lo or remote_address + nbytes > hi:
+                raise OutOfBoundsError(
+                    f"{op} of {nbytes} bytes at 0x{remote_address:x} falls outside the key's "
+                    f"region [0x{lo:x}, 0x{hi:x})"
+                )
+            wrapped = None
+            if callback is not None:
+                holder: list[Request] = []
+
+                def wrapped() -> None:
+                    try:
+                        callback(holder[0]._error() if holder else None, callback_data)
+                    except Exception:
+                        _report_callback_error(op)
+
+            self._prune()
+            with native_errors():
+                method = n.mem_put if op == "put" else n.mem_get
+                nreq = method(local.address, nbytes, remote_address, rkey._native, None)
+        except BaseException:
+            local.release()
+            raise
+        req = Request._from_native(nreq, local, self)
+        if wrapped is not None:
+            holder.append(req)
+            nreq.add_callback(wrapped)
+        if not nreq.done():
+            with self._lock:
+                self._inflight.append(req)
+        return req
+
+    def _prune(self) -> None:
+        with self._lock:
+            while self._inflight and self._inflight[0]._native.done():
+                self._inflight.popleft()._buffer = None
+
+    def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
+                callback: Callable[[GpuShareError | None, Any], Any] | None = None,
+                callback_data: Any = None, *, nbytes: int | None = None) -> Request:
+        """Write ``buffer`` to ``[remote_address, remote_address + nbytes)`` in the peer.
+
+        Completion is local: the buffer may be reused once the request is
+        done, but the data is guaranteed to be in the peer's memory only
+        after a later :meth:`flush` completes.
+
+        Parameters
+        ----------
+        buffer
+            Source: host (buffer protocol) or CUDA memory.
+        remote_address : int
+            Target address inside the key's region.
+        rkey : RemoteKey
+            A key unpacked on this endpoint.
+        callback : callable, optional
+            ``callback(error, callback_data)`` on completion, ``error`` being
+            ``None`` on success.  Runs in the progress thread, or at once in
+            this thread if the put completes immediately.
+        callback_data
+            Passed to ``callback``.
+        nbytes : int, optional
+            Bytes to write; all of ``buffer`` by default.
+
+        Raises
+        ------
+        OutOfBoundsError
+            If the range falls outside the key's region (nothing is sent).
+        InvalidInputError
+            For a bad buffer, a key from another endpoint, or ``nbytes``
+            larger than the buffer.
+        ClosedError
+            If the endpoint or agent is closed.
+        """
+        return self._submit("put", buffer, remote_address, rkey, callback, callback_data, nbytes)
+
+    def mem_get(self, buffer: Any, remote_address: int, rkey: RemoteKey,
+                callback: Callable[[GpuShareError | None, Any], Any] | None = None,
+                callback_data: Any = None, *, nbytes: int | None = None) -> Request:
+        """Read ``[remote_address, remote_address + nbytes)`` from the peer into ``buffer``.
+
+        The data is in ``buffer`` when the request completes.  Arguments and
+        errors as in :meth:`mem_put`; ``buffer`` must be writable.
+        """
+        return self._submit("get", buffer, remote_address, rkey, callback, callback_data, nbytes)
+
+    def flush(self, callback: Callable[[GpuShareError | None, Any], Any] | None = None,
+              callback_data: Any = None) -> Request:
+        """Complete every earlier put and get on this endpoint at the peer."""
+        n = self._check_open()
+        if callback is not None and not callable(callback):
+            raise InvalidInputError("callback must be callable or None")
+        with native_errors():
+            nreq = n.flush(None)
+        req = Request._from_native(nreq, None, self)
+        if callback is not None:
+
+            def wrapped() -> None:
+                try:
+                    callback(req._error(), callback_data)
+                except Exception:
+                    _report_callback_error("flush")
+
+            nreq.add_callback(wrapped)
+        return req
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what is in flight and disconnect (idempotent).
+
+        Requests still in flight fail with :class:`UCXCanceledError` (or a
+        connection error).  Waits at most ``timeout`` seconds.
+        """
+        t = _check_timeout(timeout)
+        if self._closed:
+            return
+        if self._agent._usable():
+            self._shutdown(5.0 if t is None else t)
+        self._closed = True
+
+    def _shutdown(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with native_errors():
+                self._native.close(timeout)
+        except GpuShareError:
+            pass  # the peer is gone already: nothing left to disconnect
+        with self._lock:
+            self._inflight.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpushare.ucx.Endpoint {'closed' if self._closed else 'open'}>"
+
+
+class Agent:
+    """One UCX context and worker, with a progress thread.
+
+    Parameters
+    ----------
+    progress : {"blocking", "polling"}
+        How the progress thread drives UCX.  ``"blocking"`` (default) sleeps
+        in the kernel until there is work: no idle CPU use.  ``"polling"``
+        spins: lowest latency, one busy core per agent.
+    error_handling : bool
+        Detect peer failure (default).  Requests toward a dead peer fail with
+        :class:`UCXConnectionError` instead of hanging.  UCX's cross-memory
+        attach transport (``cma``) cannot be used with it; pass ``False`` to
+        allow it on one node, at the price of no failure detection.
+    transports : str, optional
+        UCX transport list (``UCX_TLS``), for example ``"tcp"`` or
+        ``"sm,self"``; UCX chooses when omitted.
+    config : mapping, optional
+        Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
+        environment variables apply as usual.
+
+    Notes
+    -----
+    Peers connect to each other with :attr:`address`.  Both sides must keep
+    their agent open while the other accesses its memory: on TCP and shared
+    memory the exporter's progress thread carries out remote puts and gets.
+    """
+
+    def __init__(self, *, progress: str = "blocking", error_handling: bool = True,
+                 transports: str | None = None, config: Mapping[str, str] | None = None) -> None:
+        if progress not in PROGRESS_MODES:
+            raise InvalidInputError(f"progress must be one of {PROGRESS_MODES}, not {progress!r}")
+        if not isinstance(error_handling, bool):
+            raise InvalidInputError("error_handling must be a bool")
+        cfg: dict[str, str] = {}
+        for key, value in (config or {}).items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise InvalidInputError("config keys and values must be str")
+            cfg[key.removeprefix("UCX_")] = value
+        if transports is not None:
+            if not isinstance(transports, str) or not transports:
+                raise InvalidInputError("transports must be a non-empty str such as 'tcp'")
+            cfg["TLS"] = transports
+        self._progress = progress
+        self._error_handling = error_handling
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._quarantine: list = []
+        self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
+        self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
+        with native_errors():
+            self._native = native().Agent(cfg, progress == "polling", error_handling)
+        self._address = None
+        self._finalizer = weakref.finalize(
+            self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,
+            self._quarantine, self._lock,
+        )
+
+    # -- state ---------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        return self._finalizer.alive and os.getpid() == self._pid
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                f"this agent belongs to process {self._pid}; UCX state does not survive fork. "
+                "Create a new gpushare.ucx.Agent in the child"
+            )
+        if not self._finalizer.alive:
+            raise ClosedError("agent is closed")
+
+    @property
+    def progress_mode(self) -> str:
+        return self._progress
+
+    @property
+    def error_handling(self) -> bool:
+        return self._error_handling
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def address(self) -> bytes:
+        """Bytes a peer passes to :meth:`connect` to reach this agent."""
+        self._check_usable()
+        if self._address is None:
+            with native_errors():
+                raw = self._native.address()
+            self._address = _pack(_ADDRESS_MAGIC, 0, raw)
+        return self._address
+
+    def info(self) -> str:
+        """UCX's description of this worker."""
+        self._check_usable()
+        with native_errors():
+            return self._native.info()
+
+    # -- operations ----------------------------------------------------------
+
+    def connect(self, peer_address: bytes, *, timeout: float = 10.0) -> Endpoint:
+        """Connect to a peer agent; the endpoint is usable when this returns.
+
+        Raises
+        ------
+        InvalidInputError
+            If ``peer_address`` is not a gpushare agent address.
+        UCXConnectionError
+            If the peer cannot be reached within ``timeout`` seconds.
+        """
+        self._check_usable()
+        t = _check_timeout(timeout)
+        _, raw = _unpack(peer_address, _ADDRESS_MAGIC, "agent address", _MAX_ADDRESS)
+        with native_errors():
+            nep = self._native.connect(raw)
+        ep = Endpoint._make(self, nep)
+        # Wire the connection up before handing it out: unpacking a remote key
+        # on an endpoint that is not connected yet is unsafe in UCX.
+        try:
+            ep.flush().wait(t)
+        except WaitTimeoutError:
+            ep.close(timeout=1.0)
+            raise UCXConnectionError("UCS_ERR_TIMED_OUT", f"peer did not answer within {timeout} s") from None
+        except GpuShareError as exc:
+            ep.close(timeout=1.0)
+            status = getattr(exc, "status", "UCS_ERR_UNREACHABLE")
+            raise UCXConnectionError(status, f"cannot connect to peer: {exc}") from None
+        with self._lock:
+            self._endpoints.add(ep)
+        return ep
+
+    def create_memory_handle(self, size: int, buffer: Any = None, memory_type: str | None = None) -> MemoryHandle:
+        """Register memory for remote access; mirrors ``ucxx::createMemoryHandle``.
+
+        Parameters
+        ----------
+        size : int
+            Bytes to register (at least 1).  With a ``buffer``, at most its size.
+        buffer : optional
+            Memory to register: host (buffer protocol) or CUDA
+            (``__cuda_array_interface__``, DLPack, cuda.core ``Buffer``).
+            ``None`` allocates: host memory rounded up to whole pages, or CUDA
+            memory through UCX; :attr:`MemoryHandle.size` says how much.
+        memory_type : {"host", "cuda"}, optional
+            Inferred from ``buffer`` when omitted (``"host"`` without one); a
+            value that contradicts the buffer is an error.
+        """
+        self._check_usable()
+        _check_int(size, "size", minimum=1, maximum=1 << 48)
+        if memory_type is not None and memory_type not in _MEMORY_TYPE_CODES:
+            raise InvalidInputError(f"memory_type must be 'host' or 'cuda', not {memory_type!r}")
+        n = native()
+        mm = None
+        local = None
+        if buffer is None:
+            mtype = memory_type or "host"
+            if mtype == "host":
+                length = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+                mm = mmap.mmap(-1, length)
+                pin = n.PinnedBuffer(mm, True)
+                local = _buffers.LocalBuffer(pin.address, length, "host", False, mm, pin)
+                address, reg_size = pin.address, length
+            else:
+                address, reg_size = 0, size
+        else:
+            local = _buffers.resolve(buffer, writable=False)
+            mtype = local.memory_type
+            if memory_type is not None and memory_type != mtype:
+                local.release()
+                raise InvalidInputError(f"memory_type={memory_type!r} but the buffer is {mtype} memory")
+            if size > local.nbytes:
+                local.release()
+                raise InvalidInputError(f"size is {size} but the buffer holds only {local.nbytes} bytes")
+            address, reg_size = local.address, size
+        try:
+            with native_errors():
+                nmh = self._native.create_memory_handle(reg_size, address, _MEMORY_TYPE_CODES[mtype])
+        except BaseException:
+            if local is not None:
+                local.release()
+            if mm is not None:
+                mm.close()
+            raise
+        mh = MemoryHandle._make(self, nmh, local, mm, mtype)
+        with self._lock:
+            self._handles.add(mh)
+        return mh
+
+    def close(self) -> None:
+        """Disconnect every endpoint, unregister every handle, stop progress (idempotent).
+
+        Requests in flight fail.  Memory kept reserved after
+        :meth:`MemoryHandle.close` is released here, once the worker can no
+        longer receive remote operations.  In a process forked from the one
+        that made the agent this only marks it closed.
+        """
+        self._finalizer()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self._progress
+        return f"<gpushare.ucx.Agent {state} error_handling={self._error_handling}>"
