@@ -131,7 +131,16 @@ def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
     n = native()
     try:
         pin = n.PinnedBuffer(obj, writable)
-    except BufferError as exc:
+    except (BufferError, ValueError) as exc:
+        if writable:
+            try:
+                n.PinnedBuffer(obj, False).release()
+            except (BufferError, ValueError, TypeError):
+                pass
+            else:
+                raise InvalidInputError(
+                    f"{type(obj).__name__} buffer is read-only; a destination must be writable"
+                ) from None
         raise InvalidInputError(f"{type(obj).__name__} cannot be used as a buffer: {exc}") from None
     except TypeError:
         pin = None

@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -162,7 +163,9 @@ void releaseNoGil(std::shared_ptr<T>& p)
 struct Completion {
   std::mutex mutex;
   std::condition_variable cv;
-  bool done{false};
+  bool done{false};     // status is final (callbacks may still be running)
+  bool settled{false};  // callbacks have run: waiters wake now
+  std::thread::id callbackThread{};
   ucs_status_t status{UCS_INPROGRESS};
   // Python callables to run on completion; touched only with the GIL held
   // (appended under `mutex`, taken out under `mutex`).
@@ -177,34 +180,51 @@ struct Completion {
       Py_DECREF(cb);
   }
 
+  void settle()
+  {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      settled = true;
+    }
+    cv.notify_all();
+  }
+
   // Called by libucxx: in the progress thread, or at once in the submitting
-  // thread (which has released the GIL) when the request completes immediately.
+  // thread (which has released the GIL) when the request completes
+  // immediately.  Callbacks run before waiters wake, so that a wait() that
+  // returns has seen every callback registered before completion run.
   void complete(ucs_status_t s)
   {
     bool runCallbacks;
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (done) return;
-      status       = s;
-      done         = true;
-      runCallbacks = !callbacks.empty();
+      status         = s;
+      done           = true;
+      callbackThread = std::this_thread::get_id();
+      runCallbacks   = !callbacks.empty();
     }
-    cv.notify_all();
-    if (!runCallbacks || pyFinalizing()) return;
-    nb::gil_scoped_acquire gil;
-    std::vector<PyObject*> todo;
+    if (!runCallbacks || pyFinalizing()) {
+      settle();
+      return;
+    }
     {
-      std::lock_guard<std::mutex> lock(mutex);
-      todo.swap(callbacks);
+      nb::gil_scoped_acquire gil;
+      std::vector<PyObject*> todo;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        todo.swap(callbacks);
+      }
+      for (auto* cb : todo) {
+        PyObject* r = PyObject_CallNoArgs(cb);
+        if (r == nullptr)
+          PyErr_WriteUnraisable(cb);  // reported through sys.unraisablehook, never lost
+        else
+          Py_DECREF(r);
+        Py_DECREF(cb);
+      }
     }
-    for (auto* cb : todo) {
-      PyObject* r = PyObject_CallNoArgs(cb);
-      if (r == nullptr)
-        PyErr_WriteUnraisable(cb);  // reported through sys.unraisablehook, never lost
-      else
-        Py_DECREF(r);
-      Py_DECREF(cb);
-    }
+    settle();
   }
 };
 
@@ -230,14 +250,17 @@ class Request {
   bool wait(double timeout)
   {
     nb::gil_scoped_release release;
-    std::unique_lock<std::mutex> lock(completion->mutex);
+    auto c = completion;
+    std::unique_lock<std::mutex> lock(c->mutex);
+    // A callback waiting on its own request: the status is final already.
+    auto ready = [&] {
+      return c->settled || (c->done && c->callbackThread == std::this_thread::get_id());
+    };
     if (timeout < 0) {
-      completion->cv.wait(lock, [&] { return completion->done; });
+      c->cv.wait(lock, ready);
       return true;
     }
-    return completion->cv.wait_for(lock, std::chrono::duration<double>(timeout), [&] {
-      return completion->done;
-    });
+    return c->cv.wait_for(lock, std::chrono::duration<double>(timeout), ready);
   }
 
   // (status_name, message) or None while in flight.

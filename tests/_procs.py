@@ -1,0 +1,76 @@
+"""Run helper processes for tests: spawn start method, timeouts, tracebacks home."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from typing import Any, Callable
+
+CTX = mp.get_context("spawn")
+
+
+class ChildError(RuntimeError):
+    """A command failed in the child; the message holds its traceback."""
+
+
+def _serve(conn: Any, setup: Callable[..., dict], args: tuple) -> None:
+    try:
+        state = setup(*args)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", state.pop("_reply", None)))
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            result = state["_handlers"][cmd](state, *payload)
+            conn.send(("ok", result))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class Child:
+    """A spawned process that runs ``setup(*args)`` then serves commands.
+
+    ``setup`` returns a dict with ``_handlers`` (name -> fn(state, *args)) and
+    ``_reply`` (sent back once, available as ``Child.hello``).
+    """
+
+    def __init__(self, setup: Callable[..., dict], *args: Any, timeout: float = 60.0) -> None:
+        self.conn, child_conn = CTX.Pipe()
+        self.proc = CTX.Process(target=_serve, args=(child_conn, setup, args), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self.hello = self._reply(timeout)
+
+    def _reply(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"child {self.proc.pid} did not answer within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise ChildError(value)
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.conn.send((cmd, args))
+        return self._reply(timeout)
+
+    def close(self, timeout: float = 10.0) -> int | None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", ()))
+                self.conn.poll(timeout)
+            except (BrokenPipeError, OSError):
+                pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+        return self.proc.exitcode
