@@ -128,7 +128,10 @@ def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: 
         if local is not None:
             local.release()
         if mm is not None:
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:
+                pass  # the caller still holds views: the memory goes with the last of them
 
 
 # --------------------------------------------------------------------------
