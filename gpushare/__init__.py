@@ -11,8 +11,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._capabilities import capabilities
+from ._descriptors import (
+    CudaIpcBufferDescriptor,
+    PosixFdBufferDescriptor,
+    VirtualMemoryFabricBufferDescriptor,
+)
 from ._errors import (
+    AccessDeniedError,
     ClosedError,
+    CUDAError,
+    ExporterUnreachableError,
     GpuShareError,
     InvalidInputError,
     OutOfBoundsError,
@@ -22,8 +31,11 @@ from ._errors import (
     UCXInvalidError,
     UCXTimeoutError,
     UCXUnsupportedError,
+    UnsupportedError,
     WaitTimeoutError,
 )
+from ._paths.host_fd import HostBuffer
+from ._same_node import allocate, export_buffer, import_buffer
 
 if TYPE_CHECKING:
     from . import ucx
@@ -44,6 +56,18 @@ __all__ = [
     "UCXUnsupportedError",
     "WaitTimeoutError",
     "ucx",
+    "AccessDeniedError",
+    "CUDAError",
+    "CudaIpcBufferDescriptor",
+    "ExporterUnreachableError",
+    "HostBuffer",
+    "PosixFdBufferDescriptor",
+    "UnsupportedError",
+    "VirtualMemoryFabricBufferDescriptor",
+    "allocate",
+    "capabilities",
+    "export_buffer",
+    "import_buffer",
 ]
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "FABRIC_HANDLE_BYTES",
     "MAX_ALLOCATIONS",
     "MAX_SIZE",
+    "CudaIpcBufferDescriptor",
     "PosixFdBufferDescriptor",
     "VirtualMemoryFabricBufferDescriptor",
     "cuda_core_fabric_descriptor_class",
@@ -71,9 +72,7 @@ def _size_list(sizes: object, what: str = "allocation size") -> tuple[int, ...]:
 
 def _bounded_items(items: object, what: str) -> list[Any]:
     if isinstance(items, (str, bytes, bytearray, memoryview)):
-        raise InvalidInputError(
-            f"{what} is a single {type(items).__name__}; expected an iterable of them"
-        )
+        raise InvalidInputError(f"{what} is a single {type(items).__name__}; expected an iterable of them")
     try:
         iterator = iter(items)  # type: ignore[call-overload]
     except TypeError:
@@ -119,8 +118,19 @@ class _Frozen:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
+    handle_type: str
+    #: The slots, in the order the validating constructor takes them.
+    _FIELDS: tuple[str, ...] = ()
+
     def _fields(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._FIELDS)
+
+    @classmethod
+    def _from_fields(cls, *fields: Any) -> Any:
         raise NotImplementedError
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.handle_type, *self._fields()))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -173,9 +183,10 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
         The exporting device's UUID, if the exporter supplied it.
     """
 
-    __slots__ = ("_handles", "_sizes", "_size", "_owner_uuid")
+    __slots__ = ("_handles", "_owner_uuid", "_size", "_sizes")
 
     handle_type = "fabric"
+    _FIELDS = ("_handles", "_sizes", "_size", "_owner_uuid")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
@@ -226,9 +237,7 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
                 )
             data = bytes(handle)
             if len(data) != FABRIC_HANDLE_BYTES:
-                raise InvalidInputError(
-                    f"handle {i} is {len(data)} bytes; expected {FABRIC_HANDLE_BYTES}"
-                )
+                raise InvalidInputError(f"handle {i} is {len(data)} bytes; expected {FABRIC_HANDLE_BYTES}")
             checked.append(data)
         sizes_t = _size_list(sizes)
         if len(sizes_t) != len(checked):
@@ -244,18 +253,20 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
         return self
 
     @classmethod
+    def _from_fields(
+        cls, handles: Any, sizes: Any, size: Any, owner_uuid: Any
+    ) -> VirtualMemoryFabricBufferDescriptor:
+        return cls.from_handles(handles, sizes, size=size, owner_uuid=owner_uuid)
+
+    @classmethod
     def _coerce(cls, other: object) -> VirtualMemoryFabricBufferDescriptor:
         """Ours as is; cuda.core's class of the same name re-validated into ours."""
         if isinstance(other, cls):
             return other
         theirs = cuda_core_fabric_descriptor_class()
         if theirs is not None and isinstance(other, theirs):
-            return cls.from_handles(
-                other.handles, other.sizes, size=other.size, owner_uuid=other.owner_uuid
-            )
-        raise InvalidInputError(
-            f"expected a VirtualMemoryFabricBufferDescriptor, got {type(other).__name__}"
-        )
+            return cls.from_handles(other.handles, other.sizes, size=other.size, owner_uuid=other.owner_uuid)
+        raise InvalidInputError(f"expected a VirtualMemoryFabricBufferDescriptor, got {type(other).__name__}")
 
     def to_cuda_core(self) -> Any:
         """The same descriptor as cuda.core's own class, for
@@ -273,9 +284,7 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
                 "the installed cuda.core has no VirtualMemoryFabricBufferDescriptor; "
                 "upgrade cuda-core, or import with gpushare.import_buffer()"
             )
-        return theirs.from_handles(
-            self._handles, self._sizes, size=self._size, owner_uuid=self._owner_uuid
-        )
+        return theirs.from_handles(self._handles, self._sizes, size=self._size, owner_uuid=self._owner_uuid)
 
     @property
     def handles(self) -> tuple[bytes, ...]:
@@ -296,29 +305,6 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
     def owner_uuid(self) -> str | None:
         """The exporting device's UUID, if supplied by the exporter."""
         return self._owner_uuid
-
-    def _fields(self) -> tuple[Any, ...]:
-        return (self._handles, self._sizes, self._size, self._owner_uuid)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_fabric, self._fields())
-
-    def __repr__(self) -> str:
-        return (
-            f"VirtualMemoryFabricBufferDescriptor(allocations={len(self._sizes)}, "
-            f"size={self._size}, owner_uuid={self._owner_uuid!r})"
-        )
-
-
-def _rebuild_fabric(
-    handles: object, sizes: object, size: object, owner_uuid: object
-) -> VirtualMemoryFabricBufferDescriptor:
-    return VirtualMemoryFabricBufferDescriptor.from_handles(
-        handles,  # type: ignore[arg-type]
-        sizes,  # type: ignore[arg-type]
-        size=size,  # type: ignore[arg-type]
-        owner_uuid=owner_uuid,  # type: ignore[arg-type]
-    )
 
 
 class PosixFdBufferDescriptor(_Frozen):
@@ -361,6 +347,20 @@ class PosixFdBufferDescriptor(_Frozen):
     """
 
     __slots__ = (
+        "_address",
+        "_device",
+        "_export_id",
+        "_node",
+        "_owner_uuid",
+        "_pid",
+        "_size",
+        "_sizes",
+        "_token",
+        "_version",
+    )
+
+    handle_type = "posix_fd"
+    _FIELDS = (
         "_version",
         "_address",
         "_export_id",
@@ -372,8 +372,6 @@ class PosixFdBufferDescriptor(_Frozen):
         "_size",
         "_owner_uuid",
     )
-
-    handle_type = "posix_fd"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
@@ -405,9 +403,7 @@ class PosixFdBufferDescriptor(_Frozen):
             raise InvalidInputError(f"broker address is {type(address).__name__}; expected a str")
         encoded = address.encode("utf-8", "surrogateescape")
         if not encoded or len(encoded) > _MAX_SUN_PATH:
-            raise InvalidInputError(
-                f"broker address is {len(encoded)} bytes; expected 1 to {_MAX_SUN_PATH}"
-            )
+            raise InvalidInputError(f"broker address is {len(encoded)} bytes; expected 1 to {_MAX_SUN_PATH}")
         if b"\0" in encoded[1:] or address == "\0":
             raise InvalidInputError("broker address has a NUL byte after its first character")
         export_i = _integer(export_id, "export id")
@@ -453,23 +449,6 @@ class PosixFdBufferDescriptor(_Frozen):
     size = property(lambda self: self._size, doc="The buffer size in bytes.")
     owner_uuid = property(lambda self: self._owner_uuid, doc="The exporting device's UUID, or None.")
 
-    def _fields(self) -> tuple[Any, ...]:
-        return (
-            self._version,
-            self._address,
-            self._export_id,
-            self._token,
-            self._pid,
-            self._node,
-            self._device,
-            self._sizes,
-            self._size,
-            self._owner_uuid,
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_posix_fd, self._fields())
-
     def __repr__(self) -> str:
         # The token is a secret: never print it.
         return (
@@ -478,9 +457,116 @@ class PosixFdBufferDescriptor(_Frozen):
         )
 
 
-def _rebuild_posix_fd(*fields: object) -> PosixFdBufferDescriptor:
-    if len(fields) != 10:
-        raise InvalidInputError(
-            f"posix_fd descriptor has {len(fields)} fields; expected 10"
+class CudaIpcBufferDescriptor(_Frozen):
+    """Plain-data descriptor of CUDA memory not from VMM (a CuPy pool array,
+    a torch tensor), shared with a legacy CUDA IPC handle.
+
+    The handle names the whole base allocation that contains the buffer; the
+    buffer is ``size`` bytes at ``offset`` into it.  Made by
+    :func:`gpushare.export_buffer` (``handle_type="cuda_ipc"``), imported by
+    :func:`gpushare.import_buffer` in another process on the same node.
+
+    Attributes
+    ----------
+    handle_type : str
+        Always ``"cuda_ipc"``.
+    handle : bytes
+        The 64-byte ``CUipcMemHandle`` of the base allocation.
+    base_size : int
+        Size of the base allocation.
+    offset : int
+        Where the buffer starts in the base allocation.
+    size : int
+        The buffer size; ``offset + size <= base_size``.
+    device : int
+        The exporting device's ordinal.
+    owner_uuid : str or None
+        The exporting device's UUID.
+    pid : int
+        The exporting process.
+    node : str
+        The exporting node's identity.
+    """
+
+    __slots__ = ("_base_size", "_device", "_handle", "_node", "_offset", "_owner_uuid", "_pid", "_size")
+
+    handle_type = "cuda_ipc"
+    _FIELDS = ("_handle", "_base_size", "_offset", "_size", "_device", "_owner_uuid", "_pid", "_node")
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "CudaIpcBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
         )
-    return PosixFdBufferDescriptor._from_fields(*fields)
+
+    @classmethod
+    def _from_fields(
+        cls,
+        handle: object,
+        base_size: object,
+        offset: object,
+        size: object,
+        device: object,
+        owner_uuid: object,
+        pid: object,
+        node: object,
+    ) -> CudaIpcBufferDescriptor:
+        if not isinstance(handle, bytes):
+            raise InvalidInputError(f"handle is {type(handle).__name__}; expected 64 bytes")
+        if len(handle) != 64:
+            raise InvalidInputError(f"handle is {len(handle)} bytes; expected 64")
+        (base,) = _size_list([base_size], "base allocation size")
+        offset_i = _integer(offset, "offset")
+        size_i = _integer(size, "buffer size")
+        if offset_i < 0 or size_i < 0 or offset_i + size_i > base:
+            raise InvalidInputError(
+                f"buffer of {size_i} bytes at offset {offset_i} does not fit in the "
+                f"base allocation of {base} bytes"
+            )
+        device_i = _integer(device, "device")
+        if not 0 <= device_i < _MAX_DEVICE:
+            raise InvalidInputError(f"device is {device_i}; expected 0 to {_MAX_DEVICE - 1}")
+        pid_i = _integer(pid, "exporter pid")
+        if not 0 < pid_i < _MAX_PID:
+            raise InvalidInputError(f"exporter pid is {pid_i}; expected 1 to 2**31 - 1")
+        self = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(self, "_handle", handle)
+        set_(self, "_base_size", base)
+        set_(self, "_offset", offset_i)
+        set_(self, "_size", size_i)
+        set_(self, "_device", device_i)
+        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
+        set_(self, "_pid", pid_i)
+        set_(self, "_node", _text(node, "node identity", optional=False))
+        return self
+
+    handle = property(lambda self: self._handle, doc="The base allocation's 64-byte IPC handle.")
+    base_size = property(lambda self: self._base_size, doc="Size of the base allocation.")
+    offset = property(lambda self: self._offset, doc="The buffer's offset in the base allocation.")
+    size = property(lambda self: self._size, doc="The buffer size in bytes.")
+    device = property(lambda self: self._device, doc="The exporting device's ordinal.")
+    owner_uuid = property(lambda self: self._owner_uuid, doc="The exporting device's UUID, or None.")
+    pid = property(lambda self: self._pid, doc="The exporting process id.")
+    node = property(lambda self: self._node, doc="The exporting node's identity.")
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaIpcBufferDescriptor(device={self._device}, offset={self._offset}, "
+            f"size={self._size}, pid={self._pid})"
+        )
+
+
+def _rebuild(handle_type: object, *fields: object) -> Any:
+    """The unpickling constructor of every descriptor: validates it all again."""
+    kinds: dict[object, Any] = {
+        cls.handle_type: cls
+        for cls in (VirtualMemoryFabricBufferDescriptor, PosixFdBufferDescriptor, CudaIpcBufferDescriptor)
+    }
+    cls = kinds.get(handle_type) if isinstance(handle_type, str) else None
+    if cls is None:
+        raise InvalidInputError(f"unknown descriptor handle type {handle_type!r:.40}")
+    if len(fields) != len(cls._FIELDS):
+        raise InvalidInputError(
+            f"{handle_type} descriptor has {len(fields)} fields; expected {len(cls._FIELDS)}"
+        )
+    return cls._from_fields(*fields)

@@ -1,0 +1,362 @@
+"""The posix-fd and fabric paths for CUDA virtual memory (VMM).
+
+:func:`allocate_device` creates physical allocations exportable with every
+handle type the device supports (POSIX fd; fabric too where the device and an
+IMEX channel allow it), maps them back to back into one reservation, and
+returns a cuda.core ``Buffer``.  Export turns each physical allocation into a
+shareable handle (a POSIX fd served by the broker, or a 64-byte fabric
+handle); import does ``cuMemImportFromShareableHandle`` + ``cuMemAddressReserve``
++ ``cuMemMap`` + ``cuMemSetAccess`` and returns a ``Buffer`` whose close unmaps,
+frees the reservation and releases the handles once.
+
+Thin on purpose: every driver call goes through :func:`._cuda.check`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .._descriptors import (
+    FABRIC_HANDLE_BYTES,
+    PosixFdBufferDescriptor,
+    VirtualMemoryFabricBufferDescriptor,
+)
+from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
+from . import _cuda
+from . import broker as _broker
+from .host_fd import check_same_node
+
+__all__ = ["allocate_device", "export_device", "import_device", "is_vmm_buffer"]
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _prop(drv: Any, ordinal: int, handle_types: int) -> Any:
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = handle_types
+    return prop
+
+
+def _attribute(drv: Any, ordinal: int, name: str) -> int:
+    attr = getattr(drv.CUdevice_attribute, name, None)
+    if attr is None:
+        return 0
+    dev = _cuda.check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    return int(_cuda.check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
+
+
+def device_handle_types(ordinal: int) -> tuple[list[str], str | None]:
+    """Handle types the device's VMM allocations can be exported with, and
+    why fabric is missing (``None`` when it is there)."""
+    drv = _cuda.driver()
+    types = []
+    if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
+        if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
+            types.append("posix_fd")
+    else:
+        return [], f"device {ordinal} does not support CUDA virtual memory management"
+    if not _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"):
+        return types, f"device {ordinal} does not support fabric handles (no NVLink fabric)"
+    types.append("fabric")
+    return types, None
+
+
+def _driver_types(drv: Any, names: Sequence[str]) -> int:
+    t = drv.CUmemAllocationHandleType
+    value = 0
+    if "posix_fd" in names:
+        value |= int(t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    if "fabric" in names:
+        value |= int(t.CU_MEM_HANDLE_TYPE_FABRIC)
+    return value
+
+
+def _access(drv: Any, ordinal: int) -> Any:
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def _map(drv: Any, ordinal: int, handles: Sequence[Any], sizes: Sequence[int], gran: int) -> int:
+    """Reserve one range and map ``handles`` back to back into it; on
+    failure nothing stays mapped or reserved (the handles stay the caller's)."""
+    total = sum(sizes)
+    ptr = _cuda.check(drv.cuMemAddressReserve(total, gran, 0, 0), f"cuMemAddressReserve({total})")
+    mapped: list[tuple[int, int]] = []
+    try:
+        offset = 0
+        for i, (h, n) in enumerate(zip(handles, sizes, strict=True)):
+            _cuda.check(drv.cuMemMap(int(ptr) + offset, n, 0, h, 0), f"cuMemMap(allocation {i}, {n} bytes)")
+            mapped.append((int(ptr) + offset, n))
+            offset += n
+        _cuda.check(drv.cuMemSetAccess(ptr, total, [_access(drv, ordinal)], 1), "cuMemSetAccess")
+    except BaseException:
+        for at, n in mapped:
+            drv.cuMemUnmap(at, n)
+        drv.cuMemAddressFree(ptr, total)
+        raise
+    return int(ptr)
+
+
+def _release_handles(drv: Any, handles: Sequence[Any]) -> None:
+    for h in handles:
+        drv.cuMemRelease(h)
+
+
+def _mapping_class() -> type:
+    """The cuda.core ``MemoryResource`` subclass that owns one mapping (made
+    lazily so that importing gpushare does not import cuda.core)."""
+    global _Mapping
+    if _Mapping is not None:
+        return _Mapping
+    from cuda.core._memory._buffer import MemoryResource
+
+    class VmmMapping(MemoryResource):  # type: ignore[misc]
+        """Owns one contiguous VMM mapping: the reservation and the physical
+        handles mapped into it; its ``deallocate`` releases them once."""
+
+        def __init__(
+            self,
+            ordinal: int,
+            ptr: int,
+            handles: list[Any],
+            sizes: tuple[int, ...],
+            handle_types: list[str],
+            fabric_reason: str | None,
+            exporter: bool,
+        ) -> None:
+            self.ordinal = ordinal
+            self.ptr = ptr
+            self.handles = handles
+            self.sizes = sizes
+            self.handle_types = handle_types
+            self.fabric_reason = fabric_reason
+            self.exporter = exporter
+            self.lock = threading.Lock()
+            self.closed = False
+            self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
+
+        def allocate(self, size: int, *, stream: Any = None) -> Any:
+            raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
+
+        def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+            self.release()
+
+        def release(self) -> None:
+            drv = _cuda.driver()
+            with self.lock:
+                if self.closed:
+                    return
+                self.closed = True
+                export, self.posix_export = self.posix_export, None
+                if export is not None:
+                    if export[0].pid == os.getpid():
+                        export[0].revoke(export[1].export_id)
+                    for fd in export[2]:
+                        os.close(fd)
+                _cuda.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
+                _cuda.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
+                for h in self.handles:
+                    _cuda.check(drv.cuMemRelease(h), "cuMemRelease")
+
+        @property
+        def is_device_accessible(self) -> bool:
+            return True
+
+        @property
+        def is_host_accessible(self) -> bool:
+            return False
+
+        @property
+        def is_managed(self) -> bool:
+            return False
+
+        @property
+        def device_id(self) -> int:
+            return self.ordinal
+
+    _Mapping = VmmMapping
+    return _Mapping
+
+
+_Mapping: type | None = None
+
+
+def _current(device: Any) -> tuple[Any, int]:
+    from cuda.core import Device
+
+    dev = Device(device)
+    dev.set_current()
+    return dev, dev.device_id
+
+
+def allocate_device(size: int, device: int, *, chunk_size: int | None = None) -> Any:
+    """A cuda.core ``Buffer`` of ``size`` bytes of VMM memory on ``device``,
+    exportable with every handle type the device supports."""
+    drv = _cuda.driver()
+    from cuda.core import Buffer
+
+    _, ordinal = _current(device)
+    types, fabric_reason = device_handle_types(ordinal)
+    if not types:
+        raise UnsupportedError(fabric_reason or f"device {ordinal} cannot export VMM memory")
+    gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    prop = _prop(drv, ordinal, _driver_types(drv, types))
+    gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
+    chunk = _round_up(chunk_size or size, gran)
+    count = -(-size // chunk)
+    sizes = tuple([chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), gran)])
+    handles: list[Any] = []
+    try:
+        for n in sizes:
+            try:
+                handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+            except CUDAError as exc:
+                if "fabric" not in types or handles:
+                    raise
+                # Fabric needs an IMEX channel this process can open; fall back.
+                fabric_reason = (
+                    f"allocating with fabric handles failed ({exc.status}); "
+                    "is an IMEX channel (/dev/nvidia-caps-imex-channels) accessible?"
+                )
+                types = [t for t in types if t != "fabric"]
+                prop = _prop(drv, ordinal, _driver_types(drv, types))
+                handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+        ptr = _map(drv, ordinal, handles, sizes, gran)
+    except BaseException:
+        _release_handles(drv, handles)
+        raise
+    mr = _mapping_class()(ordinal, ptr, handles, sizes, types, fabric_reason, True)
+    return Buffer.from_handle(ptr, size, mr=mr)
+
+
+def is_vmm_buffer(buf: Any) -> bool:
+    return _Mapping is not None and isinstance(getattr(buf, "memory_resource", None), _Mapping)
+
+
+def export_device(buf: Any, handle_type: str | None) -> Any:
+    """The descriptor of a buffer from :func:`allocate_device`."""
+    drv = _cuda.driver()
+    mr = buf.memory_resource
+    if mr.closed or buf.is_closed:
+        raise ClosedError("cannot export a closed buffer")
+    if not mr.exporter:
+        raise UnsupportedError("this buffer was imported; only the process that allocated it can export it")
+    if handle_type is None:
+        handle_type = "fabric" if "fabric" in mr.handle_types else "posix_fd"
+    if handle_type not in mr.handle_types:
+        why = mr.fabric_reason if handle_type == "fabric" else None
+        raise UnsupportedError(
+            f"this buffer cannot be exported with handle_type={handle_type!r}"
+            + (f": {why}" if why else f"; it supports {mr.handle_types}")
+        )
+    uuid = _cuda.device_uuid(mr.ordinal)
+    t = drv.CUmemAllocationHandleType
+    if handle_type == "fabric":
+        handles = [
+            _cuda.bytes_of(
+                _cuda.check(
+                    drv.cuMemExportToShareableHandle(h, t.CU_MEM_HANDLE_TYPE_FABRIC, 0), "export fabric"
+                ),
+                FABRIC_HANDLE_BYTES,
+            )
+            for h in mr.handles
+        ]
+        return VirtualMemoryFabricBufferDescriptor.from_handles(
+            handles, mr.sizes, size=buf.size, owner_uuid=uuid
+        )
+    with mr.lock:
+        if mr.posix_export is not None and mr.posix_export[0].pid == os.getpid():
+            return mr.posix_export[1]
+        fds: list[int] = []
+        try:
+            for h in mr.handles:
+                fd = _cuda.check(
+                    drv.cuMemExportToShareableHandle(h, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    "export posix fd",
+                )
+                fds.append(int(fd))
+            broker, desc = _broker.publish(
+                fds, device=mr.ordinal, sizes=mr.sizes, size=buf.size, owner_uuid=uuid
+            )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        mr.posix_export = (broker, desc, fds)
+        return desc
+
+
+def _device_for(desc: Any, device: Any) -> Any:
+    if device is not None:
+        return device
+    if isinstance(desc, PosixFdBufferDescriptor):
+        return desc.device
+    if desc.owner_uuid is not None:
+        drv = _cuda.driver()
+        count = int(_cuda.check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+        for i in range(count):
+            if _cuda.device_uuid(i) == desc.owner_uuid:
+                return i
+    return 0
+
+
+def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: Any) -> Any:
+    """Map the allocations ``desc`` names into one reservation; a cuda.core
+    ``Buffer`` whose close unmaps and releases them."""
+    drv = _cuda.driver()
+    from cuda.core import Buffer
+
+    _, ordinal = _current(_device_for(desc, device))
+    t = drv.CUmemAllocationHandleType
+    prop = _prop(drv, ordinal, 0)
+    gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
+    for i, n in enumerate(desc.sizes):
+        if n % gran:
+            raise InvalidInputError(
+                f"allocation size {i} is {n}; device {ordinal} maps multiples of {gran} bytes"
+            )
+    handles: list[Any] = []
+    try:
+        if isinstance(desc, PosixFdBufferDescriptor):
+            check_same_node(desc)
+            fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid)
+            try:
+                for i, fd in enumerate(fds):
+                    handles.append(
+                        _cuda.check(
+                            drv.cuMemImportFromShareableHandle(
+                                fd, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                            ),
+                            f"importing allocation {i}",
+                        )
+                    )
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        else:
+            for i, raw in enumerate(desc.handles):
+                fh = _cuda.set_bytes(drv.CUmemFabricHandle(), raw)
+                handles.append(
+                    _cuda.check(
+                        drv.cuMemImportFromShareableHandle(fh.getPtr(), t.CU_MEM_HANDLE_TYPE_FABRIC),
+                        f"importing fabric handle {i}",
+                    )
+                )
+        ptr = _map(drv, ordinal, handles, desc.sizes, gran)
+    except BaseException:
+        _release_handles(drv, handles)
+        raise
+    mr = _mapping_class()(ordinal, ptr, handles, desc.sizes, [], None, False)
+    return Buffer.from_handle(ptr, desc.size, mr=mr)

@@ -1,0 +1,349 @@
+"""The host-fd path: host memory in memfds, shared on one node by handing the
+file descriptors over the exporter's broker and mapping them.
+
+A buffer is one or more memfds ("physical allocations", each a multiple of
+the page size) mapped back to back in one reservation, so it is contiguous in
+both processes.  The memfds are sealed against shrinking and growing, so no
+process holding them can make another's mapping fault.
+
+The reservation is a private anonymous mapping owned by a :class:`mmap.mmap`
+object (read-write, ``MAP_NORESERVE``: it commits no memory, and every page of
+it is replaced at once); each memfd is mapped over it with ``MAP_FIXED``.
+Closing the ``mmap`` unmaps the whole range, and ``mmap`` refuses to close
+while a ``memoryview`` or NumPy array still uses it, which is what keeps
+:meth:`HostBuffer.close` from leaving a dangling view.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
+from .._errors import ClosedError, InvalidInputError, UnsupportedError
+from . import broker as _broker
+
+__all__ = ["HostBuffer", "allocate_host", "export_host", "import_host"]
+
+PAGE = mmap.PAGESIZE
+_MAP_NORESERVE = 0x4000  # Linux values; the mmap module does not export these
+_MAP_FIXED = 0x10
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_libc_mmap: Any = None
+
+
+def _mmap_fixed() -> Any:
+    global _libc_mmap
+    if _libc_mmap is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.mmap
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        _libc_mmap = fn
+    return _libc_mmap
+
+
+def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mmap, int]:
+    """Map each fd (whole, from offset 0) back to back; returns the owning
+    ``mmap`` and the base address.  On failure nothing stays mapped."""
+    total = sum(sizes)
+    region = mmap.mmap(
+        -1,
+        total,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    try:
+        anchor = ctypes.c_char.from_buffer(region)
+        base = ctypes.addressof(anchor)
+        del anchor  # releases the buffer export again
+        fixed = _mmap_fixed()
+        offset = 0
+        for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
+            want = base + offset
+            got = fixed(
+                want,
+                size,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_SHARED | _MAP_FIXED,
+                fd,
+                0,
+            )
+            if got != want:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mapping allocation {i} ({size} bytes): {os.strerror(err)}")
+            offset += size
+    except BaseException:
+        region.close()
+        raise
+    return region, base
+
+
+class _Resources:
+    """What a :class:`HostBuffer` owns, kept apart from it so that
+    ``weakref.finalize`` can release it without holding the buffer."""
+
+    __slots__ = ("closed", "export", "fds", "lock", "region")
+
+    def __init__(self, region: mmap.mmap, fds: list[int]) -> None:
+        self.region = region
+        self.fds = fds
+        self.export: tuple[_broker.Broker, PosixFdBufferDescriptor] | None = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def release(self, *, strict: bool) -> None:
+        """Unmap, stop serving, close fds; once.  ``strict``: raise
+        :class:`BufferError` (changing nothing) while views still use the
+        memory; otherwise leave the mapping to the last view."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.region.close()
+            except BufferError:
+                if strict:
+                    raise BufferError(
+                        "the buffer is still used by a memoryview or array; delete those before close()"
+                    ) from None
+                # The views keep the mmap object, which unmaps when the last goes.
+            self.closed = True
+            export, self.export = self.export, None
+            if export is not None and export[0].pid == os.getpid():
+                export[0].revoke(export[1].export_id)
+            fds, self.fds = self.fds, []
+            for fd in fds:
+                os.close(fd)
+
+
+def _release(resources: _Resources) -> None:
+    resources.release(strict=False)
+
+
+class HostBuffer:
+    """Host memory that another process on this node can map: made by
+    :func:`gpushare.allocate` with ``device="host"`` or returned by
+    :func:`gpushare.import_buffer`.
+
+    NumPy views it without a copy (``numpy.asarray(buf)``, through
+    ``__array_interface__``); :meth:`memoryview` gives the buffer protocol on
+    every Python version, and on 3.12+ ``memoryview(buf)`` works directly.
+
+    :meth:`close` (or leaving a ``with`` block) unmaps the memory, and in the
+    exporter stops serving it to new importers and closes its memfds; it runs
+    once, and refuses with :class:`BufferError` while a view still uses the
+    memory.  A buffer nobody closed is released when it is garbage collected.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_ptr", "_res", "_size", "_sizes")
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "HostBuffer cannot be constructed directly; use gpushare.allocate(size, device='host') "
+            "or gpushare.import_buffer()"
+        )
+
+    @classmethod
+    def _create(
+        cls, region: mmap.mmap, ptr: int, size: int, sizes: tuple[int, ...], fds: list[int]
+    ) -> HostBuffer:
+        self = object.__new__(cls)
+        self._res = _Resources(region, fds)
+        self._ptr = ptr
+        self._size = size
+        self._sizes = sizes
+        self._finalizer = weakref.finalize(self, _release, self._res)
+        return self
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._size
+
+    nbytes = size
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Size of each physical allocation (memfd), in address order."""
+        return self._sizes
+
+    @property
+    def ptr(self) -> int:
+        """Address of the first byte in this process."""
+        return self._ptr
+
+    @property
+    def device(self) -> str:
+        """Always ``"host"``."""
+        return "host"
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._res.closed
+
+    @property
+    def is_exporter(self) -> bool:
+        """Whether this process allocated the buffer (and can export it)."""
+        return bool(self._res.fds)
+
+    def _region(self) -> mmap.mmap:
+        if self._res.closed:
+            raise ClosedError("the host buffer is closed")
+        return self._res.region
+
+    def memoryview(self) -> memoryview:
+        """A writable byte view of the buffer (the buffer protocol)."""
+        return memoryview(self._region())[: self._size]
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return self.memoryview()
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self._size,),
+            "typestr": "|u1",
+            "data": self.memoryview(),
+            "version": 3,
+        }
+
+    def close(self) -> None:
+        """Unmap the memory; in the exporter also stop serving it and close
+        its memfds.  Idempotent.
+
+        Raises
+        ------
+        BufferError
+            While a memoryview or array still uses the memory; nothing changes.
+        """
+        self._res.release(strict=True)
+        self._finalizer.detach()
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._res.closed else f"ptr=0x{self._ptr:x}"
+        return f"<HostBuffer size={self._size} allocations={len(self._sizes)} {state}>"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def allocate_host(size: int, *, chunk_size: int | None = None) -> HostBuffer:
+    """A memfd-backed host buffer of ``size`` bytes in allocations of at most
+    ``chunk_size`` bytes (a multiple of the page size; one allocation by default)."""
+    if size <= 0 or size >= MAX_SIZE:
+        raise InvalidInputError(f"size is {size}; expected 1 to 2**63 - 1")
+    if chunk_size is None:
+        chunk = _round_up(size, PAGE)
+    else:
+        if chunk_size <= 0 or chunk_size % PAGE:
+            raise InvalidInputError(
+                f"chunk_size is {chunk_size}; expected a positive multiple of the page size {PAGE}"
+            )
+        chunk = chunk_size
+    count = -(-size // chunk)
+    if count > MAX_ALLOCATIONS:
+        raise InvalidInputError(
+            f"size {size} in chunks of {chunk} makes {count} allocations; at most {MAX_ALLOCATIONS}"
+        )
+    sizes = [chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), PAGE)]
+    fds: list[int] = []
+    try:
+        for n in sizes:
+            fd = os.memfd_create("gpushare", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fds.append(fd)
+            os.ftruncate(fd, n)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        region, ptr = _map_contiguously(fds, sizes)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return HostBuffer._create(region, ptr, size, tuple(sizes), fds)
+
+
+def export_host(buf: HostBuffer) -> PosixFdBufferDescriptor:
+    """The descriptor that lets another process on this node map ``buf``;
+    the same one on every call in this process."""
+    res = buf._res
+    with res.lock:
+        if res.closed:
+            raise ClosedError("cannot export a closed host buffer")
+        if not res.fds:
+            raise UnsupportedError(
+                "this host buffer was imported; only the process that allocated it can export it"
+            )
+        if res.export is not None and res.export[0].pid == os.getpid():
+            return res.export[1]
+        broker, desc = _broker.publish(
+            res.fds, device="host", sizes=buf.sizes, size=buf.size, owner_uuid=None
+        )
+        res.export = (broker, desc)
+        return desc
+
+
+def check_same_node(desc: PosixFdBufferDescriptor) -> None:
+    here = _broker.node_identity()
+    if desc.node != here:
+        raise UnsupportedError(
+            f"the buffer was exported on node {desc.node!r}; this is {here!r}; "
+            "posix_fd sharing works only on the same node"
+        )
+
+
+def import_host(desc: PosixFdBufferDescriptor, *, timeout: float = _broker.TIMEOUT) -> HostBuffer:
+    """Fetch the memfds behind ``desc`` from its exporter and map them."""
+    check_same_node(desc)
+    for i, size in enumerate(desc.sizes):
+        if size % PAGE:
+            raise InvalidInputError(
+                f"allocation size {i} is {size}; host allocations are multiples of the page size {PAGE}"
+            )
+    fds = _broker.fetch_fds(
+        desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid, timeout=timeout
+    )
+    try:
+        for i, (fd, size) in enumerate(zip(fds, desc.sizes, strict=True)):
+            _check_memfd(fd, i, size)
+        region, ptr = _map_contiguously(fds, desc.sizes)
+    finally:
+        for fd in fds:
+            os.close(fd)  # the mappings keep the memory; the fds are not needed
+    return HostBuffer._create(region, ptr, desc.size, desc.sizes, [])
+
+
+def _check_memfd(fd: int, index: int, size: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidInputError(f"file descriptor {index} is not a regular file (mode {st.st_mode:o})")
+    if st.st_size != size:
+        raise InvalidInputError(f"file descriptor {index} is {st.st_size} bytes; the descriptor says {size}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidInputError(
+            f"file descriptor {index} is not sealed against shrinking; refusing to map it"
+        )

@@ -1,0 +1,179 @@
+"""Same-node sharing: :func:`allocate`, :func:`export_buffer`, :func:`import_buffer`.
+
+Host memory goes through memfds and the exporter's broker (the host-fd path),
+CUDA virtual memory through POSIX-fd or fabric handles, other CUDA memory
+through legacy CUDA IPC.  The CUDA modules load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._descriptors import (
+    CudaIpcBufferDescriptor,
+    PosixFdBufferDescriptor,
+    VirtualMemoryFabricBufferDescriptor,
+    _integer,
+)
+from ._errors import InvalidInputError, UnsupportedError
+from ._paths import host_fd
+
+__all__ = ["allocate", "export_buffer", "import_buffer"]
+
+_HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")
+
+
+def allocate(size: int, device: int | str = 0, *, chunk_size: int | None = None) -> Any:
+    """Allocate memory that another process can import.
+
+    Parameters
+    ----------
+    size : int
+        Bytes, at least 1.
+    device : int or "host", default 0
+        A CUDA device ordinal: CUDA virtual memory, exportable with every
+        handle type the device supports (POSIX fd; fabric too where the device
+        and an IMEX channel allow it).  ``"host"``: host memory in memfds.
+    chunk_size : int, optional
+        Largest physical allocation; the buffer is made of as many as needed,
+        mapped contiguously in address order.  Rounded up to the CUDA
+        allocation granularity; for host memory, a multiple of the page size.
+        One allocation by default.
+
+    Returns
+    -------
+    cuda.core.Buffer or HostBuffer
+        A cuda.core ``Buffer`` for a device; for ``"host"``, a host buffer with
+        ``__array_interface__`` (``numpy.asarray`` views it without a copy),
+        ``memoryview()``, ``close()`` and the context-manager protocol.
+
+    Raises
+    ------
+    InvalidInputError
+        A size or chunk size out of range, or an unknown device.
+    UnsupportedError
+        No CUDA driver, or a device that cannot export VMM memory.
+    """
+    size = _integer(size, "size")
+    if chunk_size is not None:
+        chunk_size = _integer(chunk_size, "chunk_size")
+    if device == "host":
+        return host_fd.allocate_host(size, chunk_size=chunk_size)
+    if isinstance(device, str):
+        raise InvalidInputError(f"device is {device!r}; expected 'host' or a device ordinal")
+    ordinal = _integer(device, "device")
+    if size <= 0:
+        raise InvalidInputError(f"size is {size}; expected a positive integer")
+    if chunk_size is not None and chunk_size <= 0:
+        raise InvalidInputError(f"chunk_size is {chunk_size}; expected a positive integer")
+    from ._paths import cuda_vmm
+
+    return cuda_vmm.allocate_device(size, ordinal, chunk_size=chunk_size)
+
+
+def export_buffer(buffer: Any, *, handle_type: str | None = None) -> Any:
+    """Describe ``buffer`` so that another process can import it.
+
+    Parameters
+    ----------
+    buffer : HostBuffer, cuda.core.Buffer or CUDA array
+        A buffer from :func:`allocate` (host or device); or, with
+        ``handle_type="cuda_ipc"`` (or ``None``), any device memory: a cuda.core
+        ``Buffer`` or an object with ``__cuda_array_interface__``.
+    handle_type : {"posix_fd", "fabric", "cuda_ipc"}, optional
+        ``None`` picks the best the buffer supports: ``"posix_fd"`` for host
+        buffers; ``"fabric"``, else ``"posix_fd"`` for :func:`allocate`'d device
+        buffers; ``"cuda_ipc"`` for other device memory.
+
+    Returns
+    -------
+    PosixFdBufferDescriptor, VirtualMemoryFabricBufferDescriptor or CudaIpcBufferDescriptor
+        Plain data; pickle it to the importer.  Exporting the same buffer
+        again returns the same posix_fd descriptor.
+
+    Raises
+    ------
+    UnsupportedError
+        The buffer cannot be exported with ``handle_type`` here; the message
+        says why (for fabric: the device or IMEX channel lacking).
+    ClosedError
+        The buffer was closed.
+
+    Notes
+    -----
+    The exporter must keep the buffer open until every importer has imported
+    it; see the same-node page of the documentation for lifetimes.
+    """
+    if handle_type is not None and handle_type not in _HANDLE_TYPES:
+        raise InvalidInputError(f"handle_type is {handle_type!r}; expected one of {_HANDLE_TYPES} or None")
+    if isinstance(buffer, host_fd.HostBuffer):
+        if handle_type not in (None, "posix_fd"):
+            raise UnsupportedError(f"host buffers are exported with 'posix_fd', not {handle_type!r}")
+        return host_fd.export_host(buffer)
+    from ._paths import cuda_vmm
+
+    if cuda_vmm.is_vmm_buffer(buffer) and handle_type != "cuda_ipc":
+        return cuda_vmm.export_device(buffer, handle_type)
+    if handle_type in (None, "cuda_ipc"):
+        from ._paths import cuda_ipc
+
+        return cuda_ipc.export_ipc(buffer)
+    raise UnsupportedError(
+        f"handle_type={handle_type!r} needs a buffer from gpushare.allocate(); "
+        f"{type(buffer).__name__} can be shared with handle_type='cuda_ipc'"
+    )
+
+
+def import_buffer(descriptor: Any, *, device: int | None = None) -> Any:
+    """Map the memory a descriptor names into this process.
+
+    Mirrors cuda.core's ``Buffer.from_ipc_descriptor()``: the allocations are
+    mapped into one contiguous range.
+
+    Parameters
+    ----------
+    descriptor : PosixFdBufferDescriptor, VirtualMemoryFabricBufferDescriptor or CudaIpcBufferDescriptor
+        From :func:`export_buffer` in another process (cuda.core's own
+        ``VirtualMemoryFabricBufferDescriptor`` is accepted too).  Untrusted:
+        it is validated before any mapping.
+    device : int, optional
+        The CUDA device to map device memory on; by default the exporter's
+        ordinal (posix_fd, cuda_ipc) or the device whose UUID matches the
+        descriptor's (fabric).  Ignored for host memory.
+
+    Returns
+    -------
+    HostBuffer or cuda.core.Buffer
+        Its ``close()`` unmaps, frees the reservation and closes or releases
+        the handles, once.
+
+    Raises
+    ------
+    InvalidInputError
+        A malformed descriptor, or memory whose real size differs from it.
+    AccessDeniedError
+        The exporter refused the token or this user.
+    ExporterUnreachableError
+        The exporter exited, closed the buffer or did not answer in time.
+    UnsupportedError
+        Exported on another node, or no CUDA driver for device memory.
+    """
+    if isinstance(descriptor, PosixFdBufferDescriptor):
+        if descriptor.device == "host":
+            return host_fd.import_host(descriptor)
+        from ._paths import cuda_vmm
+
+        return cuda_vmm.import_device(descriptor, device)
+    if isinstance(descriptor, CudaIpcBufferDescriptor):
+        from ._paths import cuda_ipc
+
+        return cuda_ipc.import_ipc(descriptor, device)
+    try:
+        fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"import_buffer expects a descriptor from gpushare.export_buffer, got {type(descriptor).__name__}"
+        ) from None
+    from ._paths import cuda_vmm
+
+    return cuda_vmm.import_device(fabric, device)
