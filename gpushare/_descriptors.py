@@ -44,7 +44,7 @@ _MAX_PID = 1 << 31
 
 def _integer(value: object, what: str) -> int:
     """``value`` as an ``int``, refusing bools, floats and anything without ``__index__``."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy.bool_ too
         raise InvalidInputError(f"{what} is a bool ({value!r}); expected an integer")
     try:
         return operator.index(value)  # type: ignore[arg-type]

@@ -325,7 +325,10 @@ def fetch_fds(
                 f"the broker runs as user id {peer_uid}; this process is user id {os.getuid()}"
             )
         try:
-            sock.sendall(_REQUEST.pack(_MAGIC, _PROTOCOL, export_id, token))
+            try:
+                sock.sendall(_REQUEST.pack(_MAGIC, _PROTOCOL, export_id, token))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a broker that refuses us answers before reading; read its answer
             data = _recv_with_fds(sock, _REPLY.size, fds, deadline)
             magic, protocol, status, length, n = _REPLY.unpack(data)
             if magic != _MAGIC or protocol != _PROTOCOL:
