@@ -1,0 +1,54 @@
+"""One 'node' of the network-namespace test: run as a script inside a namespace.
+
+    python _netns_node.py export SIZE        # prints one JSON line, then serves stdin
+    python _netns_node.py import             # reads the exporter's JSON line on stdin
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import numpy as np
+
+from gpushare import ucx
+
+
+def export(size: int) -> None:
+    with ucx.Agent(transports="tcp") as agent, agent.create_memory_handle(size) as mh:
+        data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+        mh.buffer[:size] = data.tobytes()
+        key = mh.create_remote_key()
+        print(json.dumps({"address": agent.address.hex(), "key": key.serialize().hex(),
+                          "digest": hashlib.sha256(data).hexdigest()}), flush=True)
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "digest":
+                print(hashlib.sha256(mh.buffer[:size]).hexdigest(), flush=True)
+            elif cmd == "exit":
+                break
+
+
+def import_() -> None:
+    hello = json.loads(sys.stdin.readline())
+    size = int(hello["size"])
+    with ucx.Agent(transports="tcp") as agent:
+        ep = agent.connect(bytes.fromhex(hello["address"]), timeout=30)
+        rk = ep.unpack_remote_key(bytes.fromhex(hello["key"]))
+        lane = next(ln for ln in ep.transport_info().splitlines() if "lane[0]" in ln)
+        out = np.empty(size, np.uint8)
+        ep.mem_get(out, rk.base_address, rk).wait(60)
+        got = hashlib.sha256(out).hexdigest()
+        reply = np.random.default_rng(6).integers(0, 256, size, dtype=np.uint8)
+        ep.mem_put(reply, rk.base_address, rk).wait(60)
+        ep.flush().wait(60)
+        print(json.dumps({"lane": lane, "get_digest": got, "put_digest": hashlib.sha256(reply).hexdigest()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "export":
+        export(int(sys.argv[2]))
+    else:
+        import_()

@@ -1,0 +1,75 @@
+"""UCX RMA between two network namespaces standing in for two nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.netns
+
+NODE = str(Path(__file__).with_name("_netns_node.py"))
+SIZE = 8 << 20
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_nodes():
+    tag = f"{os.getpid() % 10000}"
+    a, b = f"gs-a-{tag}", f"gs-b-{tag}"
+    va, vb = f"gsva{tag}", f"gsvb{tag}"
+    _ip("netns", "add", a)
+    _ip("netns", "add", b)
+    try:
+        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        _ip("link", "set", va, "netns", a)
+        _ip("link", "set", vb, "netns", b)
+        for ns, dev, addr in ((a, va, "198.18.0.1/24"), (b, vb, "198.18.0.2/24")):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield a, b, va
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+
+def _run_in(ns: str, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, NODE, *args], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def test_put_and_get_across_namespaces(two_nodes):
+    a, b, va = two_nodes
+    exporter = _run_in(b, "export", str(SIZE))
+    try:
+        line = exporter.stdout.readline()
+        assert line, exporter.stderr.read()
+        hello = json.loads(line)
+        hello["size"] = SIZE
+        importer = _run_in(a, "import")
+        out, err = importer.communicate(json.dumps(hello) + "\n", timeout=120)
+        assert importer.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        # The bytes crossed the "network": over TCP on the veth link.
+        assert "tcp" in result["lane"] and va in result["lane"], result["lane"]
+        assert result["get_digest"] == hello["digest"]
+        exporter.stdin.write("digest\n")
+        exporter.stdin.flush()
+        assert exporter.stdout.readline().strip() == result["put_digest"]
+        exporter.stdin.write("exit\n")
+        exporter.stdin.flush()
+        assert exporter.wait(30) == 0
+    finally:
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.wait(10)
