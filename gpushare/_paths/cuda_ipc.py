@@ -94,7 +94,7 @@ def _ref_class() -> type:
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             raise UnsupportedError("imported CUDA IPC memory cannot allocate")
 
-        def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             _unuse(self)
 
         is_device_accessible = property(lambda self: True)

@@ -14,6 +14,7 @@ Thin on purpose: every driver call goes through :func:`._cuda.check`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -36,13 +37,36 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _prop(drv: Any, ordinal: int, handle_types: int) -> Any:
+def _prop(drv: Any, ordinal: int, handle_types: Sequence[str]) -> Any:
     prop = drv.CUmemAllocationProp()
     prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = ordinal
-    prop.requestedHandleTypes = handle_types
+    _set_handle_types(drv, prop, handle_types)
     return prop
+
+
+def _set_handle_types(drv: Any, prop: Any, names: Sequence[str]) -> None:
+    """Request every handle type in ``names``.  The driver takes a bit mask,
+    but the bindings' setter accepts one enum member; a mask is written into
+    the C struct (``requestedHandleTypes`` follows the 4-byte ``type``) after
+    checking that the setter writes exactly there."""
+    t = drv.CUmemAllocationHandleType
+    members = {"posix_fd": t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "fabric": t.CU_MEM_HANDLE_TYPE_FABRIC}
+    chosen = [members[n] for n in names]
+    if not chosen:
+        prop.requestedHandleTypes = t.CU_MEM_HANDLE_TYPE_NONE
+        return
+    prop.requestedHandleTypes = chosen[-1]
+    if len(chosen) == 1:
+        return
+    field = ctypes.c_uint32.from_address(prop.getPtr() + 4)
+    if field.value != int(chosen[-1]):
+        raise UnsupportedError("cannot request several handle types: unexpected CUmemAllocationProp layout")
+    mask = 0
+    for member in chosen:
+        mask |= int(member)
+    field.value = mask
 
 
 def _attribute(drv: Any, ordinal: int, name: str) -> int:
@@ -67,16 +91,6 @@ def device_handle_types(ordinal: int) -> tuple[list[str], str | None]:
         return types, f"device {ordinal} does not support fabric handles (no NVLink fabric)"
     types.append("fabric")
     return types, None
-
-
-def _driver_types(drv: Any, names: Sequence[str]) -> int:
-    t = drv.CUmemAllocationHandleType
-    value = 0
-    if "posix_fd" in names:
-        value |= int(t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    if "fabric" in names:
-        value |= int(t.CU_MEM_HANDLE_TYPE_FABRIC)
-    return value
 
 
 def _access(drv: Any, ordinal: int) -> Any:
@@ -149,7 +163,7 @@ def _mapping_class() -> type:
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
 
-        def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
+        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             self.release()
 
         def release(self) -> None:
@@ -211,7 +225,7 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
     if not types:
         raise UnsupportedError(fabric_reason or f"device {ordinal} cannot export VMM memory")
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    prop = _prop(drv, ordinal, _driver_types(drv, types))
+    prop = _prop(drv, ordinal, types)
     gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
     chunk = _round_up(chunk_size or size, gran)
     count = -(-size // chunk)
@@ -230,7 +244,7 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
                     "is an IMEX channel (/dev/nvidia-caps-imex-channels) accessible?"
                 )
                 types = [t for t in types if t != "fabric"]
-                prop = _prop(drv, ordinal, _driver_types(drv, types))
+                prop = _prop(drv, ordinal, types)
                 handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
         ptr = _map(drv, ordinal, handles, sizes, gran)
     except BaseException:
@@ -319,7 +333,7 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
 
     _, ordinal = _current(_device_for(desc, device))
     t = drv.CUmemAllocationHandleType
-    prop = _prop(drv, ordinal, 0)
+    prop = _prop(drv, ordinal, ())
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
     for i, n in enumerate(desc.sizes):
