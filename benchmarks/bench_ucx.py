@@ -93,7 +93,7 @@ def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str) ->
         conn.recv()
 
 
-def gpushare_bw(ep, rk, op: str, size: int, iters: int, window: int = 64) -> float:
+def gpushare_bw(ep, rk, op: str, size: int, iters: int, window: int = 512) -> float:
     import numpy as np
 
     buf = np.ones(size, np.uint8)
