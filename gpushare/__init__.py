@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._api import View, export, open
 from ._capabilities import capabilities
 from ._descriptors import (
     CudaIpcBufferDescriptor,
@@ -25,6 +26,7 @@ from ._errors import (
     GpuShareError,
     InvalidInputError,
     OutOfBoundsError,
+    SlowPathWarning,
     UCXCanceledError,
     UCXConnectionError,
     UCXError,
@@ -36,6 +38,7 @@ from ._errors import (
 )
 from ._paths.host_fd import HostBuffer
 from ._same_node import allocate, export_buffer, import_buffer
+from ._share import Share
 
 if TYPE_CHECKING:
     from . import ucx
@@ -68,6 +71,11 @@ __all__ = [
     "capabilities",
     "export_buffer",
     "import_buffer",
+    "Share",
+    "SlowPathWarning",
+    "View",
+    "export",
+    "open",
 ]
 
 

@@ -117,11 +117,46 @@ def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
         lb = _from_cuda_core_buffer(obj)
     elif hasattr(obj, "__cuda_array_interface__"):
         lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
+    elif _no_buffer_protocol(obj) and hasattr(obj, "__array_interface__"):
+        lb = _from_array_interface(obj, obj.__array_interface__, writable)
     else:
         lb = _from_host_or_dlpack(obj, writable)
     if writable and lb.readonly:
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
+    return lb
+
+
+def _no_buffer_protocol(obj: Any) -> bool:
+    try:
+        memoryview(obj).release()
+    except TypeError:
+        return True
+    except (BufferError, ValueError):
+        return False
+    return False
+
+
+def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
+    """Host memory described by ``__array_interface__`` (no buffer protocol)."""
+    try:
+        shape = tuple(int(d) for d in ai["shape"])
+        itemsize = _itemsize(ai["typestr"])
+        data = ai["data"]
+        strides = ai.get("strides")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"malformed __array_interface__: {exc}") from None
+    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
+        raise InvalidInputError("array is not C-contiguous; copy it first")
+    nbytes = math.prod(shape) * itemsize
+    if isinstance(data, tuple):
+        ptr, readonly = data
+        return LocalBuffer(int(ptr), nbytes, "host", bool(readonly), obj)
+    lb = _from_host_or_dlpack(data, writable)
+    if lb.nbytes < nbytes:
+        lb.release()
+        raise InvalidInputError("__array_interface__ data is smaller than its shape says")
+    lb.nbytes, lb.owner = nbytes, (obj, lb.owner)
     return lb
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "ExporterUnreachableError",
     "UnsupportedError",
     "CUDAError",
+    "SlowPathWarning",
     "translate",
     "native_errors",
 ]
@@ -159,3 +160,10 @@ class CUDAError(GpuShareError):
         super().__init__(f"{message} [{status}]")
         self.status = status
         self.message = message
+
+
+class SlowPathWarning(UserWarning):
+    """:func:`gpushare.open` fell back to a slower path than this pair could use.
+
+    Turn it into an error with ``warnings.simplefilter("error", gpushare.SlowPathWarning)``.
+    """

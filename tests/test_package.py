@@ -31,8 +31,9 @@ def test_ucx_all_names_exist():
 def test_every_error_is_a_gpushare_error():
     for name in gpushare.__all__:
         obj = getattr(gpushare, name)
-        if isinstance(obj, type) and issubclass(obj, Exception):
+        if isinstance(obj, type) and issubclass(obj, Exception) and not issubclass(obj, Warning):
             assert issubclass(obj, gpushare.GpuShareError), name
+    assert issubclass(gpushare.SlowPathWarning, UserWarning)
 
 
 def test_import_starts_nothing_and_loads_no_native_library():

@@ -1,0 +1,607 @@
+"""The sharing API: :func:`export`, :func:`open` and :class:`View`."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import socket
+import threading
+import time
+import warnings
+import weakref
+from typing import Any
+
+from . import _buffers, _control
+from ._errors import (
+    AccessDeniedError,
+    ClosedError,
+    ExporterUnreachableError,
+    GpuShareError,
+    InvalidInputError,
+    OutOfBoundsError,
+    SlowPathWarning,
+    UnsupportedError,
+)
+from ._exporter import Export, get_exporter, new_ids, registered, weak_or_none
+from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
+
+__all__ = ["export", "open", "View"]
+
+_MAPPED_CUDA = ("fabric", "posix-fd", "cuda-ipc")
+_HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix_fd", "cuda-ipc": "cuda_ipc", "host-fd": "posix_fd"}
+
+
+# ---------------------------------------------------------------- exporting
+
+
+def _describe(obj: Any) -> tuple[tuple[int, ...], str]:
+    """Shape and typestr of an array-like, else (nbytes,) of bytes."""
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        ai = getattr(obj, attr, None)
+        if isinstance(ai, dict) and "shape" in ai and "typestr" in ai:
+            typestr = ai["typestr"]
+            if typestr[0] not in "<>|=":
+                break
+            return tuple(int(d) for d in ai["shape"]), typestr
+    return (), ""
+
+
+def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
+    if isinstance(lifetime, bool):
+        raise InvalidInputError("lifetime must be 'closed', 'revoked', 'none' or a positive int")
+    if isinstance(lifetime, int):
+        if not 1 <= lifetime <= 999_999_999:
+            raise InvalidInputError(f"lifetime={lifetime}: a number of imports must be between 1 and 999999999")
+        return lifetime, f"imports={lifetime}"
+    if lifetime in LIFETIMES:
+        return lifetime, lifetime
+    raise InvalidInputError(f"lifetime must be 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
+
+
+def _mapped_offers(obj: Any, memory_type: str) -> tuple[dict[str, Any], list[str]]:
+    """Descriptors for the mapped paths this memory supports, and notes on the rest."""
+    from . import _same_node
+    from ._paths.host_fd import HostBuffer
+
+    descs: dict[str, Any] = {}
+    notes: list[str] = []
+    if isinstance(obj, HostBuffer):
+        descs["host-fd"] = _same_node.export_buffer(obj)
+        return descs, notes
+    if memory_type != "cuda":
+        notes.append("host-fd needs memory from gpushare.allocate(..., device='host')")
+        return descs, notes
+    from ._paths import cuda_vmm
+
+    if cuda_vmm.is_vmm_buffer(obj):
+        for path in ("fabric", "posix-fd"):
+            try:
+                descs[path] = _same_node.export_buffer(obj, handle_type=_HANDLE_TYPE[path])
+            except GpuShareError as exc:
+                notes.append(f"{path}: {exc}")
+    else:
+        notes.append("fabric and posix-fd need memory from gpushare.allocate(..., device=N)")
+        try:
+            descs["cuda-ipc"] = _same_node.export_buffer(obj, handle_type="cuda_ipc")
+        except GpuShareError as exc:
+            notes.append(f"cuda-ipc: {exc}")
+    return descs, notes
+
+
+def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
+    """Offer ``obj``'s memory to other processes; return the :class:`Share` to send them.
+
+    Parameters
+    ----------
+    obj
+        A buffer from :func:`gpushare.allocate` (every path), a cuda.core
+        ``Buffer``, a CuPy array, a torch tensor, a NumPy array, or anything
+        with DLPack, ``__cuda_array_interface__`` or the buffer protocol.
+        Memory gpushare did not allocate is offered only where it can be
+        served: other CUDA memory on cuda-ipc and ucx-rma, other host memory
+        on ucx-rma.  It must be C-contiguous.
+    lifetime : {"closed", "revoked", "none"} or int
+        How long the exporter keeps ``obj`` alive and openable: until every
+        importer has closed it (``"closed"``, the default; counted from the
+        first import), until ``N`` imports have been made and closed, until
+        :meth:`Share.revoke`, or not at all (``"none"``: the exporter holds
+        only a weak reference, and opens fail once ``obj`` is gone).
+    paths : iterable of str, optional
+        Offer only these paths (``"ucx-rma"`` and ``"same-process"`` are
+        always possible).
+
+    Returns
+    -------
+    Share
+        Plain data; pickle it and send it over any transport.
+    """
+    policy, lifetime_name = _parse_lifetime(lifetime)
+    wanted = None
+    if paths is not None:
+        wanted = _path_list(paths, "paths")
+    local = _buffers.resolve(obj, writable=False)
+    try:
+        nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
+    finally:
+        local.release()
+    if nbytes < 1:
+        raise InvalidInputError("cannot export an empty buffer")
+    if memory_type == "cuda":
+        device = int(getattr(obj, "device_id", device if device is not None else 0) or 0)
+    else:
+        device = "host"
+    descs, _ = _mapped_offers(obj, memory_type)
+    offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
+    if wanted is not None:
+        offers = [p for p in offers if p in wanted]
+        if not offers:
+            raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory")
+    shape, typestr = _describe(obj)
+    if not typestr or _prod(shape) * int(typestr[2:]) != nbytes:
+        shape, typestr = (nbytes,), "|u1"
+    share_id, token = new_ids()
+    exporter = get_exporter()
+    record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
+                    offers=tuple(offers), descriptors=descs, policy=policy)
+    if policy == "none":
+        record.obj_ref = weak_or_none(obj)
+    else:
+        record.obj = obj
+    exporter.add(record)
+    fabric = None
+    return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
+                       device, shape, typestr, tuple(offers), lifetime_name, fabric)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------- choosing
+
+
+def _path_list(value: Any, what: str) -> list[str]:
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",") if p.strip()]
+    try:
+        items = list(value)
+    except TypeError:
+        raise InvalidInputError(f"{what} must be a list of path names or a comma-separated str") from None
+    for p in items:
+        if p not in PATHS:
+            raise InvalidInputError(f"{what} names unknown path {p!r}; paths are {', '.join(PATHS)}")
+    return items
+
+
+def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:
+    """(ordered candidates, reasons for the paths left out, the natural best order)."""
+    env_prefer = os.environ.get("GPUSHARE_PATHS")
+    env_exclude = os.environ.get("GPUSHARE_EXCLUDE_PATHS")
+    prefer_l = _path_list(prefer, "prefer") if prefer is not None else (
+        _path_list(env_prefer, "GPUSHARE_PATHS") if env_prefer else [])
+    exclude_l = _path_list(exclude, "exclude") if exclude is not None else []
+    if env_exclude:
+        exclude_l += _path_list(env_exclude, "GPUSHARE_EXCLUDE_PATHS")
+    same_node = share.node == node_key()
+    here = os.getpid()
+    left_out: list[str] = []
+    natural: list[str] = []
+    for path in PATHS:
+        if path not in share.offers:
+            if share.device == "host" and path == "host-fd":
+                left_out.append("not host-fd: not offered, the memory is not from gpushare.allocate(device='host')")
+            elif share.device != "host" and path == "posix-fd":
+                left_out.append("not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N)")
+            elif share.device != "host" and path == "cuda-ipc" and "posix-fd" not in share.offers:
+                left_out.append("not cuda-ipc: not offered by the exporter")
+            continue
+        why_not = None
+        if path == "same-process" and (share.exporter_pid != here or not same_node or registered(share) is None):
+            why_not = f"exporter is process {share.exporter_pid}" + ("" if same_node else " on another node")
+        elif path in ("posix-fd", "cuda-ipc", "host-fd") and not same_node:
+            why_not = "exporter is on another node (or network namespace)"
+        elif path == "fabric":
+            why_not = "no fabric clique shared with the exporter (needs an NVLink fabric and an IMEX channel)"
+        elif path in _MAPPED_CUDA and not same_node:
+            why_not = "exporter is on another node"
+        if why_not is not None:
+            left_out.append(f"not {path}: {why_not}")
+            continue
+        natural.append(path)
+    order = [p for p in prefer_l if p in natural] + [p for p in natural if p not in prefer_l]
+    for p in exclude_l:
+        if p in order:
+            order.remove(p)
+            left_out.append(f"not {p}: excluded by the caller")
+    return order, left_out, natural
+
+
+# ---------------------------------------------------------------- importing
+
+_importer_lock = threading.Lock()
+_importer_agent: Any = None
+_importer_pid = 0
+
+
+def _agent() -> Any:
+    """This process's importer-side UCX agent (made again after a fork)."""
+    global _importer_agent, _importer_pid
+    from . import ucx
+
+    with _importer_lock:
+        if _importer_agent is None or _importer_pid != os.getpid() or _importer_agent.closed:
+            _importer_agent = ucx.Agent()
+            _importer_pid = os.getpid()
+        return _importer_agent
+
+
+def _raise_refusal(reply: dict) -> None:
+    code, message = reply.get("code"), str(reply.get("message", ""))[:300]
+    if code == "denied":
+        raise AccessDeniedError(f"exporter refused: {message}")
+    if code in ("revoked", "retired", "exhausted", "unknown"):
+        raise ClosedError(f"cannot open share: {message}")
+    raise InvalidInputError(f"exporter answered: {message}")
+
+
+def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: float = 10.0) -> View:  # noqa: A001
+    """Open a share from any process that can reach the exporter.
+
+    The best path for this pair is tried first, then the next ones if a
+    probe fails (within ``timeout`` in all); a fallback to a slower path than
+    the pair could use emits :class:`SlowPathWarning` and ``view.why`` says
+    what failed.
+
+    Parameters
+    ----------
+    share : Share
+        From :func:`export`, probably unpickled: it is validated.
+    prefer, exclude : list of str or comma-separated str, optional
+        Paths to try first / never.  The environment variables
+        ``GPUSHARE_PATHS`` (prefer) and ``GPUSHARE_EXCLUDE_PATHS`` do the same
+        for a whole job; ``prefer=`` replaces ``GPUSHARE_PATHS``,
+        ``exclude=`` adds to ``GPUSHARE_EXCLUDE_PATHS``.
+    timeout : float
+        Seconds for reaching the exporter and each probe.
+
+    Raises
+    ------
+    ClosedError
+        The share was revoked, its lifetime ended, or it is unknown to the exporter.
+    AccessDeniedError
+        Its token is wrong (forged).
+    ExporterUnreachableError
+        The exporter is gone or unreachable.
+    GpuShareError
+        Every candidate path failed; the message lists why.
+    """
+    if not isinstance(share, Share):
+        raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidInputError("timeout must be a positive number of seconds")
+    order, left_out, natural = _candidates(share, prefer, exclude)
+    if not order:
+        raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
+    failures: list[str] = []
+    if order[0] == "same-process":
+        export = registered(share)
+        with export.lock:
+            refusal = export.refusal()
+            target = export.target()
+        if refusal is not None:
+            from ._exporter import _REFUSALS
+
+            raise ClosedError(f"cannot open share: {_REFUSALS[refusal]}")
+        why = "same-process: this process exported it; the original object is handed back"
+        return View._make(share, "same-process", why, target=target)
+    sock = _control.connect(_addresses_for(share), timeout)
+    try:
+        _control.send(sock, {"op": "hello", "share": share.share_id, "token": share.token,
+                             "pid": os.getpid(), "node": node_key()})
+        reply = _control.recv(sock, timeout)
+        if not reply.get("ok"):
+            _raise_refusal(reply)
+        for path in order:
+            _control.send(sock, {"op": "open", "path": path})
+            reply = _control.recv(sock, timeout)
+            if not reply.get("ok"):
+                if reply.get("code") == "path":
+                    failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
+                    continue
+                _raise_refusal(reply)
+            try:
+                view = _import(share, path, reply.get("payload"), timeout)
+            except GpuShareError as exc:
+                failures.append(f"{path} failed: {exc}")
+                _control.send(sock, {"op": "failed"})
+                continue
+            why = _explain(path, share, left_out, failures)
+            view._attach_lease(sock, why)
+            sock = None
+            if failures and natural and natural.index(path) > 0:
+                try:
+                    warnings.warn(SlowPathWarning(f"gpushare fell back to {path}: {'; '.join(failures)}"),
+                                  stacklevel=2)
+                except BaseException:
+                    view.close()  # the warning was turned into an error: leave nothing open
+                    raise
+            return view
+    except GpuShareError:
+        raise
+    except (EOFError, OSError, TimeoutError) as exc:
+        raise ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}") from None
+    finally:
+        if sock is not None:
+            sock.close()
+    raise GpuShareError("every path failed: " + "; ".join(failures))
+
+
+def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
+    if share.node == node_key():
+        return tuple(a for a in share.control if a[0] == "127.0.0.1") + tuple(
+            a for a in share.control if a[0] != "127.0.0.1")
+    return tuple(a for a in share.control if not a[0].startswith("127.")) or share.control
+
+
+def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) -> str:
+    reason = {
+        "fabric": "same fabric clique with an IMEX channel",
+        "posix-fd": "same node; CUDA virtual memory mapped through POSIX fds",
+        "cuda-ipc": "same node; CUDA memory not from gpushare.allocate, mapped through legacy CUDA IPC",
+        "host-fd": "same node; host memory mapped through memfds",
+        "ucx-rma": "remote memory access through UCX; copies with get/put",
+    }[path]
+    parts = [f"{path}: {reason}"] + failures + left_out
+    return "; ".join(parts)
+
+
+def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
+    if not isinstance(payload, dict):
+        raise InvalidInputError("exporter sent a malformed offer")
+    if path == "ucx-rma":
+        address, key = payload.get("address"), payload.get("key")
+        if not isinstance(address, bytes) or not isinstance(key, bytes):
+            raise InvalidInputError("exporter sent a malformed ucx-rma offer")
+        ep = _agent().connect(address, timeout=timeout)
+        try:
+            rk = ep.unpack_remote_key(key)
+            if rk.size < share.nbytes:
+                raise InvalidInputError(f"remote key covers {rk.size} bytes; the share says {share.nbytes}")
+        except BaseException:
+            ep.close()
+            raise
+        return View._make(share, path, "", endpoint=ep, rkey=rk)
+    from . import _same_node
+    from ._descriptors import _rebuild
+
+    fields = payload.get("descriptor")
+    if not isinstance(fields, tuple) or not fields:
+        raise InvalidInputError("exporter sent a malformed descriptor")
+    desc = _rebuild(*fields)
+    if getattr(desc, "size", None) != share.nbytes:
+        raise InvalidInputError(f"descriptor is {getattr(desc, 'size', '?')} bytes; the share says {share.nbytes}")
+    mapped = _same_node.import_buffer(desc)
+    return View._make(share, path, "", mapped=mapped)
+
+
+# ---------------------------------------------------------------- views
+
+
+def _release_view(mapped: Any, endpoint: Any, lease: list) -> None:
+    for sock in lease:
+        try:
+            sock.close()
+        except OSError:
+            pass
+    lease.clear()
+    if endpoint is not None:
+        try:
+            endpoint.close()
+        except GpuShareError:
+            pass
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # arrays still use the mapping: it goes with the last of them
+        except GpuShareError:
+            pass
+
+
+class View:
+    """An open share: made by :func:`gpushare.open`.
+
+    Attributes
+    ----------
+    path : str
+        The path taken: ``"same-process"``, ``"fabric"``, ``"posix-fd"``,
+        ``"cuda-ipc"``, ``"host-fd"`` or ``"ucx-rma"``.
+    why : str
+        One line: why this path, and why not the better ones.
+    nbytes : int
+    device : "host" or int
+    shape, typestr :
+        As exported, for array views.
+
+    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
+    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
+    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
+    is not mapped: use :meth:`get` and :meth:`put`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("View objects are made by gpushare.open")
+
+    @classmethod
+    def _make(cls, share: Share, path: str, why: str, *, target: Any = None, mapped: Any = None,
+              endpoint: Any = None, rkey: Any = None) -> View:
+        self = object.__new__(cls)
+        self.share = share
+        self.path = path
+        self.why = why
+        self.nbytes = share.nbytes
+        self.device = share.device
+        self.shape = share.shape
+        self.typestr = share.typestr
+        self._target = target
+        self._mapped = mapped
+        self._ep = endpoint
+        self._rkey = rkey
+        self._lease: list = []
+        self._finalizer = weakref.finalize(self, _release_view, mapped, endpoint, self._lease)
+        return self
+
+    def _attach_lease(self, sock: socket.socket, why: str) -> None:
+        self._lease.append(sock)
+        self.why = why
+
+    # -- state -----------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def _check(self) -> None:
+        if self.closed:
+            raise ClosedError("view is closed")
+
+    def close(self) -> None:
+        """Unmap or disconnect, and end the lease with the exporter (idempotent)."""
+        self._target = None
+        self._finalizer()
+
+    def __enter__(self) -> View:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.path
+        return f"<gpushare.View {self.nbytes} bytes on {self.device} via {state}>"
+
+    # -- memory ------------------------------------------------------------
+    def _local(self) -> _buffers.LocalBuffer:
+        """The mapped memory as a local buffer (not for ucx-rma)."""
+        self._check()
+        if self.path == "ucx-rma":
+            raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
+        if self._target is not None:
+            return _buffers.resolve(self._target, writable=False)
+        mapped = self._mapped
+        if self.device == "host":
+            return _buffers.LocalBuffer(mapped.ptr, self.nbytes, "host", False, mapped)
+        return _buffers.LocalBuffer(int(mapped.handle), self.nbytes, "cuda", False, mapped, device=self.device)
+
+    def memoryview(self) -> memoryview:
+        """A writable byte view of mapped host memory."""
+        self._check()
+        if self.device != "host":
+            raise UnsupportedError("memoryview() needs host memory; this view is CUDA memory")
+        if self.path == "ucx-rma":
+            self._local()
+        if self._target is not None:
+            return memoryview(self._target).cast("B")
+        return self._mapped.memoryview()
+
+    @property
+    def __array_interface__(self) -> dict:
+        if self.device != "host":
+            raise AttributeError("__array_interface__ (this view is CUDA memory; use __cuda_array_interface__)")
+        return {"shape": self.shape, "typestr": self.typestr, "data": self.memoryview(), "version": 3}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.device == "host":
+            raise AttributeError("__cuda_array_interface__ (this view is host memory)")
+        lb = self._local()
+        return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, False), "version": 3,
+                "strides": None, "stream": None}
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        if self.device == "host" or self.path == "ucx-rma":
+            raise UnsupportedError("__dlpack__ is offered for mapped CUDA views; use numpy.asarray for host")
+        target = self._target if self._target is not None else self._mapped
+        return target.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if self.device == "host":
+            return (1, 0)
+        return (2, int(self.device))
+
+    # -- copies ------------------------------------------------------------
+    def _span(self, buf: Any, offset: Any, writable: bool) -> tuple[_buffers.LocalBuffer, int]:
+        self._check()
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise InvalidInputError(f"offset must be a non-negative int, not {offset!r}")
+        local = _buffers.resolve(buf, writable=writable)
+        if offset + local.nbytes > self.nbytes:
+            local.release()
+            raise OutOfBoundsError(
+                f"{local.nbytes} bytes at offset {offset} run past the shared {self.nbytes} bytes"
+            )
+        return local, offset
+
+    def get(self, dst: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
+        """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``."""
+        local, offset = self._span(dst, offset, True)
+        try:
+            if self.path == "ucx-rma":
+                self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+            else:
+                src = self._local()
+                _copy(local, src.address + offset, local.address, local.nbytes, src.memory_type, "from")
+        finally:
+            local.release()
+
+    def put(self, src: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
+        """Copy ``src`` into the shared memory at ``offset``; remote puts are flushed before this returns."""
+        local, offset = self._span(src, offset, False)
+        try:
+            if self.path == "ucx-rma":
+                self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+                self._ep.flush().wait(timeout)
+            else:
+                dst = self._local()
+                _copy(local, local.address, dst.address + offset, local.nbytes, dst.memory_type, "to")
+        finally:
+            local.release()
+
+    async def get_async(self, dst: Any, offset: int = 0) -> None:
+        """:meth:`get` for asyncio: awaits the transfer without blocking the loop."""
+        if self.path != "ucx-rma":
+            await asyncio.to_thread(self.get, dst, offset)
+            return
+        local, offset = self._span(dst, offset, True)
+        try:
+            await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
+        finally:
+            local.release()
+
+    async def put_async(self, src: Any, offset: int = 0) -> None:
+        """:meth:`put` for asyncio; remote puts are flushed before it completes."""
+        if self.path != "ucx-rma":
+            await asyncio.to_thread(self.put, src, offset)
+            return
+        local, offset = self._span(src, offset, False)
+        try:
+            await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
+            await self._ep.flush()
+        finally:
+            local.release()
+
+
+def _copy(local: _buffers.LocalBuffer, src: int, dst: int, n: int, shared_type: str, direction: str) -> None:
+    if n == 0:
+        return
+    if local.memory_type == "host" and shared_type == "host":
+        ctypes.memmove(dst, src, n)
+        return
+    from ._paths import _cuda
+
+    drv = _cuda.driver()
+    _cuda.check(drv.cuMemcpy(dst, src, n), f"copy {direction} the shared CUDA memory")

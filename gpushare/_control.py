@@ -1,0 +1,113 @@
+"""The exporter's control channel: framing and plain-data encoding.
+
+One TCP connection per open.  Frames are a 4-byte big-endian length then
+UTF-8 JSON (never pickle: the peer is untrusted), at most 64 KiB.  Bytes are
+encoded as ``{"b": "<hex>"}`` and tuples as lists; descriptors travel as
+their handle type and fields and are rebuilt through their validating
+constructor.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from typing import Any
+
+from ._errors import ExporterUnreachableError, InvalidInputError
+
+__all__ = ["send", "recv", "encode", "decode", "MAX_FRAME", "TIMEOUT"]
+
+MAX_FRAME = 64 * 1024
+#: Seconds one exchange on the control channel may take.
+TIMEOUT = 10.0
+_LEN = struct.Struct("!I")
+
+
+def encode(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"b": bytes(value).hex()}
+    if isinstance(value, (tuple, list)):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): encode(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot encode {type(value).__name__} on the control channel")
+
+
+def decode(value: Any, depth: int = 0) -> Any:
+    if depth > 16:
+        raise InvalidInputError("control message nested too deeply")
+    if isinstance(value, list):
+        return tuple(decode(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        if set(value) == {"b"} and isinstance(value["b"], str):
+            try:
+                return bytes.fromhex(value["b"])
+            except ValueError:
+                raise InvalidInputError("control message holds malformed hex bytes") from None
+        return {k: decode(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def send(sock: socket.socket, message: dict) -> None:
+    data = json.dumps(encode(message), separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise InvalidInputError(f"control message is {len(data)} bytes; at most {MAX_FRAME}")
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("control channel peer too slow")
+            sock.settimeout(left)
+        else:
+            sock.settimeout(None)
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise EOFError("control channel closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv(sock: socket.socket, timeout: float | None = TIMEOUT) -> dict:
+    """Read one frame; ``timeout=None`` waits until the peer sends or closes."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    if length > MAX_FRAME:
+        raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
+    body = _recv_exact(sock, length, deadline)
+    try:
+        message = json.loads(body.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidInputError("control frame is not JSON") from None
+    if not isinstance(message, dict):
+        raise InvalidInputError("control frame is not an object")
+    return decode(message)
+
+
+def connect(addresses: tuple[tuple[str, int], ...], timeout: float) -> socket.socket:
+    """Connect to the first address that answers, within ``timeout`` in all."""
+    deadline = time.monotonic() + timeout
+    errors = []
+    for host, port in addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            sock = socket.create_connection((host, port), timeout=min(left, max(1.0, left / 2)))
+        except OSError as exc:
+            errors.append(f"{host}:{port}: {exc.strerror or exc}")
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise ExporterUnreachableError(
+        "cannot reach the exporter's control channel: " + ("; ".join(errors) or f"timed out after {timeout} s")
+    )

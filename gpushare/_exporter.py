@@ -1,0 +1,340 @@
+"""The exporter's side of :func:`gpushare.export`: registry, control channel, lifetimes.
+
+Started on the first export (never on import of gpushare): a TCP listener and
+one daemon thread accepting importers, one thread per open importer session.
+An importer keeps its control connection open for as long as its view is
+open: that connection is its lease, and its end (a close, or the importer's
+death, which the kernel reports as the connection closing) counts as the
+import closing.  In a forked child the parent's exporter is never used: the
+child starts its own on its first export.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hmac
+import os
+import secrets
+import socket
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _control
+from ._errors import ClosedError, GpuShareError, InvalidInputError
+
+__all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
+
+
+def _ipv4_addresses() -> list[str]:
+    """This host's IPv4 addresses (up interfaces, loopback excluded)."""
+    import array
+    import fcntl
+    import struct
+
+    addrs: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            ip = socket.inet_ntoa(packed[20:24])
+            if not ip.startswith("127.") and ip not in addrs:
+                addrs.append(ip)
+    del array
+    return addrs
+
+
+def advertised_addresses(port: int, bind_host: str) -> tuple[tuple[str, int], ...]:
+    """Where importers can reach a control listener bound to ``bind_host``."""
+    if bind_host not in ("0.0.0.0", ""):
+        return ((bind_host, port),)
+    return tuple([("127.0.0.1", port)] + [(ip, port) for ip in _ipv4_addresses()][:15])
+
+
+@dataclass
+class Export:
+    """One exported buffer, as the exporter tracks it."""
+
+    share_id: str
+    token: bytes
+    nbytes: int
+    device: Any
+    memory_type: str
+    offers: tuple[str, ...]
+    descriptors: dict[str, Any]
+    policy: Any  # "closed" | "revoked" | "none" | int
+    obj: Any = None
+    obj_ref: Any = None
+    opens: int = 0
+    total: int = 0
+    revoked: bool = False
+    retired: bool = False
+    agent: Any = None
+    mh: Any = None
+    key: bytes | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def target(self) -> Any:
+        if self.obj is not None:
+            return self.obj
+        return self.obj_ref() if self.obj_ref is not None else None
+
+    # -- policy ---------------------------------------------------------
+    def refusal(self) -> str | None:
+        """Why a new open is refused now, or None (call with the lock held)."""
+        if self.revoked:
+            return "revoked"
+        if self.retired or self.target() is None:
+            return "retired"
+        if isinstance(self.policy, int) and self.total >= self.policy:
+            return "exhausted"
+        return None
+
+    def after_close(self) -> None:
+        """Apply the lifetime policy after an import closed (lock held)."""
+        if self.opens > 0:
+            return
+        if self.policy == "closed" and self.total >= 1:
+            self.retire()
+        elif isinstance(self.policy, int) and self.total >= self.policy:
+            self.retire()
+        elif self.policy in ("none", "revoked") and self.agent is not None:
+            pass  # remote access stays possible for later opens
+
+    def close_remote(self) -> None:
+        agent, self.agent, self.mh, self.key = self.agent, None, None, None
+        if agent is not None:
+            agent.close()  # every remote endpoint to it dies: remote access stops
+
+    def retire(self) -> None:
+        self.retired = True
+        self.close_remote()
+        self.obj = None
+
+    # -- ucx-rma --------------------------------------------------------
+    def rma_offer(self) -> tuple[bytes, bytes]:
+        """Agent address and serialized key for this export (lock held)."""
+        if self.agent is None:
+            from . import ucx
+
+            target = self.target()
+            agent = ucx.Agent()
+            try:
+                mh = agent.create_memory_handle(self.nbytes, target, memory_type=self.memory_type)
+                key = mh.create_remote_key().serialize()
+            except BaseException:
+                agent.close()
+                raise
+            self.agent, self.mh, self.key = agent, mh, key
+        return self.agent.address, self.key
+
+
+class Exporter:
+    """This process's exporter service; use :func:`get_exporter`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        bind_host = os.environ.get("GPUSHARE_CONTROL_HOST", "0.0.0.0")
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((bind_host, 0))
+        self._listener.listen(128)
+        self.addresses = advertised_addresses(self._listener.getsockname()[1], bind_host)
+        self._lock = threading.Lock()
+        self._exports: dict[str, Export] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._accept_loop, name="gpushare-exporter", daemon=True)
+        self._thread.start()
+
+    # -- registry -------------------------------------------------------
+    def add(self, export: Export) -> None:
+        with self._lock:
+            self._exports[export.share_id] = export
+
+    def get(self, share_id: str) -> Export | None:
+        with self._lock:
+            return self._exports.get(share_id)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            exports = list(self._exports.values())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for exp in exports:
+            with exp.lock:
+                exp.close_remote()
+
+    def abandon(self) -> None:
+        """In a forked child: drop the inherited socket, touch nothing else."""
+        self._stopped = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+    # -- serving --------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stopped:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._session, args=(conn,), name="gpushare-lease", daemon=True).start()
+
+    def _session(self, conn: socket.socket) -> None:
+        export: Export | None = None
+        leased = False
+        try:
+            hello = _control.recv(conn)
+            if hello.get("op") != "hello":
+                _control.send(conn, {"ok": False, "code": "bad", "message": "expected hello"})
+                return
+            share_id, token = hello.get("share"), hello.get("token")
+            export = self.get(share_id) if isinstance(share_id, str) else None
+            if export is None:
+                _control.send(conn, {"ok": False, "code": "unknown",
+                                     "message": "the exporter has no such share (closed, or never exported here)"})
+                return
+            if not isinstance(token, bytes) or not hmac.compare_digest(token, export.token):
+                _control.send(conn, {"ok": False, "code": "denied", "message": "wrong token for this share"})
+                return
+            _control.send(conn, {"ok": True})
+            while True:
+                msg = _control.recv(conn, timeout=None if leased else _control.TIMEOUT)
+                op = msg.get("op")
+                if op == "open" and not leased:
+                    leased = self._open(conn, export, msg.get("path"))
+                elif op == "failed" and leased:
+                    with export.lock:
+                        export.opens -= 1
+                        export.total -= 1
+                        export.after_close()
+                    leased = False
+                elif op == "close":
+                    return
+                else:
+                    _control.send(conn, {"ok": False, "code": "bad", "message": f"unexpected {op!r:.20}"})
+                    return
+        except (EOFError, OSError, TimeoutError, InvalidInputError):
+            return  # the importer closed, died or misbehaved: its lease ends
+        finally:
+            if leased and export is not None:
+                with export.lock:
+                    export.opens -= 1
+                    export.after_close()
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _open(self, conn: socket.socket, export: Export, path: Any) -> bool:
+        with export.lock:
+            refusal = export.refusal()
+            if refusal is not None:
+                _control.send(conn, {"ok": False, "code": refusal, "message": _REFUSALS[refusal]})
+                return False
+            if path not in export.offers or path == "same-process":
+                _control.send(conn, {"ok": False, "code": "path", "message": f"path {path!r:.20} is not offered"})
+                return False
+            try:
+                if path == "ucx-rma":
+                    address, key = export.rma_offer()
+                    payload = {"address": address, "key": key}
+                else:
+                    desc = export.descriptors[path]
+                    payload = {"descriptor": [desc.handle_type, *desc._fields()]}
+            except GpuShareError as exc:
+                _control.send(conn, {"ok": False, "code": "path", "message": f"exporter cannot serve {path}: {exc}"})
+                return False
+            export.opens += 1
+            export.total += 1
+        _control.send(conn, {"ok": True, "payload": payload})
+        return True
+
+
+_REFUSALS = {
+    "revoked": "the share was revoked by its exporter",
+    "retired": "the share is no longer available: its lifetime ended (every importer closed it, or the object is gone)",
+    "exhausted": "the share was opened as many times as its lifetime allows",
+}
+
+_state_lock = threading.Lock()
+_exporter: Exporter | None = None
+_hooks = False
+
+
+def get_exporter() -> Exporter:
+    """This process's exporter, started on first use (and again after fork)."""
+    global _exporter, _hooks
+    with _state_lock:
+        if _exporter is not None and _exporter.pid != os.getpid():
+            _exporter.abandon()
+            _exporter = None
+        if _exporter is None:
+            _exporter = Exporter()
+        if not _hooks:
+            atexit.register(_stop_at_exit)
+            os.register_at_fork(after_in_child=_after_fork)
+            _hooks = True
+        return _exporter
+
+
+def _stop_at_exit() -> None:
+    exp = _exporter
+    if exp is not None and exp.pid == os.getpid():
+        exp.stop()
+
+
+def _after_fork() -> None:
+    global _exporter, _state_lock
+    _state_lock = threading.Lock()
+    if _exporter is not None:
+        _exporter.abandon()
+        _exporter = None
+
+
+def registered(share: Any) -> Export | None:
+    """The export behind ``share`` if this very process made it."""
+    exp = _exporter
+    if exp is None or exp.pid != os.getpid() or share.exporter_pid != os.getpid():
+        return None
+    export = exp.get(share.share_id)
+    if export is None or not hmac.compare_digest(export.token, share.token):
+        return None
+    return export
+
+
+def revoke(share: Any) -> None:
+    export = registered(share)
+    if export is None:
+        raise ClosedError(
+            f"only the exporting process (pid {share.exporter_pid}) can revoke this share"
+        )
+    with export.lock:
+        export.revoked = True
+        export.close_remote()
+        export.obj = None
+
+
+def new_ids() -> tuple[str, bytes]:
+    return secrets.token_hex(16), secrets.token_bytes(32)
+
+
+def weak_or_none(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        raise InvalidInputError(
+            f"lifetime='none' keeps no reference, so it needs an object that supports weak "
+            f"references; {type(obj).__name__} does not (wrap it, or use another lifetime)"
+        ) from None

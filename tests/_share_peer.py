@@ -1,0 +1,89 @@
+"""The other process of the sharing-API tests: opens shares it is sent."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from typing import Any
+
+
+def setup() -> dict:
+    return {"_handlers": HANDLERS, "views": {}, "_reply": {"pid": os.getpid()}}
+
+
+def _open(state: dict, name: str, share: Any, kwargs: dict | None = None) -> dict:
+    import gpushare as gs
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        view = gs.open(share, **(kwargs or {}))
+    state["views"][name] = view
+    return {"path": view.path, "why": view.why, "nbytes": view.nbytes,
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def _get(state: dict, name: str, offset: int, n: int) -> bytes:
+    out = bytearray(n)
+    state["views"][name].get(out, offset)
+    return bytes(out)
+
+
+def _put(state: dict, name: str, offset: int, data: bytes) -> None:
+    state["views"][name].put(data, offset)
+
+
+def _digest(state: dict, name: str) -> str:
+    view = state["views"][name]
+    out = bytearray(view.nbytes)
+    view.get(out)
+    return hashlib.sha256(out).hexdigest()
+
+
+def _array_write(state: dict, name: str, index: int, value: int) -> None:
+    import numpy as np
+
+    a = np.asarray(state["views"][name])
+    a.reshape(-1).view(np.uint8)[index] = value
+    del a
+
+
+def _close(state: dict, name: str) -> None:
+    state["views"].pop(name).close()
+
+
+def _stop_broker(state: dict) -> None:
+    from gpushare._paths.broker import get_broker
+
+    get_broker().stop()
+
+
+def _export(state: dict, kind: str, size: int, kwargs: dict | None = None) -> Any:
+    import numpy as np
+
+    import gpushare as gs
+
+    if kind == "host":
+        obj = gs.allocate(size, device="host")
+        np.asarray(obj)[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    else:
+        obj = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    state.setdefault("exported", []).append(obj)
+    return gs.export(obj, **(kwargs or {}))
+
+
+def _die(state: dict) -> None:
+    os._exit(4)
+
+
+HANDLERS = {
+    "open": _open,
+    "get": _get,
+    "put": _put,
+    "digest": _digest,
+    "array_write": _array_write,
+    "close": _close,
+    "stop_broker": _stop_broker,
+    "export": _export,
+    "die": _die,
+}

@@ -1,0 +1,391 @@
+"""The sharing API (export / open / View) over real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import pickle
+import signal
+import time
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare._exporter import registered
+
+from _procs import Child
+import _share_peer
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def peer():
+    child = Child(_share_peer.setup)
+    yield child
+    child.close()
+
+
+class Box:
+    """A weak-referenceable holder of a NumPy array (for lifetime checks)."""
+
+    def __init__(self, n: int) -> None:
+        self.a = np.arange(n, dtype=np.uint64).astype(np.uint8)
+
+    @property
+    def __array_interface__(self):
+        return self.a.__array_interface__
+
+
+def _wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+# ---------------------------------------------------------------- plain data
+
+
+def test_share_is_plain_immutable_data():
+    arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    share = gs.export(arr)
+    again = pickle.loads(pickle.dumps(share))
+    assert again == share and hash(again) == hash(share)
+    assert share.nbytes == 4000 and share.shape == (10, 100) and share.typestr == "<f4"
+    assert share.device == "host"
+    assert share.offers == ("same-process", "ucx-rma")
+    with pytest.raises(AttributeError):
+        share.nbytes = 5
+    with pytest.raises(TypeError):
+        gs.Share()
+
+
+@pytest.mark.parametrize(
+    "index,value,match",
+    [
+        (0, 2, "format version"),
+        (1, "zz", "share id"),
+        (2, b"short", "token"),
+        (3, -1, "exporter_pid"),
+        (5, (("not-an-ip", 5),), "IP address"),
+        (5, (("127.0.0.1", 70000),), "control port"),
+        (5, (), "control"),
+        (6, 0, "nbytes"),
+        (6, 1 << 60, "nbytes"),
+        (6, True, "nbytes"),
+        (7, "gpu", "device"),
+        (8, (3, 3), "shape"),
+        (9, "f4", "typestr"),
+        (10, ("teleport",), "unknown path"),
+        (10, ("ucx-rma", "ucx-rma"), "distinct"),
+        (11, "forever", "lifetime"),
+    ],
+)
+def test_tampered_share_fields_are_refused(index, value, match):
+    share = gs.export(np.zeros(64, np.uint8))
+    fn, fields = share.__reduce__()
+    fields = list(fields)
+    fields[index] = value
+    forged = pickle.dumps((fn, tuple(fields)))
+    # Build the pickle of a call to the validating constructor with bad fields.
+    with pytest.raises(gs.InvalidInputError, match=match):
+        fn(*fields)
+    del forged
+
+
+def test_open_rejects_non_shares_and_bad_arguments():
+    with pytest.raises(gs.InvalidInputError):
+        gs.open({"share_id": "x"})
+    share = gs.export(np.zeros(8, np.uint8))
+    with pytest.raises(gs.InvalidInputError, match="unknown path"):
+        gs.open(share, prefer=["warp-drive"])
+    with pytest.raises(gs.InvalidInputError):
+        gs.open(share, timeout=0)
+    with pytest.raises(gs.InvalidInputError):
+        gs.export(np.zeros(8, np.uint8), lifetime="forever")
+    with pytest.raises(gs.InvalidInputError):
+        gs.export(np.zeros(8, np.uint8), lifetime=0)
+    with pytest.raises(gs.InvalidInputError):
+        gs.export(np.zeros(100, np.uint8)[::2])
+
+
+# ---------------------------------------------------------------- paths
+
+
+def test_same_process_hands_back_the_original():
+    arr = np.arange(16, dtype=np.uint8)
+    share = gs.export(arr)
+    with gs.open(share) as view:
+        assert view.path == "same-process"
+        assert "this process exported it" in view.why
+        assert np.asarray(view).__array_interface__["data"][0] == arr.ctypes.data
+        out = bytearray(4)
+        view.get(out, 2)
+        assert bytes(out) == bytes([2, 3, 4, 5])
+        view.put(b"\xff\xff", 14)
+    assert arr[14] == 255 and arr[15] == 255
+    with pytest.raises(gs.ClosedError):
+        view.get(bytearray(1))
+
+
+def test_host_fd_between_processes_is_zero_copy_both_ways(peer):
+    buf = gs.allocate(2 * MiB, device="host")
+    host = np.asarray(buf)
+    host[:] = 1
+    share = gs.export(buf)
+    assert share.offers == ("same-process", "host-fd", "ucx-rma")
+    info = peer.call("open", "hfd", share)
+    assert info["path"] == "host-fd"
+    assert "same node" in info["why"] and "not same-process" in info["why"]
+    assert info["warnings"] == []
+    # Importer writes through a NumPy array on the mapping; the exporter sees it.
+    peer.call("array_write", "hfd", 12345, 77)
+    assert host[12345] == 77
+    # Exporter writes; the importer reads it.
+    host[100:104] = [9, 8, 7, 6]
+    assert peer.call("get", "hfd", 100, 4) == bytes([9, 8, 7, 6])
+    peer.call("put", "hfd", 2 * MiB - 3, b"end")
+    assert bytes(host[-3:]) == b"end"
+    peer.call("close", "hfd")
+
+
+def test_numpy_array_goes_over_ucx_rma(peer):
+    arr = np.arange(MiB, dtype=np.uint32)
+    share = gs.export(arr)
+    info = peer.call("open", "rma", share)
+    assert info["path"] == "ucx-rma"
+    assert "not host-fd: not offered" in info["why"]
+    assert peer.call("get", "rma", 4 * 10, 8) == arr[10:12].tobytes()
+    peer.call("put", "rma", 0, np.array([123456789], np.uint32).tobytes())
+    assert arr[0] == 123456789
+    peer.call("close", "rma")
+
+
+def test_remote_view_refuses_zero_copy_and_checks_bounds():
+    child = Child(_share_peer.setup)
+    try:
+        share = child.call("export", "numpy", 4096)
+        with gs.open(share) as view:
+            assert view.path == "ucx-rma"
+            with pytest.raises(gs.UnsupportedError, match="use view.get"):
+                np.asarray(view)
+            with pytest.raises(gs.OutOfBoundsError):
+                view.get(bytearray(10), 4090)
+            with pytest.raises(gs.InvalidInputError):
+                view.get(bytearray(10), -1)
+            out = bytearray(4096)
+            view.get(out)
+            assert out == bytes(np.arange(4096, dtype=np.uint64).astype(np.uint8))
+
+            async def go():
+                await view.put_async(b"async!", 10)
+                back = bytearray(6)
+                await view.get_async(back, 10)
+                return bytes(back)
+
+            assert asyncio.run(go()) == b"async!"
+    finally:
+        child.close()
+
+
+def test_exclusion_and_preference(peer):
+    buf = gs.allocate(MiB, device="host")
+    share = gs.export(buf, lifetime="revoked")
+    info = peer.call("open", "ex", share, {"exclude": ["host-fd"]})
+    assert info["path"] == "ucx-rma" and "excluded by the caller" in info["why"]
+    assert info["warnings"] == []  # the caller asked for it: no warning
+    peer.call("close", "ex")
+    info = peer.call("open", "pref", share, {"prefer": "ucx-rma"})
+    assert info["path"] == "ucx-rma"
+    peer.call("close", "pref")
+    share.revoke()
+
+
+def test_environment_variable_excludes_for_the_whole_job(monkeypatch):
+    monkeypatch.setenv("GPUSHARE_EXCLUDE_PATHS", "host-fd")
+    child = Child(_share_peer.setup)
+    try:
+        buf = gs.allocate(MiB, device="host")
+        info = child.call("open", "env", gs.export(buf))
+        assert info["path"] == "ucx-rma"
+        assert "excluded" in info["why"]
+    finally:
+        child.close()
+
+
+def test_failed_probe_falls_back_with_a_warning():
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "host", MiB, {"lifetime": "revoked"})
+        exporter.call("stop_broker")  # the host-fd probe will fail for real
+        with pytest.warns(gs.SlowPathWarning, match="fell back to ucx-rma"):
+            view = gs.open(share)
+        assert view.path == "ucx-rma"
+        assert "host-fd failed" in view.why
+        out = bytearray(16)
+        view.get(out)
+        assert out == bytes(range(16))
+        view.close()
+        # The same fallback as an error, with nothing left open.
+        fds = len(os.listdir("/proc/self/fd"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gs.SlowPathWarning)
+            with pytest.raises(gs.SlowPathWarning):
+                gs.open(share)
+        assert _wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds)
+    finally:
+        exporter.close()
+
+
+# ---------------------------------------------------------------- lifetimes
+
+
+def test_default_lifetime_ends_when_every_importer_closed(peer):
+    box = Box(4096)
+    share = gs.export(box)
+    ref = weakref.ref(box)
+    del box
+    gc.collect()
+    assert ref() is not None  # the exporter keeps it alive for the importers
+    peer.call("open", "l1", share)
+    peer.call("open", "l2", share)
+    peer.call("close", "l1")
+    gc.collect()
+    assert ref() is not None  # one importer still has it open
+    peer.call("close", "l2")
+    assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
+    with pytest.raises(gs.ClosedError, match="no longer available"):
+        gs.open(share, exclude=["same-process"])
+
+
+def test_lifetime_n_imports(peer):
+    share = gs.export(np.zeros(4096, np.uint8), lifetime=2)
+    peer.call("open", "n1", share)
+    peer.call("open", "n2", share)
+    with pytest.raises(Exception, match="as many times as its lifetime allows"):
+        peer.call("open", "n3", share)
+    peer.call("close", "n1")
+    peer.call("close", "n2")
+    export = registered(share)
+    assert _wait_for(lambda: export.retired)
+
+
+def test_lifetime_none_keeps_nothing_alive(peer):
+    box = Box(4096)
+    share = gs.export(box, lifetime="none")
+    ref = weakref.ref(box)
+    del box
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(Exception, match="no longer available"):
+        peer.call("open", "none", share)
+    with pytest.raises(gs.InvalidInputError, match="weak"):
+        gs.export(bytearray(10), lifetime="none")
+
+
+def test_revocation_stops_remote_access_but_not_existing_mappings(peer):
+    arr = np.ones(MiB, np.uint8)
+    buf = gs.allocate(MiB, device="host")
+    rma_share = gs.export(arr, lifetime="revoked")
+    fd_share = gs.export(buf, lifetime="revoked")
+    assert peer.call("open", "rv-rma", rma_share)["path"] == "ucx-rma"
+    assert peer.call("open", "rv-fd", fd_share)["path"] == "host-fd"
+    rma_share.revoke()
+    fd_share.revoke()
+    # Remote access stops at once...
+    with pytest.raises(Exception, match="UCX|Connection|connection|reset|failed"):
+        peer.call("get", "rv-rma", 0, 16)
+    # ...but a mapping already made on this node cannot be taken back.
+    np.asarray(buf)[:4] = 5
+    assert peer.call("get", "rv-fd", 0, 4) == b"\x05" * 4
+    # And nobody can open either share any more.
+    for share in (rma_share, fd_share):
+        with pytest.raises(Exception, match="revoked"):
+            peer.call("open", "again", share)
+    peer.call("close", "rv-rma")
+    peer.call("close", "rv-fd")
+
+
+def test_only_the_exporter_can_revoke(peer):
+    share = peer.call("export", "numpy", 64)
+    with pytest.raises(gs.ClosedError, match="only the exporting process"):
+        share.revoke()
+
+
+def test_importer_death_counts_as_closed():
+    box = Box(MiB)
+    share = gs.export(box)
+    ref = weakref.ref(box)
+    del box
+    child = Child(_share_peer.setup)
+    try:
+        assert child.call("open", "doomed", share)["path"] == "ucx-rma"
+        export = registered(share)
+        assert export.opens == 1
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.join(10)
+    finally:
+        child.close()
+    assert _wait_for(lambda: export.opens == 0 and export.retired)
+    assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
+
+
+# ---------------------------------------------------------------- bad peers
+
+
+def test_forged_token_is_denied():
+    share = gs.export(np.zeros(64, np.uint8))
+    fn, fields = share.__reduce__()
+    fields = list(fields)
+    fields[2] = os.urandom(32)
+    with pytest.raises(gs.AccessDeniedError, match="wrong token"):
+        gs.open(fn(*fields), exclude=["same-process"])
+
+
+def test_unknown_share_id_is_refused():
+    share = gs.export(np.zeros(64, np.uint8))
+    fn, fields = share.__reduce__()
+    fields = list(fields)
+    fields[1] = "0" * 32
+    with pytest.raises(gs.ClosedError, match="no such share"):
+        gs.open(fn(*fields))
+
+
+def test_dead_exporter_gives_a_clear_error_quickly():
+    child = Child(_share_peer.setup)
+    share = child.call("export", "host", 4096)
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.join(10)
+    child.close()
+    start = time.monotonic()
+    with pytest.raises(gs.ExporterUnreachableError):
+        gs.open(share, timeout=5)
+    assert time.monotonic() - start < 10
+
+
+def test_exporter_restarts_after_fork():
+    parent_share = gs.export(np.zeros(16, np.uint8))
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            arr = np.arange(8, dtype=np.uint8)
+            share = gs.export(arr)
+            ok = share.exporter_pid == os.getpid() and share.control != parent_share.control
+            with gs.open(share) as view:
+                ok = ok and view.path == "same-process"
+            code = 0 if ok else 2
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with gs.open(parent_share) as view:
+        assert view.path == "same-process"
