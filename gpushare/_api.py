@@ -150,6 +150,8 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
         record.obj = obj
     exporter.add(record)
     fabric = None
+    if "fabric" in offers:
+        fabric = _fabric_cliques()[0].get(device)
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
                        device, shape, typestr, tuple(offers), lifetime_name, fabric)
 
@@ -205,7 +207,7 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
         elif path in ("posix-fd", "cuda-ipc", "host-fd") and not same_node:
             why_not = "exporter is on another node (or network namespace)"
         elif path == "fabric":
-            why_not = "no fabric clique shared with the exporter (needs an NVLink fabric and an IMEX channel)"
+            why_not = _fabric_mismatch(share.fabric)
         elif path in _MAPPED_CUDA and not same_node:
             why_not = "exporter is on another node"
         if why_not is not None:
@@ -213,11 +215,42 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
             continue
         natural.append(path)
     order = [p for p in prefer_l if p in natural] + [p for p in natural if p not in prefer_l]
+    if order and natural and order[0] != natural[0]:
+        left_out.append(f"{order[0]} preferred by the caller over {natural[0]}")
     for p in exclude_l:
         if p in order:
             order.remove(p)
             left_out.append(f"not {p}: excluded by the caller")
     return order, left_out, natural
+
+
+def _fabric_cliques() -> tuple[dict[int, str], str | None]:
+    """This node's fabric clique per device ("cluster:clique"), or why there is none."""
+    from ._capabilities import capabilities
+
+    caps = capabilities()
+    if not caps["cuda"]["available"]:
+        return {}, f"no CUDA here ({caps['cuda']['reason']})"
+    if not caps["imex"]["present"]:
+        return {}, f"no IMEX channel ({caps['imex']['reason']})"
+    cliques = {}
+    for dev in caps["cuda"]["devices"]:
+        fab = dev.get("fabric") or {}
+        if fab.get("cluster_uuid"):
+            cliques[dev["ordinal"]] = f"{fab['cluster_uuid']}:{fab['clique_id']}"
+    return cliques, None if cliques else "no device reports an NVLink fabric clique"
+
+
+def _fabric_mismatch(exporter_clique: str | None) -> str | None:
+    """None when this process can import the exporter's fabric handles, else why not."""
+    if exporter_clique is None:
+        return "the exporter did not report a fabric clique"
+    cliques, why = _fabric_cliques()
+    if why is not None:
+        return why
+    if exporter_clique not in cliques.values():
+        return "not in the exporter's fabric clique"
+    return None
 
 
 # ---------------------------------------------------------------- importing

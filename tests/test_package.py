@@ -70,9 +70,25 @@ def test_demo_command_moves_data_and_reports():
     r = subprocess.run([sys.executable, "-m", "gpushare", "demo", "--size-mib", "4", "--repeat", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "bytes match the exporter's: True" in r.stdout
-    assert "the exporter sees the bytes: True" in r.stdout
-    assert "transport:" in r.stdout and "GB/s" in r.stdout
+    assert "path: host-fd" in r.stdout  # the best path on a machine without a GPU
+    assert "forced path: ucx-rma" in r.stdout
+    assert r.stdout.count("bytes match the exporter's: True") == 2
+    assert r.stdout.count("the exporter sees the bytes: True") == 2
+    assert "GB/s" in r.stdout and r.stdout.strip().endswith("demo passed")
+
+
+def test_doctor_reports_capabilities_and_decisions():
+    r = subprocess.run([sys.executable, "-m", "gpushare", "doctor"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "UCX transports:" in r.stdout and "tcp/lo" in r.stdout
+    assert "host memory from gpushare.allocate, peer on same node: host-fd" in r.stdout
+    assert "host memory from gpushare.allocate, peer on another node: ucx-rma" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "gpushare", "doctor", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    import json
+
+    data = json.loads(r.stdout)
+    assert {d["path"] for d in data["decisions"]} >= {"host-fd", "ucx-rma"}
 
 
 def test_demo_rejects_bad_arguments():

@@ -1,0 +1,100 @@
+"""``gpushare doctor``: what this machine can do, and which path each peer would get."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_doctor", "ucx_transports"]
+
+
+def ucx_transports() -> dict[str, Any]:
+    """Transports and devices UCX finds here (from the wheel's ucx_info)."""
+    try:
+        import libucx
+    except ImportError:
+        return {"transports": [], "reason": "libucx is not installed"}
+    root = Path(libucx.__file__).parent
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{root / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    try:
+        r = subprocess.run([str(root / "bin" / "ucx_info"), "-d"], capture_output=True, text=True,
+                           timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"transports": [], "reason": f"ucx_info failed: {exc}"}
+    found, tl = [], None
+    for line in r.stdout.splitlines():
+        line = line.strip("# ").strip()
+        if line.startswith("Transport:"):
+            tl = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and tl:
+            entry = f"{tl}/{line.split(':', 1)[1].strip()}"
+            if entry not in found:
+                found.append(entry)
+    return {"transports": found, "reason": None if found else "ucx_info listed no transport"}
+
+
+def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
+    from ._api import _candidates
+    from ._share import SHARE_FORMAT, Share
+
+    shape, typestr = (4096,), "|u1"
+    share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
+                        shape, typestr, offers, "closed", None)
+    order, left_out, _ = _candidates(share, None, None)
+    if not order:
+        return "none", "; ".join(left_out)
+    return order[0], "; ".join(left_out)
+
+
+def run_doctor(out: Any = print, as_json: bool = False) -> int:
+    from . import capabilities
+    from ._share import node_key
+
+    caps = capabilities()
+    caps["ucx"] = ucx_transports()
+    here, elsewhere = node_key(), "another-node"
+    cuda_devices = caps["cuda"]["devices"] or []
+    scenarios = [
+        ("host memory from gpushare.allocate", "host", ("host-fd", "ucx-rma")),
+        ("other host memory (a NumPy array)", "host", ("ucx-rma",)),
+    ]
+    if cuda_devices:
+        types = cuda_devices[0].get("handle_types", [])
+        vmm = tuple(p for p, t in (("fabric", "fabric"), ("posix-fd", "posix_fd")) if t in types)
+        scenarios += [
+            ("CUDA memory from gpushare.allocate", 0, vmm + ("ucx-rma",)),
+            ("other CUDA memory (CuPy pool, torch)", 0, ("cuda-ipc", "ucx-rma")),
+        ]
+    decisions = []
+    for label, device, offers in scenarios:
+        for where, node in (("same node", here), ("another node", elsewhere)):
+            path, why = _decide(node, device, offers)
+            decisions.append({"memory": label, "peer": where, "path": path, "why": why})
+    if as_json:
+        out(json.dumps({"capabilities": caps, "decisions": decisions}, indent=2, default=str))
+        return 0
+    out(f"node: {caps['node']}")
+    cuda = caps["cuda"]
+    if cuda["available"]:
+        out(f"CUDA driver {cuda['driver_version']}, {len(cuda_devices)} device(s)")
+        for d in cuda_devices:
+            out(f"  device {d.get('ordinal')}: {d.get('name', '')} handle types {d.get('handle_types')}"
+                + (f"; fabric: {d.get('fabric_reason')}" if d.get("fabric_reason") else ""))
+    else:
+        out(f"CUDA: not available ({cuda['reason']})")
+    imex = caps["imex"]
+    out(f"IMEX channel: {'present' if imex.get('present') else 'absent'}"
+        + (f" ({imex.get('reason')})" if imex.get("reason") else ""))
+    ucx = caps["ucx"]
+    out(f"UCX transports: {', '.join(ucx['transports']) or ucx['reason']}")
+    out(f"versions: {', '.join(f'{k} {v}' for k, v in caps['versions'].items())}")
+    out("")
+    out("path a peer would get:")
+    for d in decisions:
+        out(f"  {d['memory']}, peer on {d['peer']}: {d['path']}")
+        if d["why"]:
+            out(f"      why not faster: {d['why']}")
+    return 0
