@@ -47,8 +47,44 @@ def import_() -> None:
               flush=True)
 
 
+def share_export(size: int) -> None:
+    import pickle
+
+    import gpushare as gs
+
+    arr = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    share = gs.export(arr, lifetime="revoked")
+    print(json.dumps({"share": pickle.dumps(share).hex(), "digest": hashlib.sha256(arr).hexdigest()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "digest":
+            print(hashlib.sha256(arr).hexdigest(), flush=True)
+        elif cmd == "exit":
+            break
+
+
+def share_open() -> None:
+    import pickle
+
+    import gpushare as gs
+
+    share = pickle.loads(bytes.fromhex(json.loads(sys.stdin.readline())["share"]))
+    with gs.open(share) as view:
+        out = np.empty(view.nbytes, np.uint8)
+        view.get(out)
+        reply = np.random.default_rng(8).integers(0, 256, view.nbytes, dtype=np.uint8)
+        view.put(reply)
+        print(json.dumps({"path": view.path, "why": view.why, "get_digest": hashlib.sha256(out).hexdigest(),
+                          "put_digest": hashlib.sha256(reply).hexdigest()}), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "export":
+    role = sys.argv[1]
+    if role == "export":
         export(int(sys.argv[2]))
+    elif role == "share-export":
+        share_export(int(sys.argv[2]))
+    elif role == "share-open":
+        share_open()
     else:
         import_()

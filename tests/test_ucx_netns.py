@@ -73,3 +73,30 @@ def test_put_and_get_across_namespaces(two_nodes):
         if exporter.poll() is None:
             exporter.kill()
             exporter.wait(10)
+
+
+def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
+    a, b, _ = two_nodes
+    exporter = _run_in(b, "share-export", str(SIZE))
+    try:
+        line = exporter.stdout.readline()
+        assert line, exporter.stderr.read()
+        hello = json.loads(line)
+        importer = _run_in(a, "share-open")
+        out, err = importer.communicate(json.dumps(hello) + "\n", timeout=120)
+        assert importer.returncode == 0, err
+        assert "SlowPathWarning" not in err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["path"] == "ucx-rma"
+        assert "another node" in result["why"]
+        assert result["get_digest"] == hello["digest"]
+        exporter.stdin.write("digest\n")
+        exporter.stdin.flush()
+        assert exporter.stdout.readline().strip() == result["put_digest"]
+        exporter.stdin.write("exit\n")
+        exporter.stdin.flush()
+        assert exporter.wait(30) == 0
+    finally:
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.wait(10)
