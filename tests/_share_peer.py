@@ -48,6 +48,15 @@ def _array_write(state: dict, name: str, index: int, value: int) -> None:
     del a
 
 
+def _cupy_write(state: dict, name: str, index: int, value: int) -> None:
+    import cupy
+
+    a = cupy.asarray(state["views"][name])
+    a.reshape(-1).view(cupy.uint8)[index] = value
+    cupy.cuda.runtime.deviceSynchronize()
+    del a
+
+
 def _close(state: dict, name: str) -> None:
     state["views"].pop(name).close()
 
@@ -82,6 +91,7 @@ HANDLERS = {
     "put": _put,
     "digest": _digest,
     "array_write": _array_write,
+    "cupy_write": _cupy_write,
     "close": _close,
     "stop_broker": _stop_broker,
     "export": _export,
