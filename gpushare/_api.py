@@ -127,10 +127,7 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
         local.release()
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
-    if memory_type == "cuda":
-        device = int(getattr(obj, "device_id", device if device is not None else 0) or 0)
-    else:
-        device = "host"
+    device = _device_ordinal(local.address) if memory_type == "cuda" else "host"
     descs, _ = _mapped_offers(obj, memory_type)
     offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
     if wanted is not None:
@@ -154,6 +151,15 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
         fabric = _fabric_cliques()[0].get(device)
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
                        device, shape, typestr, tuple(offers), lifetime_name, fabric)
+
+
+def _device_ordinal(address: int) -> int:
+    """The CUDA device that owns ``address`` (asked of the driver)."""
+    from ._paths import _cuda
+
+    drv = _cuda.driver()
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(_cuda.check(drv.cuPointerGetAttribute(attr, address), "cuPointerGetAttribute(DEVICE_ORDINAL)"))
 
 
 def _prod(shape: tuple[int, ...]) -> int:

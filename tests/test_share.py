@@ -389,3 +389,35 @@ def test_exporter_restarts_after_fork():
     assert os.waitstatus_to_exitcode(status) == 0
     with gs.open(parent_share) as view:
         assert view.path == "same-process"
+
+
+def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
+        view = gs.open(share)
+        assert view.path == "ucx-rma"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    view.get(bytearray(8))
+                except gs.ClosedError as exc:
+                    code = 0 if "fork" in str(exc) else 2
+                if code == 0:  # a fresh open in the child works, on a new agent
+                    with gs.open(share) as again:
+                        out = bytearray(8)
+                        again.get(out)
+                        code = 0 if out == bytes(range(8)) else 4
+            except BaseException:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        out = bytearray(8)
+        view.get(out)  # the parent's view still works
+        assert out == bytes(range(8))
+        view.close()
+    finally:
+        exporter.close()
