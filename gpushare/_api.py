@@ -546,6 +546,9 @@ class View:
             return memoryview(self._target).cast("B")
         return self._mapped.memoryview()
 
+    def __buffer__(self, flags: int) -> memoryview:  # the buffer protocol on Python 3.12+
+        return self.memoryview()
+
     @property
     def __array_interface__(self) -> dict:
         if self.device != "host":
@@ -586,27 +589,33 @@ class View:
         return local, offset
 
     def get(self, dst: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
-        """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``."""
+        """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``.
+
+        ``timeout`` bounds a remote (ucx-rma) transfer; when it passes,
+        :class:`WaitTimeoutError` is raised and ``dst`` stays in use by the
+        transfer until it completes or fails.
+        """
         local, offset = self._span(dst, offset, True)
+        if self.path == "ucx-rma":
+            # The request owns the pinned buffer until it completes.
+            self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+            return
         try:
-            if self.path == "ucx-rma":
-                self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
-            else:
-                src = self._local()
-                _copy(local, src.address + offset, local.address, local.nbytes, src.memory_type, "from")
+            src = self._local()
+            _copy(local, src.address + offset, local.address, local.nbytes, src.memory_type, "from")
         finally:
             local.release()
 
     def put(self, src: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
         """Copy ``src`` into the shared memory at ``offset``; remote puts are flushed before this returns."""
         local, offset = self._span(src, offset, False)
+        if self.path == "ucx-rma":
+            self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+            self._ep.flush().wait(timeout)
+            return
         try:
-            if self.path == "ucx-rma":
-                self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
-                self._ep.flush().wait(timeout)
-            else:
-                dst = self._local()
-                _copy(local, local.address, dst.address + offset, local.nbytes, dst.memory_type, "to")
+            dst = self._local()
+            _copy(local, local.address, dst.address + offset, local.nbytes, dst.memory_type, "to")
         finally:
             local.release()
 
@@ -616,10 +625,7 @@ class View:
             await asyncio.to_thread(self.get, dst, offset)
             return
         local, offset = self._span(dst, offset, True)
-        try:
-            await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
-        finally:
-            local.release()
+        await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
 
     async def put_async(self, src: Any, offset: int = 0) -> None:
         """:meth:`put` for asyncio; remote puts are flushed before it completes."""
@@ -627,11 +633,8 @@ class View:
             await asyncio.to_thread(self.put, src, offset)
             return
         local, offset = self._span(src, offset, False)
-        try:
-            await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
-            await self._ep.flush()
-        finally:
-            local.release()
+        await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
+        await self._ep.flush()
 
 
 def _copy(local: _buffers.LocalBuffer, src: int, dst: int, n: int, shared_type: str, direction: str) -> None:

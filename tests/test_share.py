@@ -421,3 +421,23 @@ def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
         view.close()
     finally:
         exporter.close()
+
+
+def test_exporter_stalling_or_dying_mid_transfer_fails_in_bounded_time():
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "numpy", 8 * MiB, {"lifetime": "revoked"})
+        view = gs.open(share)
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        dst = bytearray(8 * MiB)
+        start = time.monotonic()
+        with pytest.raises(gs.WaitTimeoutError):
+            view.get(dst, timeout=1.0)
+        os.kill(exporter.proc.pid, signal.SIGKILL)
+        exporter.proc.join(10)
+        with pytest.raises(gs.UCXError):
+            view.get(bytearray(16), timeout=30)
+        assert time.monotonic() - start < 40
+        view.close()
+    finally:
+        exporter.close()
