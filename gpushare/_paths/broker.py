@@ -11,8 +11,9 @@ Wire protocol (all integers big-endian), one request per connection:
 * request, importer to broker: ``magic "GSFD", protocol u8, export_id u64,
   token 32 bytes`` (45 bytes);
 * reply: ``magic "GSFD", protocol u8, status u8, message length u16, fd count
-  u32`` then the UTF-8 message, then, when the status is OK, the file
-  descriptors in ``SCM_RIGHTS`` messages of at most 250, each on one byte.
+  u32`` then the UTF-8 message.  When the status is OK there is no message
+  and the file descriptors travel in ``SCM_RIGHTS`` messages of at most 250:
+  the first on the reply itself, the others each on one byte ``"F"``.
 
 The broker checks the peer's credentials (``SO_PEERCRED``: the same user id,
 or root) before it reads a byte, and compares tokens with
@@ -24,6 +25,7 @@ operation on both sides has a timeout.
 from __future__ import annotations
 
 import atexit
+import functools
 import hmac
 import os
 import secrets
@@ -51,8 +53,9 @@ _UCRED = struct.Struct("3i")
 TIMEOUT = 5.0
 
 
+@functools.cache
 def node_identity() -> str:
-    """This node's identity: the kernel boot id and the host name."""
+    """This node's identity: the kernel boot id and the host name (read once)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
@@ -189,10 +192,13 @@ class Broker:
             if not granted:
                 _reply(conn, _DENIED, f"wrong token for export {export_id}")
                 return
-            _reply(conn, _OK, "", len(dups))
+            # The reply carries the first fds (one wake-up of the importer
+            # for most buffers); any more follow on one byte each.
+            header = _REPLY.pack(_MAGIC, _PROTOCOL, _OK, 0, len(dups))
             for start in range(0, len(dups), _FDS_PER_MESSAGE):
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                socket.send_fds(conn, [b"F"], dups[start : start + _FDS_PER_MESSAGE])
+                data = header if start == 0 else b"F"
+                socket.send_fds(conn, [data], dups[start : start + _FDS_PER_MESSAGE])
         finally:
             for fd in dups:
                 os.close(fd)

@@ -1,0 +1,153 @@
+"""Time from a descriptor to a usable view of a host buffer in another process.
+
+Compares, for host buffers of 4 KiB and 64 MiB (and 1 GiB with ``--large``):
+
+* gpushare: ``import_buffer(descriptor)`` + ``numpy.asarray`` (broker round
+  trip, fds over SCM_RIGHTS, fstat and seal checks, mmap per chunk);
+* ``multiprocessing.shared_memory``: ``SharedMemory(name=...)`` + ``numpy.ndarray``;
+* pickling the array through a ``multiprocessing`` pipe (send in the parent
+  to a NumPy array in the child; the clocks are the same CLOCK_MONOTONIC).
+
+It also prints the time of a bare request and reply between the two
+processes: a gpushare open asks the exporter's broker for the fds, so it can
+never be faster than that, while a shared_memory attach asks no one.
+
+Targets: open at most 2x the shared_memory attach; at least 100x faster than
+pickling at 64 MiB.  Run: ``python benchmarks/bench_same_node.py [--large] [--reps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+import gpushare as gs
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _child(conn) -> None:
+    while True:
+        cmd, arg, reps = conn.recv()
+        if cmd == "exit":
+            return
+        times = []
+        for _ in range(reps):
+            if cmd == "gpushare":
+                t0 = time.perf_counter()
+                buf = gs.import_buffer(arg)
+                view = np.asarray(buf)
+                view[0]  # noqa: B018 - the view is usable
+                times.append(time.perf_counter() - t0)
+                del view
+                buf.close()
+            elif cmd == "shm":
+                t0 = time.perf_counter()
+                shm = shared_memory.SharedMemory(name=arg[0])
+                view = np.ndarray((arg[1],), dtype=np.uint8, buffer=shm.buf)
+                view[0]  # noqa: B018
+                times.append(time.perf_counter() - t0)
+                del view
+                shm.close()
+            elif cmd == "ping":
+                t0 = time.perf_counter()
+                conn.send(None)
+                conn.recv()
+                times.append(time.perf_counter() - t0)
+            elif cmd == "pickle":
+                arr = conn.recv()
+                arr[0]  # noqa: B018
+                times.append(time.perf_counter())  # the parent subtracts its send time
+                del arr
+        conn.send(times)
+
+
+def _best(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def round_trip(conn, reps: int) -> float:
+    """A bare request and reply between the two processes: the floor under
+    any scheme that asks the exporter for something."""
+    conn.send(("ping", None, reps))
+    for _ in range(reps):
+        conn.send(conn.recv())
+    return _best(conn.recv())
+
+
+def measure(conn, size: int, reps: int) -> dict[str, float]:
+    buf = gs.allocate(size, device="host")
+    np.asarray(buf)[:] = 1
+    desc = gs.export_buffer(buf)
+    conn.send(("gpushare", desc, reps))
+    gs_time = _best(conn.recv())
+    buf.close()
+
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)[:] = 1
+        conn.send(("shm", (shm.name, size), reps))
+        shm_time = _best(conn.recv())
+    finally:
+        shm.close()
+        shm.unlink()
+
+    arr = np.ones(size, dtype=np.uint8)
+    pickle_reps = max(1, reps // 10) if size >= 64 * MiB else reps
+    conn.send(("pickle", None, pickle_reps))
+    starts = []
+    for _ in range(pickle_reps):
+        starts.append(time.perf_counter())
+        conn.send(arr)
+    ends = conn.recv()
+    pickle_time = _best([e - s for s, e in zip(starts, ends, strict=True)])
+    return {"gpushare": gs_time, "shm": shm_time, "pickle": pickle_time}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--large", action="store_true", help="also 1 GiB (needs about 4 GiB of memory)")
+    parser.add_argument("--reps", type=int, default=50, help="repetitions per measurement (median)")
+    args = parser.parse_args()
+    sizes = [4 * KiB, 64 * MiB] + ([1 * GiB] if args.large else [])
+
+    ctx = mp.get_context("spawn")
+    conn, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(theirs,), daemon=True)
+    proc.start()
+    try:
+        print(
+            f"{'size':>8} {'gpushare':>11} {'shm attach':>11} {'pickle':>11} {'gs/shm':>7} {'pickle/gs':>10}"
+        )
+        for size in sizes:
+            r = measure(conn, size, args.reps)
+            label = (
+                f"{size // GiB} GiB"
+                if size >= GiB
+                else f"{size // MiB} MiB"
+                if size >= MiB
+                else f"{size // KiB} KiB"
+            )
+            print(
+                f"{label:>8} {r['gpushare'] * 1e6:>9.1f}us {r['shm'] * 1e6:>9.1f}us {r['pickle'] * 1e6:>9.1f}us"
+                f" {r['gpushare'] / r['shm']:>7.2f} {r['pickle'] / r['gpushare']:>10.1f}"
+            )
+        print("targets: gs/shm <= 2.00; pickle/gs >= 100 at 64 MiB")
+        print(
+            f"a bare request/reply between these processes takes {round_trip(conn, 200) * 1e6:.1f}us: "
+            "the floor under an open that asks the exporter's broker"
+        )
+    finally:
+        conn.send(("exit", None, 0))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()
