@@ -37,6 +37,15 @@ _HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix_fd", "cuda-ipc": "cuda_ip
 
 def _describe(obj: Any) -> tuple[tuple[int, ...], str]:
     """Shape and typestr of an array-like, else (nbytes,) of bytes."""
+    if (not hasattr(obj, "__array_interface__") and not hasattr(obj, "__cuda_array_interface__")
+            and hasattr(obj, "__dlpack_device__")):
+        try:
+            if obj.__dlpack_device__()[0] == 1:  # CPU: let NumPy read the dtype
+                import numpy
+
+                obj = numpy.from_dlpack(obj)
+        except Exception:  # noqa: BLE001 - only a description: fall back to bytes
+            return (), ""
     for attr in ("__cuda_array_interface__", "__array_interface__"):
         ai = getattr(obj, attr, None)
         if isinstance(ai, dict) and "shape" in ai and "typestr" in ai:
@@ -59,37 +68,91 @@ def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
     raise InvalidInputError(f"lifetime must be 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
 
 
-def _mapped_offers(obj: Any, memory_type: str) -> tuple[dict[str, Any], list[str]]:
-    """Descriptors for the mapped paths this memory supports, and notes on the rest."""
+def _own_fd_registration(fds: list[int], desc: Any) -> tuple[Any, tuple[int, list[int]]]:
+    """Serve duplicates of ``fds`` under a token of this share's own.
+
+    The share's registration is independent of the buffer's: revoking or
+    retiring the share revokes it (and closes the duplicates) without
+    touching other exports of the same buffer.
+    """
+    from ._paths.broker import publish
+
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.dup(fd))
+        broker, own = publish(dups, device=desc.device, sizes=desc.sizes, size=desc.size,
+                              owner_uuid=desc.owner_uuid)
+    except BaseException:
+        for fd in dups:
+            os.close(fd)
+        raise
+    return own, (own.export_id, dups)
+
+
+def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None) -> tuple[dict[str, Any], list]:
+    """Descriptors for the mapped paths this memory supports (and wants), and
+    the share's own fd registrations."""
     from . import _same_node
     from ._paths.host_fd import HostBuffer
 
     descs: dict[str, Any] = {}
-    notes: list[str] = []
-    if isinstance(obj, HostBuffer):
-        descs["host-fd"] = _same_node.export_buffer(obj)
-        return descs, notes
-    if memory_type != "cuda":
-        notes.append("host-fd needs memory from gpushare.allocate(..., device='host')")
-        return descs, notes
-    from ._paths import cuda_vmm
+    regs: list = []
 
-    if cuda_vmm.is_vmm_buffer(obj):
-        for path in ("fabric", "posix-fd"):
+    def want(path: str) -> bool:
+        return wanted is None or path in wanted
+
+    try:
+        if isinstance(obj, HostBuffer):
+            if want("host-fd"):
+                desc = _same_node.export_buffer(obj)
+                with obj._res.lock:
+                    fds = list(obj._res.fds)
+                descs["host-fd"], reg = _own_fd_registration(fds, desc)
+                regs.append(reg)
+            return descs, regs
+        if memory_type != "cuda":
+            return descs, regs
+        from ._paths import cuda_vmm
+
+        if cuda_vmm.is_vmm_buffer(obj):
+            for path in ("fabric", "posix-fd"):
+                if not want(path):
+                    continue
+                try:
+                    desc = _same_node.export_buffer(obj, handle_type=_HANDLE_TYPE[path])
+                except GpuShareError:
+                    continue  # not supported here (no fabric): not offered
+                if path == "posix-fd":
+                    mr = obj.memory_resource
+                    with mr.lock:
+                        fds = list(mr.posix_export[2])
+                    desc, reg = _own_fd_registration(fds, desc)
+                    regs.append(reg)
+                descs[path] = desc
+        elif want("cuda-ipc"):
             try:
-                descs[path] = _same_node.export_buffer(obj, handle_type=_HANDLE_TYPE[path])
-            except GpuShareError as exc:
-                notes.append(f"{path}: {exc}")
-    else:
-        notes.append("fabric and posix-fd need memory from gpushare.allocate(..., device=N)")
-        try:
-            descs["cuda-ipc"] = _same_node.export_buffer(obj, handle_type="cuda_ipc")
-        except GpuShareError as exc:
-            notes.append(f"cuda-ipc: {exc}")
-    return descs, notes
+                descs["cuda-ipc"] = _same_node.export_buffer(obj, handle_type="cuda_ipc")
+            except GpuShareError:
+                pass
+    except BaseException:
+        _release_registrations(regs)
+        raise
+    return descs, regs
 
 
-def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
+def _release_registrations(regs: list) -> None:
+    from ._paths.broker import get_broker
+
+    broker = get_broker()
+    for export_id, fds in regs:
+        broker.revoke(export_id)
+        for fd in fds:
+            os.close(fd)
+    regs.clear()
+
+
+def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None, readonly: bool | None = None) -> Share:
     """Offer ``obj``'s memory to other processes; return the :class:`Share` to send them.
 
     Parameters
@@ -110,6 +173,11 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
     paths : iterable of str, optional
         Offer only these paths (``"ucx-rma"`` and ``"same-process"`` are
         always possible).
+    readonly : bool, optional
+        Importers may only read (``View.put`` is refused, mapped views are
+        read-only).  Read-only memory (``bytes``, a non-writeable array) is
+        always shared read-only.  UCX does not enforce this against a
+        malicious peer on TCP and shared memory (see docs/security.md).
 
     Returns
     -------
@@ -120,19 +188,23 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
     wanted = None
     if paths is not None:
         wanted = _path_list(paths, "paths")
+    if readonly is not None and not isinstance(readonly, bool):
+        raise InvalidInputError("readonly must be a bool or None")
     local = _buffers.resolve(obj, writable=False)
     try:
         nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
+        readonly = bool(readonly) or local.readonly
     finally:
         local.release()
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
     device = _device_ordinal(local.address) if memory_type == "cuda" else "host"
-    descs, _ = _mapped_offers(obj, memory_type)
+    descs, regs = _mapped_offers(obj, memory_type, wanted)
     offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
     if wanted is not None:
         offers = [p for p in offers if p in wanted]
         if not offers:
+            _release_registrations(regs)
             raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory")
     shape, typestr = _describe(obj)
     if not typestr or _prod(shape) * int(typestr[2:]) != nbytes:
@@ -140,17 +212,22 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None) -> Share:
     share_id, token = new_ids()
     exporter = get_exporter()
     record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
-                    offers=tuple(offers), descriptors=descs, policy=policy)
-    if policy == "none":
-        record.obj_ref = weak_or_none(obj)
-    else:
-        record.obj = obj
+                    offers=tuple(offers), descriptors=descs, policy=policy, readonly=readonly,
+                    registrations=regs)
+    try:
+        if policy == "none":
+            record.obj_ref = weak_or_none(obj, record)
+        else:
+            record.obj = obj
+    except BaseException:
+        _release_registrations(regs)
+        raise
     exporter.add(record)
     fabric = None
     if "fabric" in offers:
         fabric = _fabric_cliques()[0].get(device)
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
-                       device, shape, typestr, tuple(offers), lifetime_name, fabric)
+                       device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly)
 
 
 def _device_ordinal(address: int) -> int:
@@ -305,7 +382,7 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
         for a whole job; ``prefer=`` replaces ``GPUSHARE_PATHS``,
         ``exclude=`` adds to ``GPUSHARE_EXCLUDE_PATHS``.
     timeout : float
-        Seconds for reaching the exporter and each probe.
+        Seconds for the whole open: reaching the exporter and every probe.
 
     Raises
     ------
@@ -337,23 +414,33 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
             raise ClosedError(f"cannot open share: {_REFUSALS[refusal]}")
         why = "same-process: this process exported it; the original object is handed back"
         return View._make(share, "same-process", why, target=target)
-    sock = _control.connect(_addresses_for(share), timeout)
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ExporterUnreachableError(
+                f"open did not finish within {timeout} s" + (f" ({'; '.join(failures)})" if failures else "")
+            )
+        return remaining
+
+    sock = _control.connect(_addresses_for(share), left())
     try:
         _control.send(sock, {"op": "hello", "share": share.share_id, "token": share.token,
                              "pid": os.getpid(), "node": node_key()})
-        reply = _control.recv(sock, timeout)
+        reply = _control.recv(sock, left())
         if not reply.get("ok"):
             _raise_refusal(reply)
         for path in order:
             _control.send(sock, {"op": "open", "path": path})
-            reply = _control.recv(sock, timeout)
+            reply = _control.recv(sock, left())
             if not reply.get("ok"):
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), timeout)
+                view = _import(share, path, reply.get("payload"), left())
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
                 _control.send(sock, {"op": "failed"})
@@ -543,8 +630,13 @@ class View:
         if self.path == "ucx-rma":
             self._local()
         if self._target is not None:
-            return memoryview(self._target).cast("B")
-        return self._mapped.memoryview()
+            lb = _buffers.resolve(self._target, writable=False)
+            raw = (ctypes.c_char * self.nbytes).from_address(lb.address)
+            raw._owner = (self._target, lb)  # the memory lives as long as the view of it
+            view = memoryview(raw).cast("B")
+        else:
+            view = self._mapped.memoryview()
+        return view.toreadonly() if self.share.readonly else view
 
     def __buffer__(self, flags: int) -> memoryview:  # the buffer protocol on Python 3.12+
         return self.memoryview()
@@ -560,8 +652,8 @@ class View:
         if self.device == "host":
             raise AttributeError("__cuda_array_interface__ (this view is host memory)")
         lb = self._local()
-        return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, False), "version": 3,
-                "strides": None, "stream": None}
+        return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, self.share.readonly),
+                "version": 3, "strides": None, "stream": None}
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         self._check()
@@ -576,6 +668,10 @@ class View:
         return (2, int(self.device))
 
     # -- copies ------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if self.share.readonly:
+            raise InvalidInputError("this share is read-only: its exporter allows get, not put")
+
     def _span(self, buf: Any, offset: Any, writable: bool) -> tuple[_buffers.LocalBuffer, int]:
         self._check()
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
@@ -608,6 +704,7 @@ class View:
 
     def put(self, src: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
         """Copy ``src`` into the shared memory at ``offset``; remote puts are flushed before this returns."""
+        self._check_writable()
         local, offset = self._span(src, offset, False)
         if self.path == "ucx-rma":
             self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
@@ -629,6 +726,7 @@ class View:
 
     async def put_async(self, src: Any, offset: int = 0) -> None:
         """:meth:`put` for asyncio; remote puts are flushed before it completes."""
+        self._check_writable()
         if self.path != "ucx-rma":
             await asyncio.to_thread(self.put, src, offset)
             return

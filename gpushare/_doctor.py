@@ -42,7 +42,7 @@ def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
 
     shape, typestr = (4096,), "|u1"
     share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
-                        shape, typestr, offers, "closed", None)
+                        shape, typestr, offers, "closed", None, False)
     order, left_out, _ = _candidates(share, None, None)
     if not order:
         return "none", "; ".join(left_out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hmac
+import ipaddress
 import os
 import secrets
 import socket
@@ -72,6 +73,8 @@ class Export:
     total: int = 0
     revoked: bool = False
     retired: bool = False
+    readonly: bool = False
+    registrations: list = field(default_factory=list)
     agent: Any = None
     mh: Any = None
     key: bytes | None = None
@@ -101,17 +104,26 @@ class Export:
             self.retire()
         elif isinstance(self.policy, int) and self.total >= self.policy:
             self.retire()
-        elif self.policy in ("none", "revoked") and self.agent is not None:
-            pass  # remote access stays possible for later opens
+        elif self.policy == "none":
+            self.close_remote()  # the UCX registration would keep the object alive
 
     def close_remote(self) -> None:
         agent, self.agent, self.mh, self.key = self.agent, None, None, None
         if agent is not None:
             agent.close()  # every remote endpoint to it dies: remote access stops
 
+    def close_mapped(self) -> None:
+        """Stop handing out this share's fds: a descriptor given out before is dead."""
+        regs, self.registrations = self.registrations, []
+        if regs:
+            from ._api import _release_registrations
+
+            _release_registrations(regs)
+
     def retire(self) -> None:
         self.retired = True
         self.close_remote()
+        self.close_mapped()
         self.obj = None
 
     # -- ucx-rma --------------------------------------------------------
@@ -138,6 +150,13 @@ class Exporter:
     def __init__(self) -> None:
         self.pid = os.getpid()
         bind_host = os.environ.get("GPUSHARE_CONTROL_HOST", "0.0.0.0")
+        try:
+            ipaddress.IPv4Address(bind_host)
+        except ValueError:
+            raise InvalidInputError(
+                f"GPUSHARE_CONTROL_HOST is {bind_host!r}; expected an IPv4 address of this host "
+                "(or 0.0.0.0 for every interface)"
+            ) from None
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((bind_host, 0))
@@ -189,6 +208,12 @@ class Exporter:
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # An importer on a node that vanishes without closing (power loss,
+            # partition) ends its lease within about a minute.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
             threading.Thread(target=self._session, args=(conn,), name="gpushare-lease", daemon=True).start()
 
     def _session(self, conn: socket.socket) -> None:
@@ -323,6 +348,7 @@ def revoke(share: Any) -> None:
     with export.lock:
         export.revoked = True
         export.close_remote()
+        export.close_mapped()
         export.obj = None
 
 
@@ -330,9 +356,14 @@ def new_ids() -> tuple[str, bytes]:
     return secrets.token_hex(16), secrets.token_bytes(32)
 
 
-def weak_or_none(obj: Any) -> Any:
+def weak_or_none(obj: Any, export: Export) -> Any:
+    """A weak reference to ``obj`` that retires ``export`` when ``obj`` goes."""
+    def gone(_: Any) -> None:
+        with export.lock:
+            export.retire()
+
     try:
-        return weakref.ref(obj)
+        return weakref.ref(obj, gone)
     except TypeError:
         raise InvalidInputError(
             f"lifetime='none' keeps no reference, so it needs an object that supports weak "

@@ -89,11 +89,13 @@ class Share:
         Where the exporter's control channel listens.
     fabric : str or None
         The exporter's fabric clique, for the fabric path.
+    readonly : bool
+        Importers may only read.
     """
 
     __slots__ = ("_fields_",)
     _NAMES = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
-              "shape", "typestr", "offers", "lifetime", "fabric")
+              "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Share objects are made by gpushare.export (and by unpickling)")
@@ -104,7 +106,7 @@ class Share:
         if len(fields) != len(cls._NAMES):
             raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._NAMES)}")
         (version, share_id, token, pid, node, control, nbytes, device, shape, typestr, offers,
-         lifetime, fabric) = fields
+         lifetime, fabric, readonly) = fields
         if version != SHARE_FORMAT or isinstance(version, bool):
             raise InvalidInputError(f"share format version {version!r:.20}; this gpushare reads {SHARE_FORMAT}")
         if not isinstance(share_id, str) or not _ID.match(share_id):
@@ -148,6 +150,8 @@ class Share:
             raise InvalidInputError(f"share lifetime {lifetime!r:.40} is not a known policy")
         if fabric is not None:
             _text(fabric, "fabric")
+        if not isinstance(readonly, bool):
+            raise InvalidInputError("share readonly must be a bool")
         self = object.__new__(cls)
         object.__setattr__(self, "_fields_", tuple(fields))
         return self

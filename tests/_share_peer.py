@@ -57,6 +57,16 @@ def _cupy_write(state: dict, name: str, index: int, value: int) -> None:
     del a
 
 
+def _import_desc(state: dict, desc: Any) -> bytes:
+    import gpushare as gs
+
+    buf = gs.import_buffer(desc)
+    try:
+        return bytes(buf.memoryview()[:4])
+    finally:
+        buf.close()
+
+
 def _close(state: dict, name: str) -> None:
     state["views"].pop(name).close()
 
@@ -92,6 +102,7 @@ HANDLERS = {
     "digest": _digest,
     "array_write": _array_write,
     "cupy_write": _cupy_write,
+    "import_desc": _import_desc,
     "close": _close,
     "stop_broker": _stop_broker,
     "export": _export,

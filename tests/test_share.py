@@ -441,3 +441,82 @@ def test_exporter_stalling_or_dying_mid_transfer_fails_in_bounded_time():
         view.close()
     finally:
         exporter.close()
+
+
+def test_revocation_also_kills_descriptors_handed_out_before(peer):
+    buf = gs.allocate(MiB, device="host")
+    np.asarray(buf)[:4] = 42
+    share = gs.export(buf, lifetime="revoked")
+    assert peer.call("open", "kd", share)["path"] == "host-fd"
+    handed_out = registered(share).descriptors["host-fd"]
+    assert peer.call("import_desc", handed_out) == b"\x2a" * 4
+    share.revoke()
+    with pytest.raises(Exception, match="ExporterUnreachableError.*not served"):
+        peer.call("import_desc", handed_out)
+    # Other exports of the same buffer are not affected.
+    other = gs.export(buf, lifetime="revoked")
+    assert peer.call("open", "kd2", other)["path"] == "host-fd"
+    peer.call("close", "kd2")
+    peer.call("close", "kd")
+    other.revoke()
+
+
+def test_read_only_memory_is_shared_read_only(peer):
+    data = bytes(range(64))
+    share = gs.export(data, lifetime="revoked")
+    assert share.readonly
+    with gs.open(share) as view:
+        with pytest.raises(gs.InvalidInputError, match="read-only"):
+            view.put(b"x")
+        assert np.asarray(view).flags.writeable is False
+    peer.call("open", "ro", share)
+    with pytest.raises(Exception, match="read-only"):
+        peer.call("put", "ro", 0, b"\x07")
+    assert peer.call("get", "ro", 0, 4) == bytes(range(4))
+    peer.call("close", "ro")
+    assert data == bytes(range(64))
+    arr = np.zeros(16, np.uint8)
+    assert gs.export(arr, readonly=True).readonly
+    assert not gs.export(arr).readonly
+
+
+def test_same_process_view_of_a_host_buffer_is_an_array():
+    buf = gs.allocate(4096, device="host")
+    share = gs.export(buf, lifetime="revoked")
+    with gs.open(share) as view:
+        a = np.asarray(view)
+        a[0] = 5
+        assert np.asarray(buf)[0] == 5
+        assert view.memoryview()[0] == 5
+        del a
+    share.revoke()
+
+
+def test_lifetime_none_does_not_keep_the_object_alive_after_remote_opens(peer):
+    box = Box(4096)
+    share = gs.export(box, lifetime="none")
+    ref = weakref.ref(box)
+    assert peer.call("open", "n-rma", share)["path"] == "ucx-rma"
+    peer.call("close", "n-rma")
+    export = registered(share)
+    assert _wait_for(lambda: export.agent is None)
+    del box
+    assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
+    assert export.retired
+
+
+def test_paths_argument_limits_offers_and_registrations():
+    buf = gs.allocate(4096, device="host")
+    share = gs.export(buf, paths=["ucx-rma"], lifetime="revoked")
+    assert share.offers == ("ucx-rma",)
+    assert registered(share).registrations == []
+    assert registered(share).descriptors == {}
+    share.revoke()
+
+
+def test_control_host_variable_is_checked(monkeypatch):
+    import gpushare._exporter as ex
+
+    monkeypatch.setenv("GPUSHARE_CONTROL_HOST", "localhost")
+    with pytest.raises(gs.InvalidInputError, match="GPUSHARE_CONTROL_HOST"):
+        ex.Exporter()
