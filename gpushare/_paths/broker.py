@@ -160,7 +160,7 @@ class Broker:
                 continue
             try:
                 self._handle(conn)
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001, S110 - no peer may stop the broker
                 pass  # the peer went away or misbehaved; its problem, not ours
             finally:
                 conn.close()
@@ -379,7 +379,10 @@ def _recv_with_fds(
         msg, got, flags, _ = socket.recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
         fds.extend(got)
         if flags & socket.MSG_CTRUNC:
-            raise InvalidInputError("the broker sent more file descriptors than one message may carry")
+            raise InvalidInputError(
+                "file descriptors were dropped in transit: more than one message may carry, "
+                "or this process is at its open-file limit (RLIMIT_NOFILE)"
+            )
         if limit is not None and len(fds) > limit:
             raise InvalidInputError(f"the broker sent {len(fds)} file descriptors; expected {limit}")
         if not msg:
