@@ -334,3 +334,55 @@ def test_other_users_are_refused_by_peer_credentials(no_leaks):
         kind, message = run_forked(_import_as_nobody, gs.export_buffer(buf))
     assert kind == "AccessDeniedError", message
     assert "user id 65534 may not import memory of user id 0" in message
+
+
+def test_a_silent_peer_neither_blocks_others_nor_stays(no_leaks, monkeypatch):
+    monkeypatch.setattr(broker_mod, "TIMEOUT", 0.5)
+    with gs.allocate(PAGE, device="host") as buf:
+        desc = gs.export_buffer(buf)
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            silent.connect(desc.address)  # and never sends its request
+            t0 = time.monotonic()
+            with gs.import_buffer(desc) as other:  # served meanwhile
+                assert other.size == PAGE
+            assert time.monotonic() - t0 < 0.4
+            silent.settimeout(5)
+            assert silent.recv(64) == b""  # dropped at its deadline
+            assert time.monotonic() - t0 < 3
+        finally:
+            silent.close()
+
+
+def test_a_garbage_request_gets_a_clear_refusal(no_leaks):
+    with gs.allocate(PAGE, device="host") as buf:
+        desc = gs.export_buffer(buf)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(desc.address)
+        s.sendall(b"GET / HTTP/1.0\r\n" + bytes(29))
+        reply = s.recv(4096)
+    magic, _, status, length, count = broker_mod._REPLY.unpack(reply[: broker_mod._REPLY.size])
+    assert (magic, status, count) == (b"GSFD", broker_mod._BAD_REQUEST, 0)
+    assert reply[broker_mod._REPLY.size :].decode() == "not a gpushare request of protocol 1"
+    with gs.allocate(PAGE, device="host") as buf:  # and the broker still serves
+        with gs.import_buffer(gs.export_buffer(buf)) as other:
+            assert other.size == PAGE
+
+
+def test_broker_stops_cleanly():
+    b = broker_mod.Broker()
+    assert b._thread.is_alive()
+    b.stop()
+    b.stop()
+    assert not b._thread.is_alive()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, pytest.raises(ConnectionRefusedError):
+        s.connect(b.address)
+    code = (
+        "import time, gpushare as gs\n"
+        "b = gs.allocate(4096, device='host'); gs.export_buffer(b)\n"
+        "print(time.monotonic())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == ""
+    assert time.monotonic() - float(out.stdout) < 2  # the exit did not wait on the broker

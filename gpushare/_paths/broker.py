@@ -147,32 +147,78 @@ class Broker:
 
     # -- serving --------------------------------------------------------
     def _serve(self) -> None:
-        while True:
-            try:
-                ready, _, _ = select.select([self._listener, self._wake_r], [], [])
-            except (OSError, ValueError):
-                return
-            if self._wake_r in ready or self._stopped:
-                return
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                continue
-            try:
-                self._handle(conn)
-            except Exception:  # noqa: BLE001, S110 - no peer may stop the broker
-                pass  # the peer went away or misbehaved; its problem, not ours
-            finally:
+        """Accept connections and read their requests without blocking on any
+        one peer: a connection that sends nothing is dropped at its deadline
+        while others are served."""
+        pending: dict[socket.socket, tuple[float, bytearray]] = {}
+        try:
+            while True:
+                wait = None
+                if pending:
+                    wait = max(min(d for d, _ in pending.values()) - time.monotonic(), 0.0)
+                try:
+                    ready, _, _ = select.select([self._listener, self._wake_r, *pending], [], [], wait)
+                except (OSError, ValueError):
+                    return
+                if self._wake_r in ready or self._stopped:
+                    return
+                if self._listener in ready:
+                    self._accept(pending)
+                now = time.monotonic()
+                for conn in list(pending):
+                    deadline, data = pending[conn]
+                    if conn in ready:
+                        self._read(conn, deadline, data, pending)
+                    elif deadline <= now:
+                        del pending[conn]
+                        conn.close()
+        finally:
+            for conn in pending:
                 conn.close()
 
-    def _handle(self, conn: socket.socket) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        conn.settimeout(TIMEOUT)
-        _, uid, _ = _peer_credentials(conn)
-        if not _uid_may_share(uid):
-            _reply(conn, _DENIED, f"user id {uid} may not import memory of user id {os.getuid()}")
+    def _accept(self, pending: dict[socket.socket, tuple[float, bytearray]]) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
             return
-        request = _recv_exact(conn, _REQUEST.size, deadline)
+        try:
+            conn.setblocking(False)
+            _, uid, _ = _peer_credentials(conn)
+            if _uid_may_share(uid):
+                pending[conn] = (time.monotonic() + TIMEOUT, bytearray())
+                return
+            _reply(conn, _DENIED, f"user id {uid} may not import memory of user id {os.getuid()}")
+        except OSError:
+            pass
+        conn.close()
+
+    def _read(
+        self,
+        conn: socket.socket,
+        deadline: float,
+        data: bytearray,
+        pending: dict[socket.socket, tuple[float, bytearray]],
+    ) -> None:
+        try:
+            chunk = conn.recv(_REQUEST.size - len(data))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        data += chunk
+        if chunk and len(data) < _REQUEST.size:
+            return
+        del pending[conn]
+        try:
+            if chunk:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                self._handle(conn, bytes(data), deadline)
+        except Exception:  # noqa: BLE001, S110 - no peer may stop the broker
+            pass  # the peer went away or misbehaved; its problem, not ours
+        finally:
+            conn.close()
+
+    def _handle(self, conn: socket.socket, request: bytes, deadline: float) -> None:
         magic, protocol, export_id, token = _REQUEST.unpack(request)
         if magic != _MAGIC or protocol != _PROTOCOL:
             _reply(conn, _BAD_REQUEST, f"not a gpushare request of protocol {_PROTOCOL}")
@@ -207,20 +253,6 @@ class Broker:
 def _reply(conn: socket.socket, status: int, message: str, count: int = 0) -> None:
     text = message.encode()[:1024]
     conn.sendall(_REPLY.pack(_MAGIC, _PROTOCOL, status, len(text), count) + text)
-
-
-def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("peer too slow")
-        conn.settimeout(remaining)
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("peer closed the connection")
-        data += chunk
-    return bytes(data)
 
 
 _state_lock = threading.Lock()
