@@ -40,4 +40,17 @@ def close(state: dict) -> None:
     state.pop("buf").close()
 
 
-HANDLERS = {"import": do_import, "fill": fill, "sum": total, "close": close}
+def import_twice(state: dict, desc: Any) -> list[int]:
+    """Open handles after importing ``desc`` twice, then after closing each."""
+    from gpushare._paths.cuda_ipc import open_handle_count
+
+    a, b = gs.import_buffer(desc), gs.import_buffer(desc)
+    counts = [open_handle_count()]
+    a.close()
+    counts.append(open_handle_count())
+    b.close()
+    counts.append(open_handle_count())
+    return counts
+
+
+HANDLERS = {"import": do_import, "fill": fill, "sum": total, "close": close, "import_twice": import_twice}

@@ -278,25 +278,41 @@ def run_forked(target, *args):
         assert p.exitcode == 0
 
 
-def _fork_child(parent_address: str, conn) -> None:
+def _fork_child(inherited, parent_desc, conn) -> None:
     try:
         with gs.allocate(PAGE, device="host") as buf:
             desc = gs.export_buffer(buf)
             with gs.import_buffer(desc) as again:
                 np.asarray(again)[0] = 1
-            conn.send((desc.address != parent_address, desc.pid == os.getpid(), None))
+            # the parent's buffer, inherited: exported again, by this process's broker
+            again_desc = gs.export_buffer(inherited)
+            with gs.import_buffer(again_desc) as mapped:
+                first = int(np.asarray(mapped)[0])
+            conn.send(
+                (
+                    desc.address != parent_desc.address,
+                    again_desc.address == desc.address != parent_desc.address,
+                    desc.pid == os.getpid(),
+                    first,
+                    None,
+                )
+            )
     except BaseException as exc:  # noqa: BLE001
-        conn.send((False, False, repr(exc)))
+        conn.send((False, False, False, None, repr(exc)))
 
 
 def test_forked_child_runs_its_own_broker(no_leaks):
     with gs.allocate(PAGE, device="host") as buf:
+        np.asarray(buf)[0] = 77
         desc = gs.export_buffer(buf)
-        new_address, own_pid, error = run_forked(_fork_child, desc.address)
-        assert error is None and new_address and own_pid
+        new_broker, reexported, own_pid, first, error = run_forked(_fork_child, buf, desc)
+        assert error is None
+        assert new_broker and reexported and own_pid
+        assert first == 77
         # the parent's broker was not disturbed by the child's
         with gs.import_buffer(desc) as again:
             assert again.size == PAGE
+            assert gs.export_buffer(buf) is desc
 
 
 def test_import_starts_nothing_and_the_broker_starts_on_first_export():
@@ -386,3 +402,30 @@ def test_broker_stops_cleanly():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stderr == ""
     assert time.monotonic() - float(out.stdout) < 2  # the exit did not wait on the broker
+
+
+def test_public_names():
+    names = {
+        "allocate",
+        "export_buffer",
+        "import_buffer",
+        "capabilities",
+        "VirtualMemoryFabricBufferDescriptor",
+        "PosixFdBufferDescriptor",
+        "CudaIpcBufferDescriptor",
+        "HostBuffer",
+        "AccessDeniedError",
+        "ExporterUnreachableError",
+        "UnsupportedError",
+        "CUDAError",
+    }
+    assert names <= set(gs.__all__)
+    for name in names:
+        assert getattr(gs, name).__doc__, name
+    for error, builtin in [
+        (gs.AccessDeniedError, PermissionError),
+        (gs.ExporterUnreachableError, ConnectionError),
+        (gs.UnsupportedError, Exception),
+        (gs.CUDAError, Exception),
+    ]:
+        assert issubclass(error, gs.GpuShareError) and issubclass(error, builtin)
