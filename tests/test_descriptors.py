@@ -289,3 +289,36 @@ def test_cuda_ipc_refuses(index, value, match):
     fields[index] = value
     with pytest.raises(gs.InvalidInputError, match=match):
         roundtrip(Evil("cuda_ipc", *fields))
+
+
+anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=40),
+    st.lists(st.integers(min_value=-5, max_value=2**64), max_size=3),
+    st.lists(st.binary(max_size=70), max_size=3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["fabric", "posix_fd", "cuda_ipc"]),
+    picks=st.lists(st.booleans(), min_size=10, max_size=10),
+    noise=st.lists(anything, min_size=10, max_size=10),
+)
+def test_unpickling_anything_gives_a_descriptor_or_value_error(kind, picks, noise):
+    good = {
+        "fabric": ([H], [4096], None, None),
+        "posix_fd": tuple(GOOD_FD.values()),
+        "cuda_ipc": GOOD_IPC,
+    }[kind]
+    fields = [n if p else g for g, p, n in zip(good, picks, noise, strict=False)]
+    try:
+        d = roundtrip(Evil(kind, *fields))
+    except gs.InvalidInputError:
+        return
+    assert d.handle_type == kind
+    assert roundtrip(d) == d
