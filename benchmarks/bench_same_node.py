@@ -38,11 +38,16 @@ def _child(conn) -> None:
             return
         times = []
         for _ in range(reps):
-            if cmd == "gpushare":
+            if cmd == "device":
+                t0 = time.perf_counter()
+                buf = gs.import_buffer(arg)
+                times.append(time.perf_counter() - t0)
+                buf.close()
+            elif cmd == "gpushare":
                 t0 = time.perf_counter()
                 buf = gs.import_buffer(arg)
                 view = np.asarray(buf)
-                view[0]  # noqa: B018 - the view is usable
+                view[0]
                 times.append(time.perf_counter() - t0)
                 del view
                 buf.close()
@@ -50,7 +55,7 @@ def _child(conn) -> None:
                 t0 = time.perf_counter()
                 shm = shared_memory.SharedMemory(name=arg[0])
                 view = np.ndarray((arg[1],), dtype=np.uint8, buffer=shm.buf)
-                view[0]  # noqa: B018
+                view[0]
                 times.append(time.perf_counter() - t0)
                 del view
                 shm.close()
@@ -61,7 +66,7 @@ def _child(conn) -> None:
                 times.append(time.perf_counter() - t0)
             elif cmd == "pickle":
                 arr = conn.recv()
-                arr[0]  # noqa: B018
+                arr[0]
                 times.append(time.perf_counter())  # the parent subtracts its send time
                 del arr
         conn.send(times)
@@ -109,10 +114,32 @@ def measure(conn, size: int, reps: int) -> dict[str, float]:
     return {"gpushare": gs_time, "shm": shm_time, "pickle": pickle_time}
 
 
+def measure_device(conn, size: int, reps: int, device: int) -> dict[str, float]:
+    """Open times of a device buffer: VMM through posix_fd, and a cuda.core
+    memory-pool buffer through legacy CUDA IPC."""
+    from cuda.core import Device
+
+    out = {}
+    vmm = gs.allocate(size, device=device)
+    conn.send(("device", gs.export_buffer(vmm, handle_type="posix_fd"), reps))
+    out["posix_fd"] = _best(conn.recv())
+    vmm.close()
+    dev = Device(device)
+    dev.set_current()
+    pooled = dev.allocate(size)
+    conn.send(("device", gs.export_buffer(pooled, handle_type="cuda_ipc"), reps))
+    out["cuda_ipc"] = _best(conn.recv())
+    pooled.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="also 1 GiB (needs about 4 GiB of memory)")
     parser.add_argument("--reps", type=int, default=50, help="repetitions per measurement (median)")
+    parser.add_argument(
+        "--device", type=int, default=None, help="also time device buffers on this CUDA device"
+    )
     args = parser.parse_args()
     sizes = [4 * KiB, 64 * MiB] + ([1 * GiB] if args.large else [])
 
@@ -138,6 +165,11 @@ def main() -> None:
                 f" {r['gpushare'] / r['shm']:>7.2f} {r['pickle'] / r['gpushare']:>10.1f}"
             )
         print("targets: gs/shm <= 2.00; pickle/gs >= 100 at 64 MiB")
+        if args.device is not None:
+            print(f"device {args.device}: {'size':>8} {'posix_fd':>11} {'cuda_ipc':>11}")
+            for size in sizes:
+                r = measure_device(conn, size, args.reps, args.device)
+                print(f"{'':>9} {size:>8} {r['posix_fd'] * 1e6:>9.1f}us {r['cuda_ipc'] * 1e6:>9.1f}us")
         print(
             f"a bare request/reply between these processes takes {round_trip(conn, 200) * 1e6:.1f}us: "
             "the floor under an open that asks the exporter's broker"

@@ -185,7 +185,8 @@ class Broker:
             conn.setblocking(False)
             _, uid, _ = _peer_credentials(conn)
             if _uid_may_share(uid):
-                pending[conn] = (time.monotonic() + TIMEOUT, bytearray())
+                entry = pending[conn] = (time.monotonic() + TIMEOUT, bytearray())
+                self._read(conn, *entry, pending)  # the request has usually arrived
                 return
             _reply(conn, _DENIED, f"user id {uid} may not import memory of user id {os.getuid()}")
         except OSError:
@@ -352,21 +353,25 @@ def fetch_fds(
             ) from None
         except TimeoutError:
             raise _unreachable(address, pid, f"connect timed out after {timeout} s") from None
-        peer_pid, peer_uid, _ = _peer_credentials(sock)
-        if peer_pid != pid:
-            raise AccessDeniedError(
-                f"the broker at {address!r} is process {peer_pid}, not exporter pid {pid}; "
-                "refusing memory from an impostor"
-            )
-        if not _uid_may_share(peer_uid):
-            raise AccessDeniedError(
-                f"the broker runs as user id {peer_uid}; this process is user id {os.getuid()}"
-            )
+        # The request goes first (it reaches the broker with the connection);
+        # sending the token to whoever listens at this address gives nothing
+        # away: only descriptor holders know the random address.  Nothing
+        # is accepted from the broker before its credentials are checked.
         try:
             try:
                 sock.sendall(_REQUEST.pack(_MAGIC, _PROTOCOL, export_id, token))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # a broker that refuses us answers before reading; read its answer
+            peer_pid, peer_uid, _ = _peer_credentials(sock)
+            if peer_pid != pid:
+                raise AccessDeniedError(
+                    f"the broker at {address!r} is process {peer_pid}, not exporter pid {pid}; "
+                    "refusing memory from an impostor"
+                )
+            if not _uid_may_share(peer_uid):
+                raise AccessDeniedError(
+                    f"the broker runs as user id {peer_uid}; this process is user id {os.getuid()}"
+                )
             data = _recv_with_fds(sock, _REPLY.size, fds, deadline)
             magic, protocol, status, length, n = _REPLY.unpack(data)
             if magic != _MAGIC or protocol != _PROTOCOL:
