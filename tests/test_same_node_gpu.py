@@ -130,3 +130,20 @@ def test_fabric_export_works_or_says_why(child):
                     gs.export_buffer(buf, handle_type="fabric")
     finally:
         buf.close()
+
+
+def test_several_handle_types_are_requested_as_one_mask():
+    # Struct handling only: needs cuda-bindings, not a driver or a device.
+    driver = pytest.importorskip("cuda.bindings.driver")
+    import ctypes
+
+    from gpushare._paths.cuda_vmm import _prop
+
+    t = driver.CUmemAllocationHandleType
+    both = _prop(driver, 3, ["posix_fd", "fabric"])
+    mask = int(t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) | int(t.CU_MEM_HANDLE_TYPE_FABRIC)
+    assert ctypes.c_uint32.from_address(both.getPtr() + 4).value == mask
+    assert both.location.id == 3
+    assert both.type == driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    assert _prop(driver, 0, ["posix_fd"]).requestedHandleTypes == t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    assert _prop(driver, 0, ()).requestedHandleTypes == t.CU_MEM_HANDLE_TYPE_NONE

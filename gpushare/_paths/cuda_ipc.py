@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from typing import Any
 
 from .._descriptors import CudaIpcBufferDescriptor
-from .._errors import InvalidInputError, UnsupportedError
+from .._errors import CUDAError, InvalidInputError, UnsupportedError
 from . import _cuda
 from .broker import node_identity
 from .host_fd import check_same_node
@@ -95,7 +96,10 @@ def _ref_class() -> type:
             raise UnsupportedError("imported CUDA IPC memory cannot allocate")
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            _unuse(self)
+            try:
+                _unuse(self)
+            except CUDAError as exc:  # from close() or the garbage collector: warn, never crash
+                warnings.warn(f"closing a CUDA IPC handle failed: {exc}", ResourceWarning, 2)
 
         is_device_accessible = property(lambda self: True)
         is_host_accessible = property(lambda self: False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,7 +165,13 @@ def _mapping_class() -> type:
             raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            self.release()
+            # Called by Buffer.close() and by the garbage collector: a driver
+            # failure becomes a warning, and what is left stays mapped (a leak
+            # is better than a dangling mapping).
+            try:
+                self.release()
+            except CUDAError as exc:
+                warnings.warn(f"releasing a VMM mapping failed; leaking the rest: {exc}", ResourceWarning, 2)
 
         def release(self) -> None:
             drv = _cuda.driver()
