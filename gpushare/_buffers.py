@@ -117,24 +117,12 @@ def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
         lb = _from_cuda_core_buffer(obj)
     elif hasattr(obj, "__cuda_array_interface__"):
         lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
-    elif _no_buffer_protocol(obj) and hasattr(obj, "__array_interface__"):
-        lb = _from_array_interface(obj, obj.__array_interface__, writable)
     else:
         lb = _from_host_or_dlpack(obj, writable)
     if writable and lb.readonly:
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
     return lb
-
-
-def _no_buffer_protocol(obj: Any) -> bool:
-    try:
-        memoryview(obj).release()
-    except TypeError:
-        return True
-    except (BufferError, ValueError):
-        return False
-    return False
 
 
 def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
@@ -181,6 +169,8 @@ def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
         pin = None
     if pin is not None:
         return LocalBuffer(pin.address, pin.nbytes, "host", pin.readonly, obj, pin)
+    if hasattr(obj, "__array_interface__"):
+        return _from_array_interface(obj, obj.__array_interface__, writable)
     if hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
         if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):

@@ -48,6 +48,10 @@ _MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
 _MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
 
 
+def _native_error_type() -> type[Exception]:
+    return native().NativeError
+
+
 def _pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:
     return _HEADER.pack(magic, _FORMAT_VERSION, memory_type, len(payload), zlib.crc32(payload)) + payload
 
@@ -569,10 +573,13 @@ class Endpoint:
                     except Exception:
                         _report_callback_error(op)
 
-            self._prune()
-            with native_errors():
-                method = n.mem_put if op == "put" else n.mem_get
+            if self._inflight:
+                self._prune()
+            method = n.mem_put if op == "put" else n.mem_get
+            try:
                 nreq = method(local.address, nbytes, remote_address, rkey._native, None)
+            except _native_error_type() as exc:
+                raise translate(*exc.args) from None
         except BaseException:
             local.release()
             raise
