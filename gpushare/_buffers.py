@@ -183,7 +183,7 @@ def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
                 from cuda.core.utils import StridedMemoryView
             except ImportError:
                 raise ImportError(
-                    "CUDA DLPack tensors need the 'cuda-core' package (pip install 'gpushare[cuda]')"
+                    "CUDA DLPack tensors need the 'cuda-core' package (pip install cuda-core)"
                 ) from None
             view = StridedMemoryView(obj, stream_ptr=-1)
             itemsize = view.dtype.itemsize

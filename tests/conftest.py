@@ -14,7 +14,7 @@ def cuda_device_reason() -> str | None:
     try:
         from cuda.bindings import driver
     except ImportError:
-        return "cuda-bindings is not installed (pip install 'gpushare[cuda]')"
+        return "cuda-bindings is not installed (pip install cuda-bindings)"
     try:
         (err,) = driver.cuInit(0)
     except Exception as exc:  # libcuda.so missing

@@ -28,7 +28,7 @@ def _load() -> None:
     try:
         from cuda.bindings import driver as drv
     except ImportError as exc:
-        _reason = f"cuda-bindings is not installed ({exc}); pip install 'gpushare[cuda]'"
+        _reason = f"cuda-bindings is not installed ({exc}); pip install cuda-bindings"
         return
     try:
         (err,) = drv.cuInit(0)
