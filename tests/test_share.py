@@ -520,3 +520,45 @@ def test_control_host_variable_is_checked(monkeypatch):
     monkeypatch.setenv("GPUSHARE_CONTROL_HOST", "localhost")
     with pytest.raises(gs.InvalidInputError, match="GPUSHARE_CONTROL_HOST"):
         ex.Exporter()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x00\x00\x00\x05hello",
+        b"\xff\xff\xff\xff" + b"x" * 100,
+        b"\x00\x00\x00\x02[]",
+        b'\x00\x00\x00\x0e{"op": "open"}',
+        b"\x00\x00\x00\x04" + bytes([0xC3, 0x28, 0xA0, 0xA1]),
+    ],
+)
+def test_control_channel_survives_garbage(payload):
+    import socket
+    import struct
+    import json
+
+    arr = np.arange(64, dtype=np.uint8)
+    share = gs.export(arr, lifetime="revoked")
+    host, port = share.control[0]
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(payload)
+        s.settimeout(15)
+        try:
+            while s.recv(4096):
+                pass  # the exporter answers or just closes; it must close
+        except (ConnectionResetError, socket.timeout) as exc:
+            assert not isinstance(exc, socket.timeout), "the exporter kept a garbage connection open"
+    # A hello with a forged token after garbage: refused cleanly.
+    with socket.create_connection((host, port), timeout=5) as s:
+        body = json.dumps({"op": "hello", "share": share.share_id, "token": {"b": "00" * 32}}).encode()
+        s.sendall(struct.pack("!I", len(body)) + body)
+        n = struct.unpack("!I", s.recv(4))[0]
+        assert json.loads(s.recv(n))["code"] == "denied"
+    # The exporter still serves real importers.
+    child = Child(_share_peer.setup)
+    try:
+        assert child.call("open", "after-garbage", share)["path"] == "ucx-rma"
+        assert child.call("get", "after-garbage", 0, 4) == bytes(range(4))
+    finally:
+        child.close()
+    share.revoke()
