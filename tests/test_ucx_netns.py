@@ -100,3 +100,11 @@ def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
         if exporter.poll() is None:
             exporter.kill()
             exporter.wait(10)
+
+
+def test_two_namespaces_example_runs():
+    example = Path(__file__).resolve().parent.parent / "examples" / "two_namespaces.py"
+    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "over ucx-rma" in r.stdout and r.stdout.strip().endswith("ok")
+    assert "node b sees node a's write: True" in r.stdout
