@@ -78,7 +78,9 @@ class Export:
     agent: Any = None
     mh: Any = None
     key: bytes | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Re-entrant: releasing the last reference to the object (closing the
+    # share's agent) can run the weak-reference callback in the same thread.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def target(self) -> Any:
         if self.obj is not None:
@@ -358,9 +360,18 @@ def new_ids() -> tuple[str, bytes]:
 
 def weak_or_none(obj: Any, export: Export) -> Any:
     """A weak reference to ``obj`` that retires ``export`` when ``obj`` goes."""
-    def gone(_: Any) -> None:
+    def retire() -> None:
         with export.lock:
             export.retire()
+
+    def gone(_: Any) -> None:
+        # Weak-reference callbacks run wherever the last reference went,
+        # possibly under locks of their own: retire from a thread of its own.
+        export.retired = True
+        try:
+            threading.Thread(target=retire, name="gpushare-retire", daemon=True).start()
+        except RuntimeError:
+            pass  # interpreter shutdown: the exporter's exit hook closes everything
 
     try:
         return weakref.ref(obj, gone)

@@ -502,7 +502,7 @@ def test_lifetime_none_does_not_keep_the_object_alive_after_remote_opens(peer):
     assert _wait_for(lambda: export.agent is None)
     del box
     assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
-    assert export.retired
+    assert _wait_for(lambda: export.retired and not export.registrations)
 
 
 def test_paths_argument_limits_offers_and_registrations():
