@@ -11,7 +11,6 @@ child starts its own on its first export.
 
 from __future__ import annotations
 
-import atexit
 import hmac
 import ipaddress
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 from . import _control
 from ._errors import ClosedError, GpuShareError, InvalidInputError
+from ._process import PerProcess
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -295,45 +295,18 @@ _REFUSALS = {
     "exhausted": "the share was opened as many times as its lifetime allows",
 }
 
-_state_lock = threading.Lock()
-_exporter: Exporter | None = None
-_hooks = False
+_service: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, abandon=Exporter.abandon)
 
 
 def get_exporter() -> Exporter:
     """This process's exporter, started on first use (and again after fork)."""
-    global _exporter, _hooks
-    with _state_lock:
-        if _exporter is not None and _exporter.pid != os.getpid():
-            _exporter.abandon()
-            _exporter = None
-        if _exporter is None:
-            _exporter = Exporter()
-        if not _hooks:
-            atexit.register(_stop_at_exit)
-            os.register_at_fork(after_in_child=_after_fork)
-            _hooks = True
-        return _exporter
-
-
-def _stop_at_exit() -> None:
-    exp = _exporter
-    if exp is not None and exp.pid == os.getpid():
-        exp.stop()
-
-
-def _after_fork() -> None:
-    global _exporter, _state_lock
-    _state_lock = threading.Lock()
-    if _exporter is not None:
-        _exporter.abandon()
-        _exporter = None
+    return _service.get()
 
 
 def registered(share: Any) -> Export | None:
     """The export behind ``share`` if this very process made it."""
-    exp = _exporter
-    if exp is None or exp.pid != os.getpid() or share.exporter_pid != os.getpid():
+    exp = _service.current()
+    if exp is None or share.exporter_pid != os.getpid():
         return None
     export = exp.get(share.share_id)
     if export is None or not hmac.compare_digest(export.token, share.token):

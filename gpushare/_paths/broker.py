@@ -24,7 +24,6 @@ operation on both sides has a timeout.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hmac
 import os
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 
 from .._descriptors import POSIX_FD_FORMAT, PosixFdBufferDescriptor
 from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputError
+from .._process import PerProcess
 
 __all__ = ["Broker", "fetch_fds", "get_broker", "node_identity", "publish"]
 
@@ -256,25 +256,12 @@ def _reply(conn: socket.socket, status: int, message: str, count: int = 0) -> No
     conn.sendall(_REPLY.pack(_MAGIC, _PROTOCOL, status, len(text), count) + text)
 
 
-_state_lock = threading.Lock()
-_broker: Broker | None = None
-_hooks_installed = False
+_service: PerProcess[Broker] = PerProcess(Broker, stop=Broker.stop, abandon=Broker._abandon)
 
 
 def get_broker() -> Broker:
     """This process's broker, started on first use (and again after a fork)."""
-    global _broker, _hooks_installed
-    with _state_lock:
-        if _broker is not None and _broker.pid != os.getpid():
-            _broker._abandon()
-            _broker = None
-        if _broker is None:
-            _broker = Broker()
-        if not _hooks_installed:
-            atexit.register(_stop_at_exit)
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _hooks_installed = True
-        return _broker
+    return _service.get()
 
 
 def publish(
@@ -305,20 +292,6 @@ def publish(
         broker.revoke(export_id)
         raise
     return broker, desc
-
-
-def _stop_at_exit() -> None:
-    broker = _broker
-    if broker is not None and broker.pid == os.getpid():
-        broker.stop()
-
-
-def _after_fork_in_child() -> None:
-    global _broker, _state_lock
-    _state_lock = threading.Lock()
-    if _broker is not None:
-        _broker._abandon()
-        _broker = None
 
 
 def _unreachable(address: str, pid: int, why: str) -> ExporterUnreachableError:

@@ -563,11 +563,11 @@ class Endpoint:
                     f"{op} of {nbytes} bytes at 0x{remote_address:x} falls outside the key's "
                     f"region [0x{lo:x}, 0x{hi:x})"
                 )
-            wrapped = None
+            on_done: Callable[[], None] | None = None
+            holder: list[Request] = []
             if callback is not None:
-                holder: list[Request] = []
 
-                def wrapped() -> None:
+                def on_done() -> None:
                     try:
                         callback(holder[0]._error() if holder else None, callback_data)
                     except Exception:
@@ -584,9 +584,9 @@ class Endpoint:
             local.release()
             raise
         req = Request._from_native(nreq, local, self)
-        if wrapped is not None:
+        if on_done is not None:
             holder.append(req)
-            nreq.add_callback(wrapped)
+            nreq.add_callback(on_done)
         if not nreq.done():
             with self._lock:
                 self._inflight.append(req)
