@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import re
 import socket
 import subprocess
 import sys

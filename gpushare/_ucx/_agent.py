@@ -92,6 +92,18 @@ def _check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
+def _user_callback(callback: Callable, data: Any, holder: list, op: str) -> Callable[[], None]:
+    """``callback(error, data)`` for the request that ``holder`` will hold."""
+
+    def run() -> None:
+        try:
+            callback(holder[0]._error() if holder else None, data)
+        except Exception:
+            _report_callback_error(op)
+
+    return run
+
+
 def _report_callback_error(where: str) -> None:
     """Report the exception being handled through sys.unraisablehook."""
     exc = sys.exc_info()[1]
@@ -563,15 +575,8 @@ class Endpoint:
                     f"{op} of {nbytes} bytes at 0x{remote_address:x} falls outside the key's "
                     f"region [0x{lo:x}, 0x{hi:x})"
                 )
-            on_done: Callable[[], None] | None = None
             holder: list[Request] = []
-            if callback is not None:
-
-                def on_done() -> None:
-                    try:
-                        callback(holder[0]._error() if holder else None, callback_data)
-                    except Exception:
-                        _report_callback_error(op)
+            on_done = None if callback is None else _user_callback(callback, callback_data, holder, op)
 
             if self._inflight:
                 self._prune()
@@ -655,14 +660,7 @@ class Endpoint:
             nreq = n.flush(None)
         req = Request._from_native(nreq, None, self)
         if callback is not None:
-
-            def wrapped() -> None:
-                try:
-                    callback(req._error(), callback_data)
-                except Exception:
-                    _report_callback_error("flush")
-
-            nreq.add_callback(wrapped)
+            nreq.add_callback(_user_callback(callback, callback_data, [req], "flush"))
         return req
 
     def close(self, timeout: float = 5.0) -> None:
