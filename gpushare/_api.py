@@ -291,8 +291,12 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
             why_not = "exporter is on another node (or network namespace)"
         elif path == "fabric":
             why_not = _fabric_mismatch(share.fabric)
-        elif path in _MAPPED_CUDA and not same_node:
-            why_not = "exporter is on another node"
+        if why_not is None and path in _MAPPED_CUDA:
+            from ._paths import _cuda
+
+            reason = _cuda.unavailable_reason()
+            if reason is not None:
+                why_not = f"this process cannot map CUDA memory ({reason.split(' (')[0]})"
         if why_not is not None:
             left_out.append(f"not {path}: {why_not}")
             continue

@@ -562,3 +562,19 @@ def test_control_channel_survives_garbage(payload):
     finally:
         child.close()
     share.revoke()
+
+
+def test_cuda_paths_are_chosen_only_where_cuda_can_map():
+    from gpushare._api import _candidates
+    from gpushare._paths import _cuda
+    from gpushare._share import SHARE_FORMAT, Share, node_key
+
+    share = Share._make(SHARE_FORMAT, "1" * 32, b"\0" * 32, 1, node_key(), (("127.0.0.1", 9),), 4096, 0,
+                        (4096,), "|u1", ("same-process", "posix-fd", "cuda-ipc", "ucx-rma"), "closed", None,
+                        False)
+    order, left_out, _ = _candidates(share, None, None)
+    if _cuda.unavailable_reason() is None:
+        assert order[:2] == ["posix-fd", "cuda-ipc"]
+    else:  # no driver here: straight to ucx-rma, saying why, with no failed probe
+        assert order == ["ucx-rma"]
+        assert any("cannot map CUDA memory" in why for why in left_out)
