@@ -30,7 +30,6 @@ __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addre
 
 def _ipv4_addresses() -> list[str]:
     """This host's IPv4 addresses (up interfaces, loopback excluded)."""
-    import array
     import fcntl
     import struct
 
@@ -44,7 +43,6 @@ def _ipv4_addresses() -> list[str]:
             ip = socket.inet_ntoa(packed[20:24])
             if not ip.startswith("127.") and ip not in addrs:
                 addrs.append(ip)
-    del array
     return addrs
 
 
