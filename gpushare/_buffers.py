@@ -49,8 +49,10 @@ class LocalBuffer:
 def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
     if strides is None:
         return True
+    if len(strides) != len(shape):
+        return False
     expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides)):
+    for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
         if dim != 1 and stride != expected:
             return False
         expected *= dim

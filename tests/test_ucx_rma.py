@@ -489,7 +489,7 @@ def test_agent_refuses_use_after_fork(peer):
         if pid == 0:  # child
             code = 1
             try:
-                a.address
+                _ = a.address
             except gpushare.ClosedError as exc:
                 code = 0 if "does not survive fork" in str(exc) else 2
             except BaseException:
