@@ -578,3 +578,20 @@ def test_cuda_paths_are_chosen_only_where_cuda_can_map():
     else:  # no driver here: straight to ucx-rma, saying why, with no failed probe
         assert order == ["ucx-rma"]
         assert any("cannot map CUDA memory" in why for why in left_out)
+
+
+def test_exporter_exits_cleanly_with_views_open():
+    exporter = Child(_share_peer.setup)
+    share = exporter.call("export", "numpy", MiB, {"lifetime": "revoked"})
+    view = gs.open(share)
+    try:
+        assert view.path == "ucx-rma"
+        start = time.monotonic()
+        assert exporter.close(timeout=30) == 0  # a normal exit, not a kill after a hang
+        assert time.monotonic() - start < 30
+        with pytest.raises(gs.UCXError):
+            view.get(bytearray(16), timeout=30)
+        with pytest.raises(gs.ExporterUnreachableError):
+            gs.open(share, timeout=5)
+    finally:
+        view.close()
