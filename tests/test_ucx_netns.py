@@ -48,20 +48,22 @@ def _run_in(ns: str, *args: str, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
-def test_put_and_get_across_namespaces(two_nodes):
-    a, b, va = two_nodes
-    exporter = _run_in(b, "export", str(SIZE))
+def _cross(exporter_ns: str, importer_ns: str, export_args: tuple[str, ...], import_role: str,
+           extra: dict | None = None) -> tuple[dict, dict, str]:
+    """Run an exporter in one namespace and an importer in the other.
+
+    Returns (exporter's hello, importer's result, importer's stderr) after
+    checking that the exporter sees the bytes the importer wrote and exits 0.
+    """
+    exporter = _run_in(exporter_ns, *export_args)
     try:
         line = exporter.stdout.readline()
         assert line, exporter.stderr.read()
         hello = json.loads(line)
-        hello["size"] = SIZE
-        importer = _run_in(a, "import")
-        out, err = importer.communicate(json.dumps(hello) + "\n", timeout=120)
+        importer = _run_in(importer_ns, import_role)
+        out, err = importer.communicate(json.dumps({**hello, **(extra or {})}) + "\n", timeout=120)
         assert importer.returncode == 0, err
         result = json.loads(out.strip().splitlines()[-1])
-        # The bytes crossed the "network": over TCP on the veth link.
-        assert "tcp" in result["lane"] and va in result["lane"], result["lane"]
         assert result["get_digest"] == hello["digest"]
         exporter.stdin.write("digest\n")
         exporter.stdin.flush()
@@ -69,37 +71,26 @@ def test_put_and_get_across_namespaces(two_nodes):
         exporter.stdin.write("exit\n")
         exporter.stdin.flush()
         assert exporter.wait(30) == 0
+        return hello, result, err
     finally:
         if exporter.poll() is None:
             exporter.kill()
             exporter.wait(10)
+
+
+def test_put_and_get_across_namespaces(two_nodes):
+    a, b, va = two_nodes
+    _, result, _ = _cross(b, a, ("export", str(SIZE)), "import", {"size": SIZE})
+    # The bytes crossed the "network": over TCP on the veth link.
+    assert "tcp" in result["lane"] and va in result["lane"], result["lane"]
 
 
 def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
     a, b, _ = two_nodes
-    exporter = _run_in(b, "share-export", str(SIZE))
-    try:
-        line = exporter.stdout.readline()
-        assert line, exporter.stderr.read()
-        hello = json.loads(line)
-        importer = _run_in(a, "share-open")
-        out, err = importer.communicate(json.dumps(hello) + "\n", timeout=120)
-        assert importer.returncode == 0, err
-        assert "SlowPathWarning" not in err
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["path"] == "ucx-rma"
-        assert "another node" in result["why"]
-        assert result["get_digest"] == hello["digest"]
-        exporter.stdin.write("digest\n")
-        exporter.stdin.flush()
-        assert exporter.stdout.readline().strip() == result["put_digest"]
-        exporter.stdin.write("exit\n")
-        exporter.stdin.flush()
-        assert exporter.wait(30) == 0
-    finally:
-        if exporter.poll() is None:
-            exporter.kill()
-            exporter.wait(10)
+    _, result, err = _cross(b, a, ("share-export", str(SIZE)), "share-open")
+    assert "SlowPathWarning" not in err
+    assert result["path"] == "ucx-rma"
+    assert "another node" in result["why"]
 
 
 def test_two_namespaces_example_runs():
