@@ -140,7 +140,9 @@ def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: 
         return  # leak the quarantined memory rather than free it under a live worker
     with lock:
         parked, quarantine[:] = list(quarantine), []
-    for mm, local in parked:
+    for mm, local, nmh in parked:
+        if nmh is not None:
+            nmh.close()
         if local is not None:
             local.release()
         if mm is not None:
@@ -368,13 +370,19 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     UCX does not stop a peer that still holds a key from writing into the
     region after it is unregistered (on TCP and shared memory nothing checks).
     So the memory is never handed back to the allocator while the worker can
-    still receive: memory gpushare allocated is replaced by fresh zero pages
-    (a stale write lands nowhere useful, a stale read sees zeros), and a
-    user's buffer stays referenced.
+    still receive: host memory gpushare allocated is replaced by fresh zero
+    pages (a stale write lands nowhere useful, a stale read sees zeros), a
+    user's buffer stays referenced, and memory UCX allocated stays registered.
     """
     if os.getpid() != pid:
         return  # a forked child: the parent's UCX state is not ours to touch
     addr, length, mm, local = resources
+    if mm is None and local is None:
+        # Memory UCX allocated (CUDA): unregistering would free it, so the
+        # whole handle waits for the agent's close.
+        with lock:
+            quarantine.append((None, None, nmh))
+        return
     try:
         nmh.close()
     except Exception:  # noqa: BLE001
@@ -382,7 +390,7 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     if mm is not None:
         native().quarantine(addr, length)
     with lock:
-        quarantine.append((mm, local))
+        quarantine.append((mm, local, None))
 
 
 class MemoryHandle:
