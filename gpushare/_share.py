@@ -16,6 +16,7 @@ import os
 import re
 from typing import Any
 
+from . import _descriptors
 from ._errors import InvalidInputError
 
 __all__ = ["Share", "PATHS", "node_key", "LIFETIMES"]
@@ -29,7 +30,6 @@ SHARE_FORMAT = 1
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _MAX_DIMS = 32
 _MAX_ADDRESSES = 16
-_MAX_TEXT = 256
 _MAX_NBYTES = 1 << 56
 
 
@@ -55,11 +55,7 @@ def _int(value: Any, what: str, lo: int, hi: int) -> int:
 
 
 def _text(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidInputError(f"share {what} must be a str, not {type(value).__name__}")
-    if len(value) > _MAX_TEXT:
-        raise InvalidInputError(f"share {what} is {len(value)} characters; at most {_MAX_TEXT}")
-    return value
+    return _descriptors._text(value, f"share {what}", optional=False)
 
 
 class Share:
