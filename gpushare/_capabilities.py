@@ -31,8 +31,14 @@ def _imex() -> dict[str, Any]:
     return {"present": bool(usable), "channels": usable, "reason": reason}
 
 
-def _fabric_info(ordinals: list[int]) -> tuple[dict[int, dict[str, Any]], str | None]:
-    """NVML's fabric cluster UUID and clique id per device, or why not."""
+def _fabric_info(uuids: dict[int, str]) -> tuple[dict[int, dict[str, Any]], str | None]:
+    """NVML's fabric cluster UUID and clique id per CUDA ordinal, or why not.
+
+    NVML numbers devices its own way and ignores ``CUDA_VISIBLE_DEVICES``, so
+    each CUDA device is found in NVML by its UUID.  A clique counts only
+    once the fabric manager has finished with the device (state COMPLETED,
+    status success); before that the entry says why it does not count.
+    """
     try:
         from cuda.bindings import nvml
     except ImportError as exc:
@@ -42,19 +48,27 @@ def _fabric_info(ordinals: list[int]) -> tuple[dict[int, dict[str, Any]], str | 
     except Exception as exc:  # noqa: BLE001 - NVML missing is a normal answer here
         return {}, f"NVML unavailable: {exc}"
     out: dict[int, dict[str, Any]] = {}
+    completed = int(nvml.GpuFabricState.COMPLETED)
     try:
-        for i in ordinals:
+        for i, uuid in uuids.items():
+            entry: dict[str, Any] = {"cluster_uuid": None, "clique_id": None, "state": None, "reason": None}
+            out[i] = entry
             try:
-                info = nvml.device_get_gpu_fabric_info_v(nvml.device_get_handle_by_index_v2(i))
+                info = nvml.device_get_gpu_fabric_info_v(nvml.device_get_handle_by_uuid(f"GPU-{uuid}"))
                 cluster = bytes(info.cluster_uuid)
-                out[i] = {
-                    "cluster_uuid": cluster.hex() if any(cluster) else None,
-                    "clique_id": int(info.clique_id),
-                    "state": int(info.state),
-                    "reason": None,
-                }
+                entry["state"] = int(info.state)
+                status = int(info.status)
+                if entry["state"] != completed:
+                    entry["reason"] = f"the NVLink fabric is not ready on this device (state {entry['state']})"
+                elif status != 0:
+                    entry["reason"] = f"the NVLink fabric reported an error on this device (status {status})"
+                elif not any(cluster):
+                    entry["reason"] = "the device is in no NVLink fabric cluster"
+                else:
+                    entry["cluster_uuid"] = cluster.hex()
+                    entry["clique_id"] = int(info.clique_id)
             except Exception as exc:  # noqa: BLE001
-                out[i] = {"cluster_uuid": None, "clique_id": None, "state": None, "reason": str(exc)}
+                entry["reason"] = str(exc)
     finally:
         try:
             nvml.shutdown()
@@ -77,7 +91,8 @@ def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int 
     if count == 0:
         return [], "the CUDA driver sees no device", version
     ordinals = list(range(count)) if device is None else [device]
-    fabric, fabric_reason = _fabric_info(ordinals)
+    uuids = {i: _cuda.device_uuid(i) for i in ordinals if 0 <= i < count}
+    fabric, fabric_reason = _fabric_info(uuids)
     devices = []
     for i in ordinals:
         if not 0 <= i < count:
@@ -87,7 +102,7 @@ def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int 
         devices.append(
             {
                 "ordinal": i,
-                "uuid": _cuda.device_uuid(i),
+                "uuid": uuids[i],
                 "handle_types": types + ["cuda_ipc"],
                 "fabric_reason": why_not,
                 "fabric": fabric.get(i, {"reason": fabric_reason}),
@@ -116,9 +131,11 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
         ``node`` (identity), ``host`` (``handle_types``: ``["posix_fd"]``
         where memfd and fd passing work), ``cuda`` (``available``, ``reason``,
         ``driver_version``, ``devices``: one entry per device with
-        ``ordinal``, ``uuid``, ``handle_types`` (of ``"posix_fd"``,
+        ``ordinal`` (this process's), ``uuid`` (as cuda.core's
+        ``Device.uuid`` writes it), ``handle_types`` (of ``"posix_fd"``,
         ``"fabric"``, ``"cuda_ipc"``), ``fabric_reason`` and ``fabric``
-        (NVML cluster UUID and clique id, or ``reason``)), ``imex``
+        (NVML cluster UUID and clique id once the fabric is ready on the
+        device, else ``reason``)), ``imex``
         (``present``, ``channels``, ``reason``), ``versions`` (gpushare,
         cuda-core, cuda-bindings) and ``ucx``.
     """

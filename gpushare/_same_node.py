@@ -124,7 +124,7 @@ def export_buffer(buffer: Any, *, handle_type: str | None = None) -> Any:
     )
 
 
-def import_buffer(descriptor: Any, *, device: int | None = None) -> Any:
+def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool = False) -> Any:
     """Map the memory a descriptor names into this process.
 
     Mirrors cuda.core's ``Buffer.from_ipc_descriptor()``: the allocations are
@@ -137,9 +137,16 @@ def import_buffer(descriptor: Any, *, device: int | None = None) -> Any:
         ``VirtualMemoryFabricBufferDescriptor`` is accepted too).  Untrusted:
         it is validated before any mapping.
     device : int, optional
-        The CUDA device to map device memory on; by default the exporter's
-        ordinal (posix_fd, cuda_ipc) or the device whose UUID matches the
-        descriptor's (fabric).  Ignored for host memory.
+        The CUDA device (an ordinal of this process) to map device memory
+        on.  By default the calling thread's current device, where it is the
+        memory's own device or can reach it as a peer; else the memory's own
+        device, found by its UUID (ordinals differ between processes with
+        another ``CUDA_VISIBLE_DEVICES``); else device 0.  The calling
+        thread's current context is left as it was.  Must be ``None`` for
+        host memory.
+    readonly : bool, default False
+        Map device memory with read-only access (``posix_fd`` and ``fabric``;
+        legacy CUDA IPC cannot and refuses).
 
     Returns
     -------
@@ -158,16 +165,22 @@ def import_buffer(descriptor: Any, *, device: int | None = None) -> Any:
     UnsupportedError
         Exported on another node, or no CUDA driver for device memory.
     """
+    if device is not None:
+        device = _integer(device, "device")
+    if not isinstance(readonly, bool):
+        raise InvalidInputError("readonly must be a bool")
     if isinstance(descriptor, PosixFdBufferDescriptor):
         if descriptor.device == "host":
+            if device is not None:
+                raise InvalidInputError(f"device={device} given for a descriptor of host memory")
             return host_fd.import_host(descriptor)
         from ._paths import cuda_vmm
 
-        return cuda_vmm.import_device(descriptor, device)
+        return cuda_vmm.import_device(descriptor, device, readonly=readonly)
     if isinstance(descriptor, CudaIpcBufferDescriptor):
         from ._paths import cuda_ipc
 
-        return cuda_ipc.import_ipc(descriptor, device)
+        return cuda_ipc.import_ipc(descriptor, device, readonly=readonly)
     try:
         fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
     except InvalidInputError:
@@ -176,4 +189,4 @@ def import_buffer(descriptor: Any, *, device: int | None = None) -> Any:
         ) from None
     from ._paths import cuda_vmm
 
-    return cuda_vmm.import_device(fabric, device)
+    return cuda_vmm.import_device(fabric, device, readonly=readonly)

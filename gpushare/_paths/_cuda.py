@@ -6,17 +6,46 @@ Nothing here runs at import of gpushare: :func:`driver` imports
 it.  Where there is no CUDA driver, :func:`driver` raises
 :class:`gpushare.UnsupportedError` saying so, and :func:`unavailable_reason`
 returns that sentence for :func:`gpushare.capabilities`.
+
+Contexts: gpushare never changes the calling thread's current context.  Every
+driver call that needs one runs inside :func:`on_device`, which pushes the
+device's primary context and pops it again, so the same code works from any
+thread (worker threads, finalizers, the garbage collector) and leaves CuPy's
+and torch's current device where the caller put it.
+
+Devices are named by UUID across processes: an ordinal means nothing to a
+process with another ``CUDA_VISIBLE_DEVICES``.  UUIDs are written as cuda.core
+writes ``Device.uuid`` (``"xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"``, no
+``GPU-`` prefix); :func:`normalize_uuid` accepts NVML's ``GPU-`` form too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import re
 import threading
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from .._errors import CUDAError, UnsupportedError
 
-__all__ = ["bytes_of", "check", "device_uuid", "driver", "set_bytes", "unavailable_reason"]
+__all__ = [
+    "bytes_of",
+    "check",
+    "current_ordinal",
+    "device_count",
+    "device_uuid",
+    "driver",
+    "normalize_uuid",
+    "on_device",
+    "ordinal_of_uuid",
+    "set_bytes",
+    "unavailable_reason",
+    "valid_ordinal",
+]
 
 _lock = threading.Lock()
 _driver: Any = None
@@ -106,9 +135,324 @@ def set_bytes(handle: Any, data: bytes) -> Any:
 
 
 def device_uuid(ordinal: int) -> str:
-    """``"GPU-xxxxxxxx-..."`` of a device ordinal."""
+    """The UUID of a device ordinal of this process, as cuda.core's
+    ``Device.uuid`` writes it (no ``GPU-`` prefix)."""
     drv = driver()
     dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
     uuid = check(drv.cuDeviceGetUuid(dev), f"cuDeviceGetUuid({ordinal})")
     raw = bytes_of(uuid, 16).hex()
-    return f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)
+
+
+def normalize_uuid(uuid: str | None) -> str | None:
+    """A device UUID in cuda.core's form, from that form or NVML's
+    ``GPU-`` form; ``None`` for anything that is not a UUID."""
+    if not isinstance(uuid, str):
+        return None
+    text = uuid.strip().lower()
+    if text.startswith("gpu-"):
+        text = text[4:]
+    return text if _UUID.fullmatch(text) else None
+
+
+def device_count() -> int:
+    drv = driver()
+    return int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def valid_ordinal(ordinal: int) -> int:
+    """``ordinal`` if this process sees such a device, else
+    :class:`InvalidInputError` saying how many it sees."""
+    from .._errors import InvalidInputError
+
+    count = device_count()
+    if not 0 <= ordinal < count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        extra = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise InvalidInputError(f"no CUDA device {ordinal}: this process sees {count}{extra}")
+    return ordinal
+
+
+def ordinal_of_uuid(uuid: str | None) -> int | None:
+    """This process's ordinal of the device with ``uuid``, or ``None`` when
+    it does not see that device."""
+    want = normalize_uuid(uuid)
+    if want is None:
+        return None
+    for i in range(device_count()):
+        if device_uuid(i) == want:
+            return i
+    return None
+
+
+_ctx_lock = threading.Lock()
+_primary: dict[int, Any] = {}
+_primary_pid = 0
+
+
+def _primary_context(ordinal: int) -> Any:
+    """The device's primary context, retained once per process (as the CUDA
+    runtime does) and kept until the process exits."""
+    global _primary_pid
+    drv = driver()
+    with _ctx_lock:
+        if _primary_pid != os.getpid():  # the driver's state does not survive fork
+            _primary.clear()
+            _primary_pid = os.getpid()
+        ctx = _primary.get(ordinal)
+        if ctx is None:
+            dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+            ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({ordinal})")
+            _primary[ordinal] = ctx
+        return ctx
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[Any]:
+    """Make ``ordinal``'s primary context current in this thread for the
+    duration of the block, then restore whatever was current before."""
+    drv = driver()
+    ctx = _primary_context(ordinal)
+    check(drv.cuCtxPushCurrent(ctx), f"cuCtxPushCurrent(device {ordinal})")
+    try:
+        yield ctx
+    finally:
+        drv.cuCtxPopCurrent()
+
+
+def current_ordinal() -> int | None:
+    """The device of the calling thread's current context, or ``None``
+    when it has none."""
+    drv = driver()
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        return None
+    return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
+# ---------------------------------------------------------------- streams
+
+#: ``CU_STREAM_LEGACY``: the legacy default stream, which waits for earlier
+#: work on every blocking stream of its context (CuPy's and torch's default).
+LEGACY_STREAM = 1
+#: ``CU_STREAM_PER_THREAD``: the calling thread's default stream.
+PER_THREAD_STREAM = 2
+
+
+def stream_handle(stream: Any) -> int | None:
+    """The raw ``CUstream`` of ``stream``: a cuda.core ``Stream``, anything
+    with ``__cuda_stream__``, a CuPy stream (``.ptr``), a torch stream
+    (``.cuda_stream``), or an ``int`` handle (0 and 1 name the legacy default
+    stream, 2 the per-thread one).  ``None`` stays ``None``."""
+    from .._errors import InvalidInputError
+
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise InvalidInputError("stream must be a CUDA stream or a stream handle, not a bool")
+    if isinstance(stream, int):
+        if stream < 0:
+            raise InvalidInputError(f"stream handle {stream} is negative")
+        return stream or LEGACY_STREAM
+    proto = getattr(stream, "__cuda_stream__", None)
+    if callable(proto):
+        try:
+            _, handle = proto()
+            return int(handle) or LEGACY_STREAM
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"{type(stream).__name__}.__cuda_stream__() is malformed: {exc}") from None
+    for attr in ("cuda_stream", "ptr", "handle"):  # torch, CuPy, cuda.core
+        value = getattr(stream, attr, None)
+        if value is not None:
+            try:
+                return int(value) or LEGACY_STREAM
+            except (TypeError, ValueError):
+                break
+    raise InvalidInputError(
+        f"stream must be a cuda.core Stream, a CuPy or torch stream, or an int handle, not {type(stream).__name__}"
+    )
+
+
+def stream_ordinal(stream: int) -> int | None:
+    """The device of a real stream's context; ``None`` for the default
+    streams (1, 2), which mean "the current context's"."""
+    if stream in (LEGACY_STREAM, PER_THREAD_STREAM):
+        return None
+    drv = driver()
+    ctx = check(drv.cuStreamGetCtx(stream), "cuStreamGetCtx")
+    check(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent(the stream's context)")
+    try:
+        return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+    finally:
+        drv.cuCtxPopCurrent()
+
+
+def pointer_ordinal(address: int, hint: int | None = None) -> int:
+    """The device that owns ``address`` (unified addressing: any context
+    answers; ``hint``'s, the current one's or device 0's is used)."""
+    drv = driver()
+    ordinal = hint if hint is not None else current_ordinal()
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    with on_device(0 if ordinal is None else ordinal):
+        return int(check(drv.cuPointerGetAttribute(attr, address), "cuPointerGetAttribute(DEVICE_ORDINAL)"))
+
+
+class CopyRequest:
+    """A stream-ordered copy in flight: complete when the event recorded
+    after it has completed, which is when its bytes are in the destination
+    memory and visible to every process that maps it.
+
+    ``wait(timeout)``, ``done()`` and ``await`` as for
+    :class:`gpushare.ucx.Request`.
+    """
+
+    __slots__ = ("_ordinal", "_event", "_keep", "_error", "_finished", "_finalizer", "__weakref__")
+
+    def __init__(self, ordinal: int, event: Any, keep: Any) -> None:
+        self._ordinal = ordinal
+        self._event = event
+        self._keep = keep
+        self._error: BaseException | None = None
+        self._finished = False
+        # A request dropped unfinished (a timed-out await) still frees its
+        # event; the driver releases it once the copy completes.
+        self._finalizer = weakref.finalize(self, _destroy_event, ordinal, event)
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._finished = True
+        self._error = error
+        release = getattr(self._keep, "release", None)
+        self._keep = None
+        if release is not None:
+            release()
+        self._finalizer()
+
+    def done(self) -> bool:
+        """Whether the copy has completed (or failed)."""
+        if self._finished:
+            return True
+        drv = driver()
+        with on_device(self._ordinal):
+            (err,) = drv.cuEventQuery(self._event)
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        self._finish(None if err == drv.CUresult.CUDA_SUCCESS else CUDAError(_name(drv, err), "copy"))
+        return True
+
+    def exception(self) -> BaseException | None:
+        """The error the copy ended with, or ``None``."""
+        return self._error if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the copy completes; raise its error.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` seconds pass first; the copy stays queued.
+        CUDAError
+            If the copy failed.
+        """
+        import time
+
+        from .._errors import WaitTimeoutError
+
+        if not self._finished:
+            drv = driver()
+            if timeout is None:
+                with on_device(self._ordinal):
+                    (err,) = drv.cuEventSynchronize(self._event)
+                self._finish(None if err == drv.CUresult.CUDA_SUCCESS else CUDAError(_name(drv, err), "copy"))
+            else:
+                deadline = time.monotonic() + timeout
+                spin_until = time.monotonic() + 5e-5
+                delay = 1e-5
+                while not self.done():
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise WaitTimeoutError(f"the CUDA copy did not complete within {timeout} s")
+                    if now >= spin_until:
+                        time.sleep(min(delay, deadline - now))
+                        delay = min(delay * 2, 1e-3)
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self) -> Any:
+        import asyncio
+
+        delay = 1e-5
+        while not self.done():
+            yield from asyncio.sleep(delay).__await__()
+            delay = min(delay * 2, 1e-3)
+        if self._error is not None:
+            raise self._error
+
+
+def _destroy_event(ordinal: int, event: Any) -> None:
+    drv = driver()
+    try:
+        with on_device(ordinal):
+            drv.cuEventDestroy(event)
+    except CUDAError:
+        pass  # the context is gone or poisoned: nothing left to free
+
+
+def copy_async(dst: int, src: int, n: int, *, ordinal: int, stream: int | None,
+               producer: int | None, keep: Any, what: str) -> CopyRequest:
+    """Queue ``n`` bytes from ``src`` to ``dst`` in device ``ordinal``'s
+    context: on ``stream``, else on the producer's stream, else on the legacy
+    default stream, after the producer's earlier work; return the request
+    that completes when the bytes have landed.  ``keep`` (released when the
+    request ends) keeps the buffers alive meanwhile."""
+    drv = driver()
+    no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    with on_device(ordinal):
+        s = stream if stream is not None else (producer if producer is not None else LEGACY_STREAM)
+        if producer is not None and producer != s:
+            after = check(drv.cuEventCreate(no_timing), "cuEventCreate")
+            try:
+                check(drv.cuEventRecord(after, producer), "cuEventRecord(the producer's stream)")
+                check(drv.cuStreamWaitEvent(s, after, 0), "cuStreamWaitEvent")
+            finally:
+                drv.cuEventDestroy(after)
+        check(drv.cuMemcpyAsync(dst, src, n, s), what)
+        event = check(drv.cuEventCreate(no_timing), "cuEventCreate")
+        try:
+            check(drv.cuEventRecord(event, s), "cuEventRecord")
+        except BaseException:
+            drv.cuEventDestroy(event)
+            raise
+    return CopyRequest(ordinal, event, keep)
+
+
+def import_ordinal(owner_uuid: str | None, device: int | None) -> int:
+    """The device to map imported memory on: ``device`` if given; else the
+    calling thread's current device, where it is the memory's own device
+    (found by UUID) or can reach it as a peer; else the memory's own device
+    if this process sees it; else the current device, else 0.
+
+    Ordinals are never taken from the exporter: they differ between
+    processes with another ``CUDA_VISIBLE_DEVICES``.
+    """
+    if device is not None:
+        return valid_ordinal(device)
+    current = current_ordinal()
+    owner = ordinal_of_uuid(owner_uuid)
+    if current is not None and (owner is None or owner == current or _can_access_peer(current, owner)):
+        return current
+    if owner is not None:
+        return owner
+    return 0 if current is None else current
+
+
+def _can_access_peer(ordinal: int, peer: int) -> bool:
+    drv = driver()
+    try:
+        a = check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
+        b = check(drv.cuDeviceGet(peer), "cuDeviceGet")
+        return bool(check(drv.cuDeviceCanAccessPeer(a, b), "cuDeviceCanAccessPeer"))
+    except CUDAError:
+        return False

@@ -24,8 +24,8 @@ from .host_fd import check_same_node
 __all__ = ["export_ipc", "import_ipc", "open_handle_count"]
 
 _lock = threading.Lock()
-#: (exporter pid, handle bytes) -> [base pointer, mapped size, users]
-_opened: dict[tuple[int, bytes], list[int]] = {}
+#: (exporter pid, handle bytes, device) -> [base pointer, mapped size, users]
+_opened: dict[tuple[int, bytes, int], list[int]] = {}
 _Ref: type | None = None
 
 
@@ -59,13 +59,33 @@ def _pointer_and_size(obj: Any) -> tuple[int, int]:
 
 
 def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
-    """The legacy CUDA IPC descriptor of a device buffer or array."""
+    """The legacy CUDA IPC descriptor of a device buffer or array.
+
+    Raises
+    ------
+    UnsupportedError
+        For memory legacy IPC cannot export: memory from a stream-ordered
+        pool (``cudaMallocAsync``, cuda.core's ``Device.allocate``, torch's
+        expandable segments) or CUDA virtual memory not from
+        :func:`gpushare.allocate`.
+    """
     drv = _cuda.driver()
     ptr, size = _pointer_and_size(obj)
-    base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    ordinal = int(_cuda.check(drv.cuPointerGetAttribute(attr, ptr), "device of the pointer"))
-    handle = _cuda.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+    hint = getattr(obj, "device_id", None)
+    ordinal = _cuda.pointer_ordinal(ptr, hint if isinstance(hint, int) and hint >= 0 else None)
+    attrs = drv.CUpointer_attribute
+    with _cuda.on_device(ordinal):
+        capable = _cuda.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+                              "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
+        if not int(capable):
+            raise UnsupportedError(
+                "legacy CUDA IPC cannot export this memory: it comes from a stream-ordered memory pool "
+                "(cudaMallocAsync, cuda.core Device.allocate, torch expandable segments) or from CUDA "
+                "virtual memory; allocate it with gpushare.allocate(size, device=N) to share it on this "
+                "node, or share it over ucx-rma"
+            )
+        base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        handle = _cuda.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
     return CudaIpcBufferDescriptor._from_fields(
         _cuda.bytes_of(handle, 64),
         int(base_size),
@@ -87,7 +107,7 @@ def _ref_class() -> type:
     class IpcRef(MemoryResource):  # type: ignore[misc]
         """One importer's use of an opened base allocation."""
 
-        def __init__(self, key: tuple[int, bytes], ordinal: int) -> None:
+        def __init__(self, key: tuple[int, bytes, int], ordinal: int) -> None:
             self.key = key
             self.ordinal = ordinal
             self.done = False
@@ -122,24 +142,30 @@ def _unuse(ref: Any) -> None:
         entry[2] -= 1
         if entry[2] == 0:
             del _opened[ref.key]
-            _cuda.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
+            # Any thread may get here (close, finalizers, the garbage
+            # collector): the handle belongs to the device's context.
+            with _cuda.on_device(ref.ordinal):
+                _cuda.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
 
 
-def import_ipc(desc: CudaIpcBufferDescriptor, device: Any) -> Any:
+def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
     """Open (or reuse) the base allocation and return a cuda.core ``Buffer``
     of the described range."""
     check_same_node(desc)
+    if readonly:
+        raise UnsupportedError(
+            "legacy CUDA IPC maps memory writable only; a read-only share cannot be opened over cuda-ipc"
+        )
     if desc.pid == os.getpid():
         raise UnsupportedError(
             "a CUDA IPC handle cannot be opened in the process that exported it; use the original buffer"
         )
     drv = _cuda.driver()
-    from cuda.core import Buffer, Device
+    from cuda.core import Buffer
 
-    dev = Device(desc.device if device is None else device)
-    dev.set_current()
-    key = (desc.pid, desc.handle)
-    with _lock:
+    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
+    key = (desc.pid, desc.handle, ordinal)
+    with _cuda.on_device(ordinal), _lock:
         entry = _opened.get(key)
         if entry is None:
             handle = _cuda.set_bytes(drv.CUipcMemHandle(), desc.handle)
@@ -161,5 +187,5 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: Any) -> Any:
                 f"opened allocation of {entry[1]} bytes"
             )
         entry[2] += 1
-    ref = _ref_class()(key, dev.device_id)
-    return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+        ref = _ref_class()(key, ordinal)
+        return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)

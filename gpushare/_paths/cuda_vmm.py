@@ -31,18 +31,31 @@ from . import _cuda
 from . import broker as _broker
 from .host_fd import check_same_node
 
-__all__ = ["allocate_device", "export_device", "import_device", "is_vmm_buffer"]
+__all__ = ["allocate_device", "export_device", "import_device", "is_vmm_buffer", "mapping_count"]
+
+_live_lock = threading.Lock()
+_live: set[int] = set()  # ids of mappings not yet released
+
+
+def mapping_count() -> int:
+    """How many VMM mappings (allocated or imported) this process holds."""
+    with _live_lock:
+        return len(_live)
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _prop(drv: Any, ordinal: int, handle_types: Sequence[str]) -> Any:
+def _prop(drv: Any, ordinal: int, handle_types: Sequence[str], rdma: bool = False) -> Any:
     prop = drv.CUmemAllocationProp()
     prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = ordinal
+    if rdma:
+        # Without it the memory cannot be registered for GPUDirect RDMA
+        # (UCX over InfiniBand/RoCE would fall back to staging or fail).
+        prop.allocFlags.gpuDirectRDMACapable = 1
     _set_handle_types(drv, prop, handle_types)
     return prop
 
@@ -94,17 +107,20 @@ def device_handle_types(ordinal: int) -> tuple[list[str], str | None]:
     return types, None
 
 
-def _access(drv: Any, ordinal: int) -> Any:
+def _access(drv: Any, ordinal: int, readonly: bool = False) -> Any:
     desc = drv.CUmemAccessDesc()
     desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = ordinal
-    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    flags = drv.CUmemAccess_flags
+    desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     return desc
 
 
-def _map(drv: Any, ordinal: int, handles: Sequence[Any], sizes: Sequence[int], gran: int) -> int:
-    """Reserve one range and map ``handles`` back to back into it; on
-    failure nothing stays mapped or reserved (the handles stay the caller's)."""
+def _map(drv: Any, ordinal: int, handles: Sequence[Any], sizes: Sequence[int], gran: int,
+         readonly: bool = False) -> int:
+    """Reserve one range and map ``handles`` back to back into it, with
+    access for device ``ordinal`` (read-only when asked); on failure nothing
+    stays mapped or reserved (the handles stay the caller's)."""
     total = sum(sizes)
     ptr = _cuda.check(drv.cuMemAddressReserve(total, gran, 0, 0), f"cuMemAddressReserve({total})")
     mapped: list[tuple[int, int]] = []
@@ -114,7 +130,7 @@ def _map(drv: Any, ordinal: int, handles: Sequence[Any], sizes: Sequence[int], g
             _cuda.check(drv.cuMemMap(int(ptr) + offset, n, 0, h, 0), f"cuMemMap(allocation {i}, {n} bytes)")
             mapped.append((int(ptr) + offset, n))
             offset += n
-        _cuda.check(drv.cuMemSetAccess(ptr, total, [_access(drv, ordinal)], 1), "cuMemSetAccess")
+        _cuda.check(drv.cuMemSetAccess(ptr, total, [_access(drv, ordinal, readonly)], 1), "cuMemSetAccess")
     except BaseException:
         for at, n in mapped:
             drv.cuMemUnmap(at, n)
@@ -149,6 +165,7 @@ def _mapping_class() -> type:
             handle_types: list[str],
             fabric_reason: str | None,
             exporter: bool,
+            readonly: bool = False,
         ) -> None:
             self.ordinal = ordinal
             self.ptr = ptr
@@ -157,9 +174,27 @@ def _mapping_class() -> type:
             self.handle_types = handle_types
             self.fabric_reason = fabric_reason
             self.exporter = exporter
+            self.readonly = readonly
+            self.devices = {ordinal}  # devices with access to the mapping
             self.lock = threading.Lock()
             self.closed = False
             self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
+            with _live_lock:
+                _live.add(id(self))
+
+        def grant(self, ordinal: int) -> None:
+            """Give device ``ordinal`` access too (read-only for a read-only
+            mapping), so a copy or kernel on it can touch the memory."""
+            drv = _cuda.driver()
+            with self.lock:
+                if ordinal in self.devices:
+                    return
+                if self.closed:
+                    raise ClosedError("the mapping is closed")
+                total = sum(self.sizes)
+                _cuda.check(drv.cuMemSetAccess(self.ptr, total, [_access(drv, ordinal, self.readonly)], 1),
+                            f"cuMemSetAccess(device {ordinal})")
+                self.devices.add(ordinal)
 
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
@@ -185,10 +220,17 @@ def _mapping_class() -> type:
                         export[0].revoke(export[1].export_id)
                     for fd in export[2]:
                         os.close(fd)
-                _cuda.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
-                _cuda.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
-                for h in self.handles:
-                    _cuda.check(drv.cuMemRelease(h), "cuMemRelease")
+                # Pending work on the memory must finish before it goes: the
+                # device's context is synchronised first (any thread, the
+                # garbage collector's included, pushes it for the duration).
+                with _cuda.on_device(self.ordinal):
+                    _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize before unmapping")
+                    _cuda.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
+                    _cuda.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
+                    for h in self.handles:
+                        _cuda.check(drv.cuMemRelease(h), "cuMemRelease")
+                with _live_lock:
+                    _live.discard(id(self))
 
         @property
         def is_device_accessible(self) -> bool:
@@ -213,52 +255,54 @@ def _mapping_class() -> type:
 _Mapping: type | None = None
 
 
-def _current(device: Any) -> tuple[Any, int]:
-    from cuda.core import Device
-
-    dev = Device(device)
-    dev.set_current()
-    return dev, dev.device_id
+def _rdma_capable(drv: Any, ordinal: int) -> bool:
+    return bool(_attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
 
 
 def allocate_device(size: int, device: int, *, chunk_size: int | None = None) -> Any:
     """A cuda.core ``Buffer`` of ``size`` bytes of VMM memory on ``device``,
-    exportable with every handle type the device supports."""
+    exportable with every handle type the device supports, registrable for
+    GPUDirect RDMA where the device supports it.  The calling thread's
+    current context is left as it was."""
     drv = _cuda.driver()
     from cuda.core import Buffer
 
-    _, ordinal = _current(device)
+    ordinal = _cuda.valid_ordinal(device)
     types, fabric_reason = device_handle_types(ordinal)
     if not types:
         raise UnsupportedError(fabric_reason or f"device {ordinal} cannot export VMM memory")
+    rdma = _rdma_capable(drv, ordinal)
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    prop = _prop(drv, ordinal, types)
+    prop = _prop(drv, ordinal, types, rdma)
     gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
     chunk = _round_up(chunk_size or size, gran)
     count = -(-size // chunk)
     sizes = tuple([chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), gran)])
     handles: list[Any] = []
-    try:
-        for n in sizes:
-            try:
-                handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
-            except CUDAError as exc:
-                if "fabric" not in types or handles:
-                    raise
-                # Fabric needs an IMEX channel this process can open; fall back.
-                fabric_reason = (
-                    f"allocating with fabric handles failed ({exc.status}); "
-                    "is an IMEX channel (/dev/nvidia-caps-imex-channels) accessible?"
-                )
-                types = [t for t in types if t != "fabric"]
-                prop = _prop(drv, ordinal, types)
-                handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
-        ptr = _map(drv, ordinal, handles, sizes, gran)
-    except BaseException:
-        _release_handles(drv, handles)
-        raise
-    mr = _mapping_class()(ordinal, ptr, handles, sizes, types, fabric_reason, True)
-    return Buffer.from_handle(ptr, size, mr=mr)
+    with _cuda.on_device(ordinal):
+        try:
+            for n in sizes:
+                try:
+                    handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+                except CUDAError as exc:
+                    if "fabric" not in types or handles:
+                        raise
+                    # Fabric needs an IMEX channel this process can open; fall back.
+                    fabric_reason = (
+                        f"allocating with fabric handles failed ({exc.status}); "
+                        "is an IMEX channel (/dev/nvidia-caps-imex-channels) accessible?"
+                    )
+                    types = [t for t in types if t != "fabric"]
+                    prop = _prop(drv, ordinal, types, rdma)
+                    handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+            ptr = _map(drv, ordinal, handles, sizes, gran)
+        except BaseException:
+            _release_handles(drv, handles)
+            raise
+        mr = _mapping_class()(ordinal, ptr, handles, sizes, types, fabric_reason, True)
+        # Buffer.from_handle records the current context's default stream
+        # for deallocation: it needs the context pushed above.
+        return Buffer.from_handle(ptr, size, mr=mr)
 
 
 def is_vmm_buffer(buf: Any) -> bool:
@@ -318,27 +362,15 @@ def export_device(buf: Any, handle_type: str | None) -> Any:
         return desc
 
 
-def _device_for(desc: Any, device: Any) -> Any:
-    if device is not None:
-        return device
-    if isinstance(desc, PosixFdBufferDescriptor):
-        return desc.device
-    if desc.owner_uuid is not None:
-        drv = _cuda.driver()
-        count = int(_cuda.check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
-        for i in range(count):
-            if _cuda.device_uuid(i) == desc.owner_uuid:
-                return i
-    return 0
-
-
-def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: Any) -> Any:
+def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,
+                  *, readonly: bool = False) -> Any:
     """Map the allocations ``desc`` names into one reservation; a cuda.core
-    ``Buffer`` whose close unmaps and releases them."""
+    ``Buffer`` whose close unmaps and releases them.  The mapping is
+    accessible to the chosen device only, read-only when ``readonly``."""
     drv = _cuda.driver()
     from cuda.core import Buffer
 
-    _, ordinal = _current(_device_for(desc, device))
+    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
     t = drv.CUmemAllocationHandleType
     prop = _prop(drv, ordinal, ())
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
@@ -349,35 +381,36 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
                 f"allocation size {i} is {n}; device {ordinal} maps multiples of {gran} bytes"
             )
     handles: list[Any] = []
-    try:
-        if isinstance(desc, PosixFdBufferDescriptor):
-            check_same_node(desc)
-            fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid)
-            try:
-                for i, fd in enumerate(fds):
+    with _cuda.on_device(ordinal):
+        try:
+            if isinstance(desc, PosixFdBufferDescriptor):
+                check_same_node(desc)
+                fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid)
+                try:
+                    for i, fd in enumerate(fds):
+                        handles.append(
+                            _cuda.check(
+                                drv.cuMemImportFromShareableHandle(
+                                    fd, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                                ),
+                                f"importing allocation {i}",
+                            )
+                        )
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            else:
+                for i, raw in enumerate(desc.handles):
+                    fh = _cuda.set_bytes(drv.CUmemFabricHandle(), raw)
                     handles.append(
                         _cuda.check(
-                            drv.cuMemImportFromShareableHandle(
-                                fd, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-                            ),
-                            f"importing allocation {i}",
+                            drv.cuMemImportFromShareableHandle(fh.getPtr(), t.CU_MEM_HANDLE_TYPE_FABRIC),
+                            f"importing fabric handle {i}",
                         )
                     )
-            finally:
-                for fd in fds:
-                    os.close(fd)
-        else:
-            for i, raw in enumerate(desc.handles):
-                fh = _cuda.set_bytes(drv.CUmemFabricHandle(), raw)
-                handles.append(
-                    _cuda.check(
-                        drv.cuMemImportFromShareableHandle(fh.getPtr(), t.CU_MEM_HANDLE_TYPE_FABRIC),
-                        f"importing fabric handle {i}",
-                    )
-                )
-        ptr = _map(drv, ordinal, handles, desc.sizes, gran)
-    except BaseException:
-        _release_handles(drv, handles)
-        raise
-    mr = _mapping_class()(ordinal, ptr, handles, desc.sizes, [], None, False)
-    return Buffer.from_handle(ptr, desc.size, mr=mr)
+            ptr = _map(drv, ordinal, handles, desc.sizes, gran, readonly)
+        except BaseException:
+            _release_handles(drv, handles)
+            raise
+        mr = _mapping_class()(ordinal, ptr, handles, desc.sizes, [], None, False, readonly)
+        return Buffer.from_handle(ptr, desc.size, mr=mr)
