@@ -22,6 +22,7 @@ from ._errors import (
     OutOfBoundsError,
     SlowPathWarning,
     UnsupportedError,
+    WaitTimeoutError,
 )
 from ._exporter import Export, get_exporter, new_ids, registered, weak_or_none
 from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
@@ -198,7 +199,7 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None, readonly: b
         local.release()
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
-    device = _device_ordinal(local.address) if memory_type == "cuda" else "host"
+    device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
     descs, regs = _mapped_offers(obj, memory_type, wanted)
     offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
     if wanted is not None:
@@ -230,13 +231,11 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None, readonly: b
                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly)
 
 
-def _device_ordinal(address: int) -> int:
+def _device_ordinal(address: int, hint: Any) -> int:
     """The CUDA device that owns ``address`` (asked of the driver)."""
     from ._paths import _cuda
 
-    drv = _cuda.driver()
-    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    return int(_cuda.check(drv.cuPointerGetAttribute(attr, address), "cuPointerGetAttribute(DEVICE_ORDINAL)"))
+    return _cuda.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -282,7 +281,8 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
             elif share.device != "host" and path == "posix-fd":
                 left_out.append("not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N)")
             elif share.device != "host" and path == "cuda-ipc" and "posix-fd" not in share.offers:
-                left_out.append("not cuda-ipc: not offered by the exporter")
+                left_out.append("not cuda-ipc: not offered; legacy CUDA IPC cannot export memory from a "
+                                "stream-ordered pool (cudaMallocAsync, cuda.core Device.allocate) or VMM")
             continue
         why_not = None
         if path == "same-process" and (share.exporter_pid != here or not same_node or registered(share) is None):
@@ -291,6 +291,8 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
             why_not = "exporter is on another node (or network namespace)"
         elif path == "fabric":
             why_not = _fabric_mismatch(share.fabric)
+        elif path == "cuda-ipc" and share.readonly:
+            why_not = "legacy CUDA IPC maps memory writable only, and this share is read-only"
         if why_not is None and path in _MAPPED_CUDA:
             from ._paths import _cuda
 
@@ -368,7 +370,8 @@ def _raise_refusal(reply: dict) -> None:
     raise InvalidInputError(f"exporter answered: {message}")
 
 
-def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: float = 10.0) -> View:  # noqa: A001
+def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: float = 10.0,  # noqa: A001
+         device: int | None = None) -> View:
     """Open a share from any process that can reach the exporter.
 
     The best path for this pair is tried first, then the next ones if a
@@ -387,6 +390,11 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
         ``exclude=`` adds to ``GPUSHARE_EXCLUDE_PATHS``.
     timeout : float
         Seconds for the whole open: reaching the exporter and every probe.
+    device : int, optional
+        For shares of CUDA memory: the device (an ordinal of this process) to
+        map it on.  By default the calling thread's current device, where it
+        can reach the memory; else the memory's own device, matched by UUID.
+        The calling thread's current device is left as it was.
 
     Raises
     ------
@@ -403,6 +411,11 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
         raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidInputError("timeout must be a positive number of seconds")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0), not {device!r}")
+        if share.device == "host":
+            raise InvalidInputError(f"device={device} given for a share of host memory")
     order, left_out, natural = _candidates(share, prefer, exclude)
     if not order:
         raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
@@ -444,7 +457,7 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), left())
+                view = _import(share, path, reply.get("payload"), left(), device)
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
                 _control.send(sock, {"op": "failed"})
@@ -489,7 +502,7 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
     return "; ".join(parts)
 
 
-def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
+def _import(share: Share, path: str, payload: Any, timeout: float, device: int | None = None) -> View:
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
     if path == "ucx-rma":
@@ -514,14 +527,53 @@ def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
     desc = _rebuild(*fields)
     if getattr(desc, "size", None) != share.nbytes:
         raise InvalidInputError(f"descriptor is {getattr(desc, 'size', '?')} bytes; the share says {share.nbytes}")
-    mapped = _same_node.import_buffer(desc)
+    cuda = share.device != "host"
+    mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda)
     return View._make(share, path, "", mapped=mapped)
 
 
 # ---------------------------------------------------------------- views
 
 
-def _release_view(mapped: Any, endpoint: Any, lease: list) -> None:
+class _MappingUse:
+    """Who still uses a view's mapping: the view itself and every DLPack
+    tensor made from it.  The mapping is unmapped when the last of them lets
+    go, never under a live array."""
+
+    __slots__ = ("mapped", "users", "lock")
+
+    def __init__(self, mapped: Any) -> None:
+        self.mapped = mapped
+        self.users = 1  # the view
+        self.lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.mapped is None:
+                raise ClosedError("view is closed")
+            self.users += 1
+
+    def drop(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users > 0 or self.mapped is None:
+                return
+            mapped, self.mapped = self.mapped, None
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # host arrays still use the mapping: it goes with the last of them
+        except GpuShareError as exc:
+            warnings.warn(f"unmapping a view failed; leaking it: {exc}", ResourceWarning, 2)
+
+
+class _Pin:
+    """Held by a DLPack tensor made from a view: the mapping lives while it does."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _end_lease(endpoint: Any, lease: list) -> None:
     for sock in lease:
         try:
             sock.close()
@@ -533,13 +585,12 @@ def _release_view(mapped: Any, endpoint: Any, lease: list) -> None:
             endpoint.close()
         except GpuShareError:
             pass
-    if mapped is not None:
-        try:
-            mapped.close()
-        except BufferError:
-            pass  # arrays still use the mapping: it goes with the last of them
-        except GpuShareError:
-            pass
+
+
+def _release_view(use: _MappingUse | None, endpoint: Any, lease: list) -> None:
+    _end_lease(endpoint, lease)
+    if use is not None:
+        use.drop()
 
 
 class View:
@@ -554,13 +605,21 @@ class View:
         One line: why this path, and why not the better ones.
     nbytes : int
     device : "host" or int
+        ``"host"``, or the CUDA device the memory is mapped on in this process
+        (an ordinal of this process; for ucx-rma, the exporter's).
     shape, typestr :
         As exported, for array views.
 
     Mapped views (every path but ucx-rma) are zero-copy: host ones expose
     ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
-    is not mapped: use :meth:`get` and :meth:`put`.
+    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__`` (read-only
+    where the share is).  A ucx-rma view is not mapped: use :meth:`get` and
+    :meth:`put`.
+
+    :meth:`close` ends the lease at once, but never unmaps memory that arrays
+    made from the view still use: a DLPack tensor keeps the mapping until it
+    is released, and an array made through ``__cuda_array_interface__`` (which
+    keeps the view object alive) until the view object is gone.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -575,6 +634,8 @@ class View:
         self.why = why
         self.nbytes = share.nbytes
         self.device = share.device
+        if mapped is not None and share.device != "host":
+            self.device = int(mapped.memory_resource.device_id)  # this process's ordinal
         self.shape = share.shape
         self.typestr = share.typestr
         self._target = target
@@ -582,7 +643,10 @@ class View:
         self._ep = endpoint
         self._rkey = rkey
         self._lease: list = []
-        self._finalizer = weakref.finalize(self, _release_view, mapped, endpoint, self._lease)
+        self._closed = False
+        self._cai_taken = False
+        self._use = _MappingUse(mapped) if mapped is not None else None
+        self._finalizer = weakref.finalize(self, _release_view, self._use, endpoint, self._lease)
         return self
 
     def _attach_lease(self, sock: socket.socket, why: str) -> None:
@@ -592,15 +656,26 @@ class View:
     # -- state -----------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closed or not self._finalizer.alive
 
     def _check(self) -> None:
         if self.closed:
             raise ClosedError("view is closed")
 
     def close(self) -> None:
-        """Unmap or disconnect, and end the lease with the exporter (idempotent)."""
+        """End the lease with the exporter, and unmap or disconnect (idempotent).
+
+        Memory that arrays made from the view still use stays mapped until
+        the last of them is gone (see the class notes); the view refuses any
+        further use at once.
+        """
         self._target = None
+        self._closed = True
+        if self._cai_taken and self._finalizer.alive:
+            # An array made through __cuda_array_interface__ holds this view,
+            # not a count we can see: unmap when the view object goes.
+            _end_lease(self._ep, self._lease)
+            return
         self._finalizer()
 
     def __enter__(self) -> View:
@@ -656,15 +731,36 @@ class View:
         if self.device == "host":
             raise AttributeError("__cuda_array_interface__ (this view is host memory)")
         lb = self._local()
+        if self._target is None:
+            self._cai_taken = True
+        # gpushare leaves no work pending on the memory (its copies complete
+        # before they return), so consumers need no stream to wait on.
         return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, self.share.readonly),
                 "version": 3, "strides": None, "stream": None}
 
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """A DLPack capsule of the mapped CUDA memory, with the share's dtype
+        and shape; read-only (DLPack 1.0) for a read-only share.  The mapping
+        stays until the consumer releases the tensor, even past :meth:`close`.
+        ``stream`` needs no ordering: gpushare leaves no work pending."""
+        from . import _dlpack
+
         self._check()
         if self.device == "host" or self.path == "ucx-rma":
             raise UnsupportedError("__dlpack__ is offered for mapped CUDA views; use numpy.asarray for host")
-        target = self._target if self._target is not None else self._mapped
-        return target.__dlpack__(*args, **kwargs)
+        if copy is True:
+            raise BufferError("a view exports its memory without copying (copy=True is not supported)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"the memory is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        lb = self._local()
+        if self._target is not None:
+            return self._target.__dlpack__(stream=stream, max_version=max_version)
+        pin = _Pin()
+        self._use.acquire()
+        weakref.finalize(pin, self._use.drop)
+        return _dlpack.capsule(lb.address, self.shape, self.typestr, self.__dlpack_device__(),
+                               readonly=self.share.readonly, owner=pin, max_version=max_version)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         if self.device == "host":
@@ -676,11 +772,11 @@ class View:
         if self.share.readonly:
             raise InvalidInputError("this share is read-only: its exporter allows get, not put")
 
-    def _span(self, buf: Any, offset: Any, writable: bool) -> tuple[_buffers.LocalBuffer, int]:
+    def _span(self, buf: Any, offset: Any, writable: bool, stream: Any = None) -> tuple[_buffers.LocalBuffer, int]:
         self._check()
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"offset must be a non-negative int, not {offset!r}")
-        local = _buffers.resolve(buf, writable=writable)
+        local = _buffers.resolve(buf, writable=writable, stream=stream)
         if offset + local.nbytes > self.nbytes:
             local.release()
             raise OutOfBoundsError(
@@ -688,64 +784,134 @@ class View:
             )
         return local, offset
 
-    def get(self, dst: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
+    def _copy(self, buf: Any, offset: int, direction: str, stream: Any) -> Any:
+        """Start a copy between ``buf`` and the mapped memory; a request for
+        CUDA copies, ``None`` when the copy is already done."""
+        from ._paths import _cuda
+
+        handle = _cuda.stream_handle(stream)
+        # A DLPack producer orders its pending work before the copy's stream.
+        consumer = handle if handle is not None else _cuda.LEGACY_STREAM
+        local, offset = self._span(buf, offset, direction == "get", consumer)
+        try:
+            shared = self._local()
+            if direction == "get":
+                src, dst = shared.address + offset, local.address
+            else:
+                src, dst = local.address, shared.address + offset
+            if local.nbytes == 0:
+                local.release()
+                return None
+            if local.memory_type == "host" and shared.memory_type == "host":
+                ctypes.memmove(dst, src, local.nbytes)
+                local.release()
+                return None
+            return self._cuda_copy(local, shared, src, dst, handle, direction)
+        except BaseException:
+            local.release()
+            raise
+
+    def _cuda_copy(self, local: _buffers.LocalBuffer, shared: _buffers.LocalBuffer, src: int, dst: int,
+                   stream: int | None, direction: str) -> Any:
+        from ._paths import _cuda
+
+        ordinal = _cuda.stream_ordinal(stream) if stream is not None else None
+        if ordinal is None:
+            ordinal = local.device if local.memory_type == "cuda" and local.device is not None else shared.device
+        if ordinal is None:
+            ordinal = _cuda.pointer_ordinal(local.address)
+        grant = getattr(getattr(self._mapped, "memory_resource", None), "grant", None)
+        if grant is not None and ordinal != self.device:
+            grant(ordinal)  # the copy runs on another device: it needs access too
+        what = f"copy {'from' if direction == 'get' else 'to'} the shared CUDA memory"
+        return _cuda.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
+                                producer=local.stream, keep=local, what=what)
+
+    def get(self, dst: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
         """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``.
 
-        ``timeout`` bounds a remote (ucx-rma) transfer; when it passes,
-        :class:`WaitTimeoutError` is raised and ``dst`` stays in use by the
-        transfer until it completes or fails.
+        Parameters
+        ----------
+        dst
+            Host or CUDA memory (any buffer :func:`gpushare.export` takes),
+            C-contiguous and writable.
+        offset : int
+            Byte offset into the shared memory.
+        stream : optional
+            For CUDA memory: the stream to order the copy on (a cuda.core
+            ``Stream``, a CuPy or torch stream, or a raw handle).  By default
+            the stream ``dst`` names (``__cuda_array_interface__``'s
+            ``stream``, or DLPack's), else the legacy default stream; either
+            way the copy runs after the work already queued there.
+        timeout : float or None
+            Seconds to wait; :class:`WaitTimeoutError` when they pass (the
+            copy stays in flight and ``dst`` in use until it completes).
+
+        The bytes are in ``dst`` when this returns.
         """
-        local, offset = self._span(dst, offset, True)
         if self.path == "ucx-rma":
+            local, offset = self._span(dst, offset, True)
             # The request owns the pinned buffer until it completes.
             self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
             return
-        try:
-            src = self._local()
-            _copy(local, src.address + offset, local.address, local.nbytes, src.memory_type, "from")
-        finally:
-            local.release()
+        request = self._copy(dst, offset, "get", stream)
+        if request is not None:
+            request.wait(timeout)
 
-    def put(self, src: Any, offset: int = 0, *, timeout: float | None = 60.0) -> None:
-        """Copy ``src`` into the shared memory at ``offset``; remote puts are flushed before this returns."""
+    def put(self, src: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
+        """Copy ``src`` into the shared memory at ``offset``.
+
+        Arguments as for :meth:`get`.  When this returns the bytes are in the
+        shared memory and visible to every process that maps it (CUDA copies
+        are synchronised; remote puts are flushed).
+        """
         self._check_writable()
-        local, offset = self._span(src, offset, False)
         if self.path == "ucx-rma":
+            local, offset = self._span(src, offset, False)
             self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
             self._ep.flush().wait(timeout)
             return
-        try:
-            dst = self._local()
-            _copy(local, local.address, dst.address + offset, local.nbytes, dst.memory_type, "to")
-        finally:
-            local.release()
+        request = self._copy(src, offset, "put", stream)
+        if request is not None:
+            request.wait(timeout)
 
-    async def get_async(self, dst: Any, offset: int = 0) -> None:
-        """:meth:`get` for asyncio: awaits the transfer without blocking the loop."""
-        if self.path != "ucx-rma":
-            await asyncio.to_thread(self.get, dst, offset)
-            return
-        local, offset = self._span(dst, offset, True)
-        await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
+    async def get_async(self, dst: Any, offset: int = 0, *, stream: Any = None,
+                        timeout: float | None = None) -> None:
+        """:meth:`get` for asyncio: awaits the transfer without blocking the
+        loop.  CUDA copies are queued on the stream and their completion
+        awaited (no thread); host copies run in a worker thread.
+        :class:`WaitTimeoutError` after ``timeout`` seconds."""
+        await _with_timeout(self._transfer(dst, offset, "get", stream), timeout)
 
-    async def put_async(self, src: Any, offset: int = 0) -> None:
-        """:meth:`put` for asyncio; remote puts are flushed before it completes."""
+    async def put_async(self, src: Any, offset: int = 0, *, stream: Any = None,
+                        timeout: float | None = None) -> None:
+        """:meth:`put` for asyncio; done when the bytes are visible to every
+        process that maps the memory (remote puts are flushed)."""
         self._check_writable()
-        if self.path != "ucx-rma":
-            await asyncio.to_thread(self.put, src, offset)
+        await _with_timeout(self._transfer(src, offset, "put", stream), timeout)
+
+    async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
+        if self.path == "ucx-rma":
+            local, offset = self._span(buf, offset, direction == "get")
+            if direction == "get":
+                await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
+            else:
+                await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
+                await self._ep.flush()
             return
-        local, offset = self._span(src, offset, False)
-        await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
-        await self._ep.flush()
+        if self.device == "host" and stream is None:
+            request = await asyncio.to_thread(self._copy, buf, offset, direction, None)
+        else:
+            request = self._copy(buf, offset, direction, stream)
+        if request is not None:
+            await request
 
 
-def _copy(local: _buffers.LocalBuffer, src: int, dst: int, n: int, shared_type: str, direction: str) -> None:
-    if n == 0:
+async def _with_timeout(transfer: Any, timeout: float | None) -> None:
+    if timeout is None:
+        await transfer
         return
-    if local.memory_type == "host" and shared_type == "host":
-        ctypes.memmove(dst, src, n)
-        return
-    from ._paths import _cuda
-
-    drv = _cuda.driver()
-    _cuda.check(drv.cuMemcpy(dst, src, n), f"copy {direction} the shared CUDA memory")
+    try:
+        await asyncio.wait_for(transfer, timeout)
+    except TimeoutError:
+        raise WaitTimeoutError(f"the transfer did not complete within {timeout} s; it stays in flight") from None

@@ -38,6 +38,9 @@ class LocalBuffer:
     owner: Any
     pin: Any = None
     device: int | None = None
+    #: For CUDA memory: the stream its producer's pending work is on (from
+    #: ``__cuda_array_interface__``), which a copy must come after.
+    stream: int | None = None
 
     def release(self) -> None:
         """Drop the pin and the reference to the owner."""
@@ -72,14 +75,18 @@ def _from_cuda_array_interface(obj: Any, cai: dict) -> LocalBuffer:
         ptr, readonly = cai["data"]
         strides = cai.get("strides")
         itemsize = _itemsize(cai["typestr"])
+        stream = cai.get("stream")
+        stream = None if stream is None else int(stream)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidInputError(f"malformed __cuda_array_interface__: {exc}") from None
+    if stream is not None and stream <= 0:
+        raise InvalidInputError(f"__cuda_array_interface__ names stream {stream}; version 3 forbids 0")
     if strides is not None:
         strides = tuple(int(s) for s in strides)
     if not _c_contiguous(shape, strides, itemsize):
         raise InvalidInputError("CUDA array is not C-contiguous; copy it first (e.g. cupy.ascontiguousarray)")
     nbytes = math.prod(shape) * itemsize
-    return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj)
+    return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj, stream=stream)
 
 
 def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:
@@ -97,7 +104,7 @@ def _is_cuda_core_buffer(obj: Any) -> bool:
     return mod.startswith("cuda.core") and hasattr(obj, "handle") and hasattr(obj, "size")
 
 
-def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
+def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuffer:
     """Resolve ``obj`` into a pinned :class:`LocalBuffer`.
 
     Parameters
@@ -106,6 +113,10 @@ def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
         The buffer object.
     writable
         Whether the caller will write into it (a get's destination).
+    stream
+        The stream the caller will use the memory on: a CUDA DLPack producer
+        orders its pending work before it.  ``None``: no ordering (the
+        memory's address is all that is needed).
 
     Raises
     ------
@@ -120,7 +131,7 @@ def resolve(obj: Any, *, writable: bool) -> LocalBuffer:
     elif hasattr(obj, "__cuda_array_interface__"):
         lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
     else:
-        lb = _from_host_or_dlpack(obj, writable)
+        lb = _from_host_or_dlpack(obj, writable, stream)
     if writable and lb.readonly:
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
@@ -150,7 +161,7 @@ def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
     return lb
 
 
-def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
+def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) -> LocalBuffer:
     from ._ucx._loader import native
 
     n = native()
@@ -187,7 +198,7 @@ def _from_host_or_dlpack(obj: Any, writable: bool) -> LocalBuffer:
                 raise ImportError(
                     "CUDA DLPack tensors need the 'cuda-core' package (pip install cuda-core)"
                 ) from None
-            view = StridedMemoryView(obj, stream_ptr=-1)
+            view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
             itemsize = view.dtype.itemsize
             if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
                 raise InvalidInputError("CUDA tensor is not C-contiguous; make it contiguous first")
