@@ -133,7 +133,7 @@ class Export:
             from . import ucx
 
             target = self.target()
-            agent = ucx.Agent()
+            agent = ucx.Agent(config=_rma_config(target))
             try:
                 mh = agent.create_memory_handle(self.nbytes, target, memory_type=self.memory_type)
                 key = mh.create_remote_key().serialize()
@@ -142,6 +142,25 @@ class Export:
                 raise
             self.agent, self.mh, self.key = agent, mh, key
         return self.agent.address, self.key
+
+
+def _rma_config(target: Any) -> dict[str, str]:
+    """UCX settings for serving ``target`` over ucx-rma.
+
+    UCX's ``cuda_ipc`` transport takes CUDA virtual memory only when it was
+    made with fabric handles, and maps just the one physical allocation at
+    the registered address: over it, a buffer of several allocations would
+    expose its first one only.  For such buffers it is left out, and UCX
+    moves the data through its other transports (staged through host memory
+    on one node).
+    """
+    from ._paths import cuda_vmm
+
+    if cuda_vmm.is_vmm_buffer(target):
+        mr = target.memory_resource
+        if len(mr.sizes) > 1 or "fabric" not in mr.handle_types:
+            return {"TLS": "^cuda_ipc"}
+    return {}
 
 
 class Exporter:

@@ -753,6 +753,13 @@ class Agent:
             if not isinstance(transports, str) or not transports:
                 raise InvalidInputError("transports must be a non-empty str such as 'tcp'")
             cfg["TLS"] = transports
+        # Local buffers reach put/get as bare pointers, so UCX infers their
+        # memory type.  Its memory-type cache learns of CUDA memory only from
+        # allocations it saw being made, so it can take device memory made
+        # before the agent (or mapped through VMM) for host memory and memcpy
+        # it on the CPU; without the cache every pointer is asked of the
+        # driver.  The user's config may still turn it back on.
+        cfg.setdefault("MEMTYPE_CACHE", "n")
         self._progress = progress
         self._error_handling = error_handling
         self._pid = os.getpid()
