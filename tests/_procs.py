@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -74,3 +75,25 @@ class Child:
             self.proc.join(5)
         self.conn.close()
         return self.proc.exitcode
+
+
+def in_thread(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """Run ``fn`` in a new thread (one with no CUDA context current) and
+    return its result or raise its exception here."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - carried back to the caller
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"the thread did not finish within {timeout} s")
+    if errors:
+        raise errors[0]
+    return result[0]

@@ -16,6 +16,16 @@ def _current_device():
     return dev
 
 
+def allocate(size: int):
+    """cuda.core device memory from the device's pool; cuda.core 1.2 asks
+    for the stream that orders the allocation."""
+    dev = _current_device()
+    stream = dev.create_stream()
+    buf = dev.allocate(size, stream=stream)
+    stream.sync()
+    return buf
+
+
 def dtoh(address: int, n: int) -> np.ndarray:
     from cuda.bindings import driver
 

@@ -57,6 +57,58 @@ def _cupy_write(state: dict, name: str, index: int, value: int) -> None:
     del a
 
 
+def _cupy_stream_roundtrip(state: dict, name: str, value: int) -> dict:
+    """CuPy on a non-default stream: read the view zero-copy, then fill a
+    CuPy array on the stream and put it without synchronising first."""
+    import cupy
+
+    view = state["views"][name]
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        seen = int(cupy.asarray(view).view(cupy.uint8).sum(dtype=cupy.uint64))
+        src = cupy.full(view.nbytes, value, dtype=cupy.uint8)  # queued on s
+        view.put(src, stream=s)
+    return {"sum": seen, "device": view.device}
+
+
+def _torch_sum(state: dict, name: str) -> int:
+    import torch
+
+    t = torch.from_dlpack(state["views"][name])
+    return int(t.to(torch.int64).sum())
+
+
+def _get_in_thread(state: dict, name: str, offset: int, n: int) -> bytes:
+    from _procs import in_thread
+
+    out = bytearray(n)
+    in_thread(lambda: state["views"][name].get(out, offset))
+    return bytes(out)
+
+
+def _per_call(fn: Any, iters: int) -> float:
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def _open_close(state: dict, share: Any, iters: int) -> float:
+    """Seconds per gs.open + close of ``share`` (benchmarks)."""
+    import gpushare as gs
+
+    return _per_call(lambda: gs.open(share).close(), iters)
+
+
+def _import_close(state: dict, desc: Any, iters: int) -> float:
+    """Seconds per gs.import_buffer + close of ``desc`` (benchmarks)."""
+    import gpushare as gs
+
+    return _per_call(lambda: gs.import_buffer(desc).close(), iters)
+
+
 def _import_desc(state: dict, desc: Any) -> bytes:
     import gpushare as gs
 
@@ -103,6 +155,11 @@ HANDLERS = {
     "array_write": _array_write,
     "cupy_write": _cupy_write,
     "import_desc": _import_desc,
+    "cupy_stream_roundtrip": _cupy_stream_roundtrip,
+    "torch_sum": _torch_sum,
+    "get_in_thread": _get_in_thread,
+    "open_close": _open_close,
+    "import_close": _import_close,
     "close": _close,
     "stop_broker": _stop_broker,
     "export": _export,

@@ -26,7 +26,9 @@ def _htod(address: int, data: np.ndarray) -> None:
     from gpushare._paths import _cuda
 
     drv = _cuda.driver()
-    _cuda.check(drv.cuMemcpyHtoD(address, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+    with _cuda.on_device(0):  # gpushare leaves no context current: push one
+        _cuda.check(drv.cuMemcpyHtoD(address, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+        _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 def _dtoh(address: int, n: int) -> np.ndarray:
@@ -34,7 +36,9 @@ def _dtoh(address: int, n: int) -> np.ndarray:
 
     out = np.empty(n, np.uint8)
     drv = _cuda.driver()
-    _cuda.check(drv.cuMemcpyDtoH(out.ctypes.data, address, n), "cuMemcpyDtoH")
+    with _cuda.on_device(0):
+        _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        _cuda.check(drv.cuMemcpyDtoH(out.ctypes.data, address, n), "cuMemcpyDtoH")
     return out
 
 
@@ -116,3 +120,73 @@ def test_torch_cuda_tensor_goes_over_cuda_ipc(peer):
     assert peer.call("get", "torch", 0, 8) == bytes(range(8))
     peer.call("close", "torch")
     share.revoke()
+
+
+def test_cupy_arrays_on_a_non_default_stream_between_processes(peer):
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    buf = gs.allocate(MiB, device=0)
+    try:
+        _htod(int(buf.handle), np.ones(MiB, np.uint8))
+        share = gs.export(buf, lifetime="revoked")
+        assert peer.call("open", "s", share)["path"] == "posix-fd"
+        got = peer.call("cupy_stream_roundtrip", "s", 3)
+        assert got["sum"] == MiB
+        # The put came after the fill on the importer's stream, and was
+        # visible when it returned: the importer synchronised nothing itself.
+        assert int(cupy.asarray(_dtoh(int(buf.handle), MiB)).sum()) == 3 * MiB
+        peer.call("close", "s")
+        share.revoke()
+    finally:
+        buf.close()
+
+
+def test_torch_cuda_tensor_from_dlpack_of_a_view(peer):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch build has no CUDA")
+    t = torch.full((4096,), 2, dtype=torch.uint8, device="cuda")
+    share = gs.export(t, lifetime="revoked")
+    assert peer.call("open", "td", share)["path"] == "cuda-ipc"
+    assert peer.call("torch_sum", "td") == 2 * 4096
+    peer.call("close", "td")
+    share.revoke()
+
+
+def test_get_from_another_thread(peer):
+    buf = gs.allocate(MiB, device=0)
+    try:
+        data = (np.arange(MiB) % 251).astype(np.uint8)
+        _htod(int(buf.handle), data)
+        share = gs.export(buf, lifetime="revoked")
+        peer.call("open", "t", share)
+        assert peer.call("get_in_thread", "t", 77, 4096) == data[77:77 + 4096].tobytes()
+        peer.call("close", "t")
+        share.revoke()
+    finally:
+        buf.close()
+
+
+def test_visible_devices_remapped_between_processes():
+    from gpushare._paths import _cuda
+
+    if _cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: this machine has one")
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    try:
+        child = Child(_share_peer.setup, timeout=120)
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    try:
+        buf = gs.allocate(MiB, device=1)
+        _htod(int(buf.handle), np.full(MiB, 9, np.uint8))
+        share = gs.export(buf, lifetime="revoked")
+        info = child.call("open", "r", share)
+        assert child.call("get", "r", 0, 4) == b"\x09" * 4
+        child.call("close", "r")
+        share.revoke()
+        buf.close()
+        assert info["path"] == "posix-fd"
+    finally:
+        child.close()

@@ -55,9 +55,8 @@ def test_host_to_remote_cuda_and_back(cuda_peer, link, size, offset):
 @pytest.mark.parametrize("size", [4096, 8 * MiB])
 def test_local_cuda_buffer_to_remote_cuda_and_back(cuda_peer, link, size):
     _, ep, rk = link
-    dev = gpu_peer._current_device()
-    src = dev.allocate(size)
-    dst = dev.allocate(size)
+    src = gpu_peer.allocate(size)
+    dst = gpu_peer.allocate(size)
     try:
         data = np.random.default_rng(size + 1).integers(0, 256, size, dtype=np.uint8)
         gpu_peer.htod(int(src.handle), data)
@@ -73,8 +72,7 @@ def test_local_cuda_buffer_to_remote_cuda_and_back(cuda_peer, link, size):
 
 def test_register_local_cuda_buffer(link):
     agent, _, _ = link
-    dev = gpu_peer._current_device()
-    buf = dev.allocate(MiB)
+    buf = gpu_peer.allocate(MiB)
     try:
         with agent.create_memory_handle(MiB, buf) as mh:
             assert mh.memory_type == "cuda"
