@@ -416,6 +416,10 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
             raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0), not {device!r}")
         if share.device == "host":
             raise InvalidInputError(f"device={device} given for a share of host memory")
+        from ._paths import _cuda
+
+        if _cuda.unavailable_reason() is None:
+            _cuda.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
     order, left_out, natural = _candidates(share, prefer, exclude)
     if not order:
         raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
