@@ -190,3 +190,21 @@ def test_visible_devices_remapped_between_processes():
         assert info["path"] == "posix-fd"
     finally:
         child.close()
+
+
+def test_chunked_vmm_buffer_over_ucx_rma(peer):
+    size = 6 * MiB
+    buf = gs.allocate(size, device=0, chunk_size=2 * MiB)
+    try:
+        data = (np.arange(size) % 251).astype(np.uint8)
+        _htod(int(buf.handle), data)
+        share = gs.export(buf, lifetime="revoked")
+        assert peer.call("open", "c", share, {"prefer": ["ucx-rma"]})["path"] == "ucx-rma"
+        # Across both allocation boundaries, both ways.
+        assert peer.call("get", "c", 2 * MiB - 100, 2 * MiB + 200) == data[2 * MiB - 100:4 * MiB + 100].tobytes()
+        peer.call("put", "c", 4 * MiB - 8, b"\xee" * 16)
+        assert _dtoh(int(buf.handle), size)[4 * MiB - 8:4 * MiB + 8].tobytes() == b"\xee" * 16
+        peer.call("close", "c")
+        share.revoke()
+    finally:
+        buf.close()
