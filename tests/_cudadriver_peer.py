@@ -346,8 +346,13 @@ def close_view(state: dict, name: str, where: str = "here") -> None:
     view = state["views"].pop(name)
     if where == "here":
         view.close()
-    else:
+    elif where == "thread":
         in_thread(view.close)
+    else:  # the garbage collector, in a thread with no context current
+        import gc
+
+        del view
+        in_thread(gc.collect)
 
 
 def view_closed(state: dict, name: str) -> bool:

@@ -94,14 +94,15 @@ def test_get_and_put_from_another_thread(spawn, where):
     assert importer.call("vmm_mappings") == 0
 
 
-def test_cuda_ipc_close_from_another_thread_releases_the_handle(spawn):
+@pytest.mark.parametrize("how", ["thread", "gc"])
+def test_cuda_ipc_close_from_another_thread_releases_the_handle(spawn, how):
     exporter, importer = spawn(), spawn()
     exporter.call("legacy_alloc", "buf", MiB, 5)
     share = exporter.call("export", "buf")
     assert "cuda-ipc" in share.offers
     assert importer.call("open_view", "v", share)["path"] == "cuda-ipc"
     assert importer.call("view_get", "v", 0, 64, "thread") == b"\x05" * 64
-    importer.call("close_view", "v", "thread")
+    importer.call("close_view", "v", how)
     assert importer.call("ipc_handles") == 0
 
 
@@ -295,6 +296,31 @@ def test_legacy_allocations_go_over_cuda_ipc(spawn):
     assert importer.call("view_get", "v", 0, 64) == b"\x08" * 64
     importer.call("view_put", "v", 0, b"\x01" * 64)
     assert exporter.call("read", "buf", 0, 64) == b"\x01" * 64
+
+
+# -- defect 12: UCX must not guess a CUDA buffer's memory type from its cache --
+
+
+def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
+    from gpushare import ucx
+    from gpushare._ucx import _agent
+
+    real = _agent.native()
+    seen: list[dict] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def Agent(self, cfg, polling, error_handling):  # noqa: N802 - the native name
+            seen.append(dict(cfg))
+            return real.Agent(cfg, polling, error_handling)
+
+    monkeypatch.setattr(_agent, "native", lambda: Spy())
+    ucx.Agent().close()
+    ucx.Agent(config={"UCX_MEMTYPE_CACHE": "y"}).close()
+    assert seen[0]["MEMTYPE_CACHE"] == "n"
+    assert seen[1]["MEMTYPE_CACHE"] == "y"  # the user's config wins
 
 
 # -- defect 13: multi-allocation VMM buffers over ucx-rma ------------------------
