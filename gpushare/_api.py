@@ -619,6 +619,11 @@ def _release_view(mapped: Any, endpoint: Any, lease: list) -> None:
 class View:
     """An open share: made by :func:`gpushare.open`.
 
+    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
+    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
+    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
+    is not mapped: use :meth:`get` and :meth:`put`.
+
     Attributes
     ----------
     path : str
@@ -627,14 +632,15 @@ class View:
     why : str
         One line: why this path, and why not the better ones.
     nbytes : int
+        Size of the shared buffer in bytes.
     device : "host" or int
-    shape, typestr :
-        As exported, for array views.
-
-    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
-    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
-    is not mapped: use :meth:`get` and :meth:`put`.
+        Where the memory lives: host memory or a CUDA device ordinal.
+    shape : tuple of int
+        Array shape as exported.
+    typestr : str
+        ``__array_interface__`` type string as exported.
+    share : Share
+        The share this view opened.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
