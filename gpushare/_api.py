@@ -14,7 +14,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from . import _buffers, _control
 from ._errors import (
@@ -642,6 +642,14 @@ class View:
     share : Share
         The share this view opened.
     """
+
+    share: Share
+    path: PathName
+    why: str
+    nbytes: int
+    device: int | Literal["host"]
+    shape: tuple[int, ...]
+    typestr: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("View objects are made by gpushare.open")

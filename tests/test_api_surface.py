@@ -51,6 +51,12 @@ def test_cpu_is_a_synonym_of_host():
         share.revoke()
     with pytest.raises(gs.InvalidInputError, match="expected 'host' \\(or 'cpu'\\) or a device ordinal"):
         gs.allocate(4096, device="gpu")
+    from gpushare import ucx
+
+    with ucx.Agent() as agent:
+        assert agent.create_memory_handle(4096, memory_type="cpu").memory_type == "host"
+        with pytest.raises(gs.InvalidInputError, match="'host' \\(or 'cpu'\\) or 'cuda', not 'gpu'"):
+            agent.create_memory_handle(4096, memory_type="gpu")
 
 
 def test_handle_types_are_spelled_like_paths_and_old_spellings_warn():
