@@ -115,20 +115,20 @@ def measure(conn, size: int, reps: int) -> dict[str, float]:
 
 
 def measure_device(conn, size: int, reps: int, device: int) -> dict[str, float]:
-    """Open times of a device buffer: VMM through posix_fd, and a cuda.core
+    """Open times of a device buffer: VMM through posix-fd, and a cuda.core
     memory-pool buffer through legacy CUDA IPC."""
     from cuda.core import Device
 
     out = {}
     vmm = gs.allocate(size, device=device)
-    conn.send(("device", gs.export_buffer(vmm, handle_type="posix_fd"), reps))
-    out["posix_fd"] = _best(conn.recv())
+    conn.send(("device", gs.export_buffer(vmm, handle_type="posix-fd"), reps))
+    out["posix-fd"] = _best(conn.recv())
     vmm.close()
     dev = Device(device)
     dev.set_current()
     pooled = dev.allocate(size)
-    conn.send(("device", gs.export_buffer(pooled, handle_type="cuda_ipc"), reps))
-    out["cuda_ipc"] = _best(conn.recv())
+    conn.send(("device", gs.export_buffer(pooled, handle_type="cuda-ipc"), reps))
+    out["cuda-ipc"] = _best(conn.recv())
     pooled.close()
     return out
 
@@ -166,10 +166,10 @@ def main() -> None:
             )
         print("targets: gs/shm <= 2.00; pickle/gs >= 100 at 64 MiB")
         if args.device is not None:
-            print(f"device {args.device}: {'size':>8} {'posix_fd':>11} {'cuda_ipc':>11}")
+            print(f"device {args.device}: {'size':>8} {'posix-fd':>11} {'cuda-ipc':>11}")
             for size in sizes:
                 r = measure_device(conn, size, args.reps, args.device)
-                print(f"{'':>9} {size:>8} {r['posix_fd'] * 1e6:>9.1f}us {r['cuda_ipc'] * 1e6:>9.1f}us")
+                print(f"{'':>9} {size:>8} {r['posix-fd'] * 1e6:>9.1f}us {r['cuda-ipc'] * 1e6:>9.1f}us")
         print(
             f"a bare request/reply between these processes takes {round_trip(conn, 200) * 1e6:.1f}us: "
             "the floor under an open that asks the exporter's broker"

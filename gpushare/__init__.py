@@ -9,6 +9,7 @@ agent.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ._api import View, export, open
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0.dev0"
 
+# Library logging: silent unless the application configures logging
+# (``logging.getLogger("gpushare").setLevel(logging.DEBUG)``).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 __all__ = [
     "__version__",
     "ClosedError",
@@ -75,8 +80,20 @@ __all__ = [
     "SlowPathWarning",
     "View",
     "export",
-    "open",
 ]
+# ``open`` is public (``gpushare.open``) but left out of ``__all__`` so that
+# ``from gpushare import *`` does not shadow the builtin.
+
+# Public classes and exceptions present themselves as ``gpushare.X`` (in
+# tracebacks, reprs and the API reference), not as the private module that
+# defines them.  Pickles refer to them by that name, which resolves here.
+for _name in __all__:
+    _obj = globals().get(_name)
+    if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
+        _obj.__module__ = __name__
+for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities):
+    _obj.__module__ = __name__
+del _name, _obj
 
 
 def __getattr__(name: str) -> Any:

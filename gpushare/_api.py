@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import ctypes
+import logging
 import os
 import socket
 import threading
 import time
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
 
 from . import _buffers, _control
 from ._errors import (
@@ -21,16 +25,23 @@ from ._errors import (
     InvalidInputError,
     OutOfBoundsError,
     SlowPathWarning,
+    UCXConnectionError,
     UnsupportedError,
     WaitTimeoutError,
 )
 from ._exporter import Export, get_exporter, new_ids, registered, weak_or_none
 from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
+from ._types import Lifetime, PathName
+
+#: What ``paths=``, ``prefer=`` and ``exclude=`` take: path names, or one comma-separated str.
+PathList = Iterable[PathName] | str
 
 __all__ = ["export", "open", "View"]
 
+log = logging.getLogger("gpushare.api")
+
 _MAPPED_CUDA = ("fabric", "posix-fd", "cuda-ipc")
-_HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix_fd", "cuda-ipc": "cuda_ipc", "host-fd": "posix_fd"}
+_HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix-fd", "cuda-ipc": "cuda-ipc", "host-fd": "posix-fd"}
 
 
 # ---------------------------------------------------------------- exporting
@@ -133,7 +144,7 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None) -> tupl
                 descs[path] = desc
         elif want("cuda-ipc"):
             try:
-                descs["cuda-ipc"] = _same_node.export_buffer(obj, handle_type="cuda_ipc")
+                descs["cuda-ipc"] = _same_node.export_buffer(obj, handle_type="cuda-ipc")
             except GpuShareError:
                 pass
     except BaseException:
@@ -153,7 +164,8 @@ def _release_registrations(regs: list) -> None:
     regs.clear()
 
 
-def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None, readonly: bool | None = None) -> Share:
+def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = None,
+           readonly: bool | None = None) -> Share:
     """Offer ``obj``'s memory to other processes; return the :class:`Share` to send them.
 
     Parameters
@@ -227,6 +239,9 @@ def export(obj: Any, *, lifetime: Any = "closed", paths: Any = None, readonly: b
     fabric = None
     if "fabric" in offers:
         fabric = _fabric_cliques()[0].get(device)
+    log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
+             "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
+             ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly)
 
@@ -370,8 +385,8 @@ def _raise_refusal(reply: dict) -> None:
     raise InvalidInputError(f"exporter answered: {message}")
 
 
-def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: float = 10.0,  # noqa: A001
-         device: int | None = None) -> View:
+def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,  # noqa: A001
+         timeout: float = 10.0, device: int | None = None) -> View:
     """Open a share from any process that can reach the exporter.
 
     The best path for this pair is tried first, then the next ones if a
@@ -421,6 +436,8 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
         if _cuda.unavailable_reason() is None:
             _cuda.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
     order, left_out, natural = _candidates(share, prefer, exclude)
+    log.debug("opening share %s: candidates %s; %s", share.share_id[:8], order or "none",
+              "; ".join(left_out) or "nothing left out")
     if not order:
         raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
     failures: list[str] = []
@@ -434,6 +451,7 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
 
             raise ClosedError(f"cannot open share: {_REFUSALS[refusal]}")
         why = "same-process: this process exported it; the original object is handed back"
+        log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, "same-process", why, target=target)
     deadline = time.monotonic() + timeout
 
@@ -445,7 +463,10 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
             )
         return remaining
 
-    sock = _control.connect(_addresses_for(share), left())
+    try:
+        sock = _control.connect(_addresses_for(share), left())
+    except ExporterUnreachableError as exc:
+        raise ExporterUnreachableError(_unreachable(share, str(exc))) from None
     try:
         _control.send(sock, {"op": "hello", "share": share.share_id, "token": share.token,
                              "pid": os.getpid(), "node": node_key()})
@@ -458,15 +479,18 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
             if not reply.get("ok"):
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
+                    log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
                     continue
                 _raise_refusal(reply)
             try:
                 view = _import(share, path, reply.get("payload"), left(), device)
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
+                log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
                 _control.send(sock, {"op": "failed"})
                 continue
             why = _explain(path, share, left_out, failures)
+            log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(sock, why)
             sock = None
             if failures and natural and natural.index(path) > 0:
@@ -480,11 +504,60 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
     except GpuShareError:
         raise
     except (EOFError, OSError, TimeoutError) as exc:
-        raise ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}") from None
+        raise ExporterUnreachableError(_unreachable(share, f"it stopped answering: {exc}")) from None
     finally:
         if sock is not None:
             sock.close()
     raise GpuShareError("every path failed: " + "; ".join(failures))
+
+
+def _exporter_exited(share: Share) -> bool | None:
+    """True when the exporting process is gone (checked on its node only), False
+    when it runs, None when this process cannot tell (another node)."""
+    if share.node != node_key():
+        return None
+    pid = share.exporter_pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with builtins.open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")  # exited, not yet reaped by its parent
+
+
+def _unreachable(share: Share, detail: str) -> str:
+    """The message of an :class:`ExporterUnreachableError` for ``share``: what
+    happened to the exporter, and what to do."""
+    pid = share.exporter_pid
+    exited = _exporter_exited(share)
+    if exited:
+        return (f"the exporter (pid {pid}) has exited, and its shares went with it: export the buffer again "
+                f"from a running process and open the new share ({detail})")
+    if exited is None:
+        return (f"cannot reach the exporter (pid {pid} on another node): {detail}; check that it is still "
+                "running and that this node can reach its control addresses "
+                f"{', '.join(f'{h}:{p}' for h, p in share.control)} (see GPUSHARE_CONTROL_HOST)")
+    return (f"the exporter (pid {pid}) is running on this node but did not answer: {detail}; it may be "
+            "stuck, or its control channel bound to an address this process cannot reach (GPUSHARE_CONTROL_HOST)")
+
+
+@contextlib.contextmanager
+def _rma_errors(share: Share) -> Iterator[None]:
+    """Say what a broken ucx-rma connection means: the exporter's side went away."""
+    try:
+        yield
+    except UCXConnectionError as exc:
+        pid = share.exporter_pid
+        what = ("has exited" if _exporter_exited(share) else
+                "closed its side: the share was revoked or its lifetime ended, or the process exited")
+        raise type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
+                                    "any more: close it, and open a share from a running exporter") from exc
 
 
 def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
@@ -600,6 +673,11 @@ def _release_view(use: _MappingUse | None, endpoint: Any, lease: list) -> None:
 class View:
     """An open share: made by :func:`gpushare.open`.
 
+    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
+    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
+    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
+    is not mapped: use :meth:`get` and :meth:`put`.
+
     Attributes
     ----------
     path : str
@@ -608,11 +686,16 @@ class View:
     why : str
         One line: why this path, and why not the better ones.
     nbytes : int
+        Size of the shared buffer in bytes.
     device : "host" or int
         ``"host"``, or the CUDA device the memory is mapped on in this process
         (an ordinal of this process; for ucx-rma, the exporter's).
-    shape, typestr :
-        As exported, for array views.
+    shape : tuple of int
+        Array shape as exported.
+    typestr : str
+        ``__array_interface__`` type string as exported.
+    share : Share
+        The share this view opened.
 
     Mapped views (every path but ucx-rma) are zero-copy: host ones expose
     ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
@@ -625,6 +708,14 @@ class View:
     is released, and an array made through ``__cuda_array_interface__`` (which
     keeps the view object alive) until the view object is gone.
     """
+
+    share: Share
+    path: PathName
+    why: str
+    nbytes: int
+    device: int | Literal["host"]
+    shape: tuple[int, ...]
+    typestr: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("View objects are made by gpushare.open")
@@ -674,6 +765,8 @@ class View:
         further use at once.
         """
         self._target = None
+        if self._finalizer.alive and not self._closed:
+            log.debug("closing the %s view of share %s", self.path, self.share.share_id[:8])
         self._closed = True
         if self._cai_taken and self._finalizer.alive:
             # An array made through __cuda_array_interface__ holds this view,
@@ -856,7 +949,8 @@ class View:
         if self.path == "ucx-rma":
             local, offset = self._span(dst, offset, True)
             # The request owns the pinned buffer until it completes.
-            self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+            with _rma_errors(self.share):
+                self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
             return
         request = self._copy(dst, offset, "get", stream)
         if request is not None:
@@ -872,8 +966,9 @@ class View:
         self._check_writable()
         if self.path == "ucx-rma":
             local, offset = self._span(src, offset, False)
-            self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
-            self._ep.flush().wait(timeout)
+            with _rma_errors(self.share):
+                self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+                self._ep.flush().wait(timeout)
             return
         request = self._copy(src, offset, "put", stream)
         if request is not None:
@@ -897,11 +992,12 @@ class View:
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         if self.path == "ucx-rma":
             local, offset = self._span(buf, offset, direction == "get")
-            if direction == "get":
-                await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
-            else:
-                await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
-                await self._ep.flush()
+            with _rma_errors(self.share):
+                if direction == "get":
+                    await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
+                else:
+                    await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
+                    await self._ep.flush()
             return
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)

@@ -49,6 +49,10 @@ class LocalBuffer:
             pin.release()
 
 
+_CONTIGUOUS_FIX = ("pass a C-contiguous copy instead: numpy.ascontiguousarray(a), cupy.ascontiguousarray(a) "
+                   "or tensor.contiguous()")
+
+
 def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
     if strides is None:
         return True
@@ -84,7 +88,7 @@ def _from_cuda_array_interface(obj: Any, cai: dict) -> LocalBuffer:
     if strides is not None:
         strides = tuple(int(s) for s in strides)
     if not _c_contiguous(shape, strides, itemsize):
-        raise InvalidInputError("CUDA array is not C-contiguous; copy it first (e.g. cupy.ascontiguousarray)")
+        raise InvalidInputError(f"CUDA array is not C-contiguous; {_CONTIGUOUS_FIX}")
     nbytes = math.prod(shape) * itemsize
     return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj, stream=stream)
 
@@ -148,7 +152,7 @@ def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidInputError(f"malformed __array_interface__: {exc}") from None
     if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
-        raise InvalidInputError("array is not C-contiguous; copy it first")
+        raise InvalidInputError(f"array is not C-contiguous; {_CONTIGUOUS_FIX}")
     nbytes = math.prod(shape) * itemsize
     if isinstance(data, tuple):
         ptr, readonly = data
@@ -177,7 +181,8 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
                 raise InvalidInputError(
                     f"{type(obj).__name__} buffer is read-only; a destination must be writable"
                 ) from None
-        raise InvalidInputError(f"{type(obj).__name__} cannot be used as a buffer: {exc}") from None
+        fix = f"; {_CONTIGUOUS_FIX}" if "contiguous" in str(exc) else ""
+        raise InvalidInputError(f"{type(obj).__name__} cannot be used as a buffer: {exc}{fix}") from None
     except TypeError:
         pin = None
     if pin is not None:
@@ -201,7 +206,7 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
             view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
             itemsize = view.dtype.itemsize
             if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
-                raise InvalidInputError("CUDA tensor is not C-contiguous; make it contiguous first")
+                raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
             nbytes = math.prod(view.shape) * itemsize
             return LocalBuffer(int(view.ptr), nbytes, "cuda", bool(view.readonly), (obj, view), device=int(dev_id))
         raise InvalidInputError(f"DLPack device type {dev_type} is not supported (host and CUDA are)")

@@ -84,6 +84,7 @@ def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int 
     if reason is not None:
         return [], reason, None
     from ._paths.cuda_vmm import device_handle_types
+    from ._types import public_handle_types
 
     drv = _cuda.driver()
     version = int(_cuda.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
@@ -103,7 +104,7 @@ def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int 
             {
                 "ordinal": i,
                 "uuid": uuids[i],
-                "handle_types": types + ["cuda_ipc"],
+                "handle_types": public_handle_types(types) + ["cuda-ipc"],
                 "fabric_reason": why_not,
                 "fabric": fabric.get(i, {"reason": fabric_reason}),
             }
@@ -128,12 +129,12 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``node`` (identity), ``host`` (``handle_types``: ``["posix_fd"]``
+        ``node`` (identity), ``host`` (``handle_types``: ``["posix-fd"]``
         where memfd and fd passing work), ``cuda`` (``available``, ``reason``,
         ``driver_version``, ``devices``: one entry per device with
         ``ordinal`` (this process's), ``uuid`` (as cuda.core's
-        ``Device.uuid`` writes it), ``handle_types`` (of ``"posix_fd"``,
-        ``"fabric"``, ``"cuda_ipc"``), ``fabric_reason`` and ``fabric``
+        ``Device.uuid`` writes it), ``handle_types`` (of ``"posix-fd"``,
+        ``"fabric"``, ``"cuda-ipc"``), ``fabric_reason`` and ``fabric``
         (NVML cluster UUID and clique id once the fabric is ready on the
         device, else ``reason``)), ``imex``
         (``present``, ``channels``, ``reason``), ``versions`` (gpushare,
@@ -147,7 +148,7 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
     return {
         "node": node_identity(),
         "host": {
-            "handle_types": ["posix_fd"] if host_ok else [],
+            "handle_types": ["posix-fd"] if host_ok else [],
             "reason": None if host_ok else "os.memfd_create is unavailable on this platform",
         },
         "cuda": {

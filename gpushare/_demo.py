@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["run_demo"]
 
@@ -24,19 +26,22 @@ def _importer(conn: Any, share: Any, prefer: str | None, repeat: int) -> None:
 
     try:
         with gs.open(share, prefer=prefer) as view:
+            conn.send({"progress": f"importer: opened over {view.path}"})
             dst = np.empty(view.nbytes, np.uint8)
             times = []
-            for _ in range(repeat):
+            for k in range(repeat):
                 t0 = time.perf_counter()
                 view.get(dst)
                 times.append(time.perf_counter() - t0)
+                conn.send({"progress": f"importer: get {k + 1}/{repeat}"})
             got = hashlib.sha256(dst).hexdigest()
             src = np.random.default_rng(2).integers(0, 256, view.nbytes, dtype=np.uint8)
             put_times = []
-            for _ in range(repeat):
+            for k in range(repeat):
                 t0 = time.perf_counter()
                 view.put(src)
                 put_times.append(time.perf_counter() - t0)
+                conn.send({"progress": f"importer: put {k + 1}/{repeat}"})
             conn.send({"path": view.path, "why": view.why, "got": got, "put": hashlib.sha256(src).hexdigest(),
                        "get_s": min(times), "put_s": min(put_times)})
     except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -84,43 +89,91 @@ def _read(buf: Any, size: int) -> str:
     return hashlib.sha256(out).hexdigest()
 
 
-def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print) -> int:
-    """Export ``size`` bytes here, open them in a second process; return an exit code."""
+class _Progress:
+    """Progress lines on stderr, once a run has taken more than a second
+    (short runs stay quiet), at most one a second."""
+
+    def __init__(self, stream: TextIO | None, after: float = 1.0) -> None:
+        self.stream = stream
+        self.after = after
+        self.start = time.monotonic()
+        self.last = self.start - after
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        if self.stream is None or now - self.start < self.after or now - self.last < self.after:
+            return
+        self.last = now
+        print(f"[{now - self.start:5.1f} s] {message}", file=self.stream, flush=True)
+
+
+def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json: bool = False,
+             progress: TextIO | None = sys.stderr, progress_after: float = 1.0) -> int:
+    """Export ``size`` bytes here, open them in a second process; return an exit code.
+
+    Human-readable lines go to ``out``; with ``as_json`` one JSON object
+    instead.  Progress lines go to ``progress`` (stderr) once the run has
+    taken ``progress_after`` seconds, then at most one every ``progress_after``
+    seconds.
+    """
     import gpushare as gs
 
+    tick = _Progress(progress, progress_after)
+    report: dict[str, Any] = {"size": size, "repeat": repeat, "runs": []}
+    say = (lambda *_: None) if as_json else out
     buf, where = _allocate(size)
+    report["memory"] = where
     ctx = mp.get_context("spawn")
     ok = True
     try:
-        out(f"exporting {size >> 20} MiB of {where} from process {mp.current_process().pid}")
+        say(f"exporting {size >> 20} MiB of {where} from process {mp.current_process().pid}")
         for prefer in (None, "ucx-rma"):
+            tick(f"filling {size >> 20} MiB with random bytes")
             digest = _fill(buf, size)
             share = gs.export(buf, lifetime="revoked")
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_importer, args=(child, share, prefer, repeat), daemon=True)
+            tick("starting the importing process" + (f" (path {prefer})" if prefer else ""))
             proc.start()
             try:
-                if not parent.poll(120):
-                    out("the importing process did not answer within 120 s")
-                    return 1
-                r = parent.recv()
+                while True:
+                    if not parent.poll(120):
+                        return _failed(out, as_json, report, "the importing process did not answer within 120 s")
+                    r = parent.recv()
+                    if "progress" not in r:
+                        break
+                    tick(str(r["progress"]))
             finally:
                 proc.join(30)
                 if proc.is_alive():
                     proc.kill()
                 share.revoke()
             if "error" in r:
-                out(f"the importer failed: {r['error']}")
-                return 1
-            label = "path" if prefer is None else "for comparison, forced path"
-            out(f"{label}: {r['path']}  ({r['why']})")
+                return _failed(out, as_json, report, f"the importer failed: {r['error']}")
+            tick("checking the bytes the importer wrote")
             get_ok, put_ok = r["got"] == digest, _read(buf, size) == r["put"]
-            out(f"  get: {size / r['get_s'] / 1e9:6.2f} GB/s, bytes match the exporter's: {get_ok}")
-            out(f"  put: {size / r['put_s'] / 1e9:6.2f} GB/s, the exporter sees the bytes: {put_ok}")
+            run = {"path": r["path"], "why": r["why"], "forced": prefer is not None,
+                   "get_gbps": size / r["get_s"] / 1e9, "put_gbps": size / r["put_s"] / 1e9,
+                   "get_ok": get_ok, "put_ok": put_ok}
+            report["runs"].append(run)
+            label = "path" if prefer is None else "for comparison, forced path"
+            say(f"{label}: {r['path']}  ({r['why']})")
+            say(f"  get: {run['get_gbps']:6.2f} GB/s, bytes match the exporter's: {get_ok}")
+            say(f"  put: {run['put_gbps']:6.2f} GB/s, the exporter sees the bytes: {put_ok}")
             ok = ok and get_ok and put_ok
             if r["path"] == "ucx-rma":
                 break  # nothing faster to compare with
     finally:
         buf.close()
-    out("demo passed" if ok else "demo FAILED: the data did not match")
+    report["passed"] = ok
+    if as_json:
+        out(json.dumps(report, indent=2))
+    else:
+        out("demo passed" if ok else "demo FAILED: the data did not match")
     return 0 if ok else 1
+
+
+def _failed(out: Any, as_json: bool, report: dict[str, Any], error: str) -> int:
+    report.update(passed=False, error=error)
+    out(json.dumps(report, indent=2) if as_json else error)
+    return 1

@@ -322,7 +322,7 @@ class PosixFdBufferDescriptor(_Frozen):
     Attributes
     ----------
     handle_type : str
-        Always ``"posix_fd"``.
+        Always ``"posix-fd"``.
     version : int
         Format version (1).
     address : str
@@ -359,7 +359,7 @@ class PosixFdBufferDescriptor(_Frozen):
         "_version",
     )
 
-    handle_type = "posix_fd"
+    handle_type = "posix-fd"
     _FIELDS = (
         "_version",
         "_address",
@@ -463,13 +463,13 @@ class CudaIpcBufferDescriptor(_Frozen):
 
     The handle names the whole base allocation that contains the buffer; the
     buffer is ``size`` bytes at ``offset`` into it.  Made by
-    :func:`gpushare.export_buffer` (``handle_type="cuda_ipc"``), imported by
+    :func:`gpushare.export_buffer` (``handle_type="cuda-ipc"``), imported by
     :func:`gpushare.import_buffer` in another process on the same node.
 
     Attributes
     ----------
     handle_type : str
-        Always ``"cuda_ipc"``.
+        Always ``"cuda-ipc"``.
     handle : bytes
         The 64-byte ``CUipcMemHandle`` of the base allocation.
     base_size : int
@@ -490,7 +490,7 @@ class CudaIpcBufferDescriptor(_Frozen):
 
     __slots__ = ("_base_size", "_device", "_handle", "_node", "_offset", "_owner_uuid", "_pid", "_size")
 
-    handle_type = "cuda_ipc"
+    handle_type = "cuda-ipc"
     _FIELDS = ("_handle", "_base_size", "_offset", "_size", "_device", "_owner_uuid", "_pid", "_node")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -562,6 +562,8 @@ def _rebuild(handle_type: object, *fields: object) -> Any:
         cls.handle_type: cls
         for cls in (VirtualMemoryFabricBufferDescriptor, PosixFdBufferDescriptor, CudaIpcBufferDescriptor)
     }
+    if isinstance(handle_type, str):  # pickles made before the hyphenated spelling
+        handle_type = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}.get(handle_type, handle_type)
     cls = kinds.get(handle_type) if isinstance(handle_type, str) else None
     if cls is None:
         raise InvalidInputError(f"unknown descriptor handle type {handle_type!r:.40}")

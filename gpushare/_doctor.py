@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_doctor", "ucx_transports"]
+__all__ = ["run_doctor", "ucx_transports", "live_check"]
 
 
 def ucx_transports() -> dict[str, Any]:
@@ -49,7 +50,61 @@ def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
     return order[0], "; ".join(left_out)
 
 
+def _probe(conn: Any, data: bytes, paths: list[str], expected: bytes) -> None:
+    """The second process of :func:`live_check`: open the share over each path."""
+    import gpushare as gs
+
+    share = gs.Share.from_bytes(data)
+    results = {}
+    for path in paths:
+        try:
+            with gs.open(share, prefer=[path], timeout=20) as view:
+                if view.path != path:
+                    results[path] = f"not taken (got {view.path})"
+                    continue
+                got = bytearray(view.nbytes)
+                view.get(got)
+                results[path] = "works" if bytes(got) == expected else "FAILED: the bytes differ"
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            results[path] = f"FAILED: {type(exc).__name__}: {exc}"
+    conn.send(results)
+
+
+def live_check(timeout: float = 60.0) -> dict[str, str]:
+    """Share 4 KiB of host memory with a second process on this node over each
+    path host memory can take; return what happened on each ("works" or why not)."""
+    import gpushare as gs
+
+    paths = ["host-fd", "ucx-rma"]
+    buf = gs.allocate(4096, device="host")
+    expected = bytes(range(256)) * 16
+    buf.memoryview()[:] = expected
+    share = gs.export(buf, lifetime="revoked")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_probe, args=(child, share.to_bytes(), paths, expected), daemon=True)
+    try:
+        proc.start()
+        child.close()
+        if not parent.poll(timeout):
+            return dict.fromkeys(paths, f"FAILED: the second process did not answer within {timeout:.0f} s")
+        try:
+            return parent.recv()
+        except EOFError:
+            return dict.fromkeys(paths, f"FAILED: the second process exited (status {proc.exitcode})")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        parent.close()
+        share.revoke()
+        buf.close()
+
+
 def run_doctor(out: Any = print, as_json: bool = False) -> int:
+    """Print capabilities, path decisions and a live check; return 1 if no path
+    works between two processes on this node, else 0."""
     from . import capabilities
     from ._share import node_key
 
@@ -63,7 +118,7 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     ]
     if cuda_devices:
         types = cuda_devices[0].get("handle_types", [])
-        vmm = tuple(p for p, t in (("fabric", "fabric"), ("posix-fd", "posix_fd")) if t in types)
+        vmm = tuple(p for p, t in (("fabric", "fabric"), ("posix-fd", "posix-fd")) if t in types)
         scenarios += [
             ("CUDA memory from gpushare.allocate", 0, vmm + ("ucx-rma",)),
             ("other CUDA memory (CuPy pool, torch)", 0, ("cuda-ipc", "ucx-rma")),
@@ -73,9 +128,12 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
         for where, node in (("same node", here), ("another node", elsewhere)):
             path, why = _decide(node, device, offers)
             decisions.append({"memory": label, "peer": where, "path": path, "why": why})
+    live = live_check()
+    status = 0 if any(v == "works" for v in live.values()) else 1
     if as_json:
-        out(json.dumps({"capabilities": caps, "decisions": decisions}, indent=2, default=str))
-        return 0
+        out(json.dumps({"capabilities": caps, "decisions": decisions, "live_check": live, "ok": status == 0},
+                       indent=2, default=str))
+        return status
     out(f"node: {caps['node']}")
     cuda = caps["cuda"]
     if cuda["available"]:
@@ -97,4 +155,10 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
         out(f"  {d['memory']}, peer on {d['peer']}: {d['path']}")
         if d["why"]:
             out(f"      why not faster: {d['why']}")
-    return 0
+    out("")
+    out("host memory shared with a second process on this node:")
+    for path, result in live.items():
+        out(f"  {path}: {result}")
+    if status:
+        out("no path works between two processes on this node: see the reasons above")
+    return status

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -26,6 +27,8 @@ from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._process import PerProcess
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
+
+log = logging.getLogger("gpushare.export")
 
 
 def _ipv4_addresses() -> list[str]:
@@ -121,6 +124,8 @@ class Export:
             _release_registrations(regs)
 
     def retire(self) -> None:
+        if not self.retired:
+            log.info("share %s retired: its lifetime (%s) ended", self.share_id[:8], self.policy)
         self.retired = True
         self.close_remote()
         self.close_mapped()
@@ -250,6 +255,8 @@ class Exporter:
                                      "message": "the exporter has no such share (closed, or never exported here)"})
                 return
             if not isinstance(token, bytes) or not hmac.compare_digest(token, export.token):
+                log.warning("refused an open of share %s from %s: wrong token", export.share_id[:8],
+                            _peer(conn))
                 _control.send(conn, {"ok": False, "code": "denied", "message": "wrong token for this share"})
                 return
             _control.send(conn, {"ok": True})
@@ -259,6 +266,8 @@ class Exporter:
                 if op == "open" and not leased:
                     leased = self._open(conn, export, msg.get("path"))
                 elif op == "failed" and leased:
+                    log.debug("share %s: the importer at %s could not use its path", export.share_id[:8],
+                              _peer(conn))
                     with export.lock:
                         export.opens -= 1
                         export.total -= 1
@@ -273,6 +282,7 @@ class Exporter:
             return  # the importer closed, died or misbehaved: its lease ends
         finally:
             if leased and export is not None:
+                log.info("share %s: lease of %s ended", export.share_id[:8], _peer(conn))
                 with export.lock:
                     export.opens -= 1
                     export.after_close()
@@ -302,6 +312,7 @@ class Exporter:
                 return False
             export.opens += 1
             export.total += 1
+        log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
         _control.send(conn, {"ok": True, "payload": payload})
         return True
 
@@ -337,11 +348,20 @@ def revoke(share: Any) -> None:
         raise ClosedError(
             f"only the exporting process (pid {share.exporter_pid}) can revoke this share"
         )
+    log.info("share %s revoked", share.share_id[:8])
     with export.lock:
         export.revoked = True
         export.close_remote()
         export.close_mapped()
         export.obj = None
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a closed connection"
+    return f"{host}:{port}"
 
 
 def new_ids() -> tuple[str, bytes]:

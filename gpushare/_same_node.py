@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _types
 from ._descriptors import (
     CudaIpcBufferDescriptor,
     PosixFdBufferDescriptor,
@@ -20,20 +21,19 @@ from ._paths import host_fd
 
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
-_HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")
 
-
-def allocate(size: int, device: int | str = 0, *, chunk_size: int | None = None) -> Any:
+def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = None) -> Any:
     """Allocate memory that another process can import.
 
     Parameters
     ----------
     size : int
         Bytes, at least 1.
-    device : int or "host", default 0
+    device : int or {"host", "cpu"}, default 0
         A CUDA device ordinal: CUDA virtual memory, exportable with every
         handle type the device supports (POSIX fd; fabric too where the device
-        and an IMEX channel allow it).  ``"host"``: host memory in memfds.
+        and an IMEX channel allow it).  ``"host"`` (or its synonym ``"cpu"``):
+        host memory in memfds.
     chunk_size : int, optional
         Largest physical allocation; the buffer is made of as many as needed,
         mapped contiguously in address order.  Rounded up to the CUDA
@@ -57,10 +57,10 @@ def allocate(size: int, device: int | str = 0, *, chunk_size: int | None = None)
     size = _integer(size, "size")
     if chunk_size is not None:
         chunk_size = _integer(chunk_size, "chunk_size")
-    if device == "host":
+    if _types.is_host(device):
         return host_fd.allocate_host(size, chunk_size=chunk_size)
     if isinstance(device, str):
-        raise InvalidInputError(f"device is {device!r}; expected 'host' or a device ordinal")
+        raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a device ordinal")
     ordinal = _integer(device, "device")
     if size <= 0:
         raise InvalidInputError(f"size is {size}; expected a positive integer")
@@ -71,25 +71,26 @@ def allocate(size: int, device: int | str = 0, *, chunk_size: int | None = None)
     return cuda_vmm.allocate_device(size, ordinal, chunk_size=chunk_size)
 
 
-def export_buffer(buffer: Any, *, handle_type: str | None = None) -> Any:
+def export_buffer(buffer: Any, *, handle_type: _types.HandleType | None = None) -> Any:
     """Describe ``buffer`` so that another process can import it.
 
     Parameters
     ----------
     buffer : HostBuffer, cuda.core.Buffer or CUDA array
         A buffer from :func:`allocate` (host or device); or, with
-        ``handle_type="cuda_ipc"`` (or ``None``), any device memory: a cuda.core
+        ``handle_type="cuda-ipc"`` (or ``None``), any device memory: a cuda.core
         ``Buffer`` or an object with ``__cuda_array_interface__``.
-    handle_type : {"posix_fd", "fabric", "cuda_ipc"}, optional
-        ``None`` picks the best the buffer supports: ``"posix_fd"`` for host
-        buffers; ``"fabric"``, else ``"posix_fd"`` for :func:`allocate`'d device
-        buffers; ``"cuda_ipc"`` for other device memory.
+    handle_type : {"posix-fd", "fabric", "cuda-ipc"}, optional
+        ``None`` picks the best the buffer supports: ``"posix-fd"`` for host
+        buffers; ``"fabric"``, else ``"posix-fd"`` for :func:`allocate`'d device
+        buffers; ``"cuda-ipc"`` for other device memory.  The spellings
+        ``"posix_fd"`` and ``"cuda_ipc"`` still work but are deprecated.
 
     Returns
     -------
     PosixFdBufferDescriptor, VirtualMemoryFabricBufferDescriptor or CudaIpcBufferDescriptor
         Plain data; pickle it to the importer.  Exporting the same buffer
-        again returns the same posix_fd descriptor.
+        again returns the same posix-fd descriptor.
 
     Raises
     ------
@@ -104,23 +105,22 @@ def export_buffer(buffer: Any, *, handle_type: str | None = None) -> Any:
     The exporter must keep the buffer open until every importer has imported
     it; see the same-node page of the documentation for lifetimes.
     """
-    if handle_type is not None and handle_type not in _HANDLE_TYPES:
-        raise InvalidInputError(f"handle_type is {handle_type!r}; expected one of {_HANDLE_TYPES} or None")
+    handle_type = _types.handle_type(handle_type)
     if isinstance(buffer, host_fd.HostBuffer):
-        if handle_type not in (None, "posix_fd"):
-            raise UnsupportedError(f"host buffers are exported with 'posix_fd', not {handle_type!r}")
+        if handle_type not in (None, "posix-fd"):
+            raise UnsupportedError(f"host buffers are exported with 'posix-fd', not {handle_type!r}")
         return host_fd.export_host(buffer)
     from ._paths import cuda_vmm
 
-    if cuda_vmm.is_vmm_buffer(buffer) and handle_type != "cuda_ipc":
-        return cuda_vmm.export_device(buffer, handle_type)
-    if handle_type in (None, "cuda_ipc"):
+    if cuda_vmm.is_vmm_buffer(buffer) and handle_type != "cuda-ipc":
+        return cuda_vmm.export_device(buffer, _types.internal_handle_type(handle_type))
+    if handle_type in (None, "cuda-ipc"):
         from ._paths import cuda_ipc
 
         return cuda_ipc.export_ipc(buffer)
     raise UnsupportedError(
         f"handle_type={handle_type!r} needs a buffer from gpushare.allocate(); "
-        f"{type(buffer).__name__} can be shared with handle_type='cuda_ipc'"
+        f"{type(buffer).__name__} can be shared with handle_type='cuda-ipc'"
     )
 
 
@@ -145,7 +145,7 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         thread's current context is left as it was.  Must be ``None`` for
         host memory.
     readonly : bool, default False
-        Map device memory with read-only access (``posix_fd`` and ``fabric``;
+        Map device memory with read-only access (``posix-fd`` and ``fabric``;
         legacy CUDA IPC cannot and refuses).
 
     Returns

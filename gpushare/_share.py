@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import json
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
 from . import _descriptors
 from ._errors import InvalidInputError
+from ._types import PATH_NAMES, PathName
 
-__all__ = ["Share", "PATHS", "node_key", "LIFETIMES"]
+__all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
 
 #: Every path, fastest first.
-PATHS = ("same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "ucx-rma")
+PATHS = PATH_NAMES
 #: Lifetime policy names (an int N means "until N imports have closed").
 LIFETIMES = ("closed", "revoked", "none")
 
 SHARE_FORMAT = 1
+#: The most bytes :meth:`Share.from_bytes` reads.
+MAX_SHARE_BYTES = 1 << 16
+_WIRE_TAG = "gpushare.share"
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _MAX_DIMS = 32
 _MAX_ADDRESSES = 16
@@ -59,34 +64,16 @@ def _text(value: Any, what: str) -> str:
 
 
 class Share:
-    """A shared buffer, as plain data: pickle it and send it anywhere.
+    """A shared buffer, as plain data: send it to the processes that may open it.
 
     Made by :func:`gpushare.export`; open it with :func:`gpushare.open`.
-
-    Attributes
-    ----------
-    share_id : str
-        32 hex digits naming the export in the exporter.
-    nbytes : int
-        Size of the buffer.
-    device : "host" or int
-        Where the memory lives in the exporter.
-    shape, typestr :
-        Array shape and ``__array_interface__`` type string of the exported
-        object (``(nbytes,)`` and ``"|u1"`` for untyped buffers).
-    offers : tuple of str
-        Paths the exporter can serve, fastest first.
-    lifetime : str
-        The exporter's policy: ``"closed"``, ``"revoked"``, ``"none"`` or
-        ``"imports=N"``.
-    exporter_pid, node :
-        The exporting process and its node key.
-    control : tuple of (host, port)
-        Where the exporter's control channel listens.
-    fabric : str or None
-        The exporter's fabric clique, for the fabric path.
-    readonly : bool
-        Importers may only read.
+    It holds no file descriptor, key or pointer, only what an importer needs
+    to ask the exporter for the buffer (see the security page: a share is a
+    capability).  Two wire forms: :meth:`to_bytes` / :meth:`from_bytes`
+    (versioned, bounded, validated, no code execution: the one to use over
+    untrusted transports) and pickle (for channels whose other end is
+    trusted to send pickles, such as :mod:`multiprocessing`).  Either way the
+    fields are validated one by one.
     """
 
     __slots__ = ("_fields_",)
@@ -94,7 +81,7 @@ class Share:
               "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("Share objects are made by gpushare.export (and by unpickling)")
+        raise TypeError("Share objects are made by gpushare.export (and by Share.from_bytes or unpickling)")
 
     @classmethod
     def _make(cls, *fields: Any) -> Share:
@@ -131,18 +118,21 @@ class Share:
         count = 1
         for d in shape:
             count *= _int(d, "shape entry", 0, _MAX_NBYTES)
-        if not isinstance(typestr, str) or not re.match(r"^[<>|=][biufcV]\d{1,4}$", typestr):
+        if not isinstance(typestr, str) or not re.match(r"^[<>|=][biufcV]\d{1,4}\Z", typestr):
             raise InvalidInputError(f"share typestr {typestr!r:.20} is not an array-interface type string")
         if count * int(typestr[2:]) != nbytes:
             raise InvalidInputError(
                 f"share shape {shape} of {typestr} is {count * int(typestr[2:])} bytes; nbytes says {nbytes}"
             )
-        if not isinstance(offers, tuple) or not offers or len(set(offers)) != len(offers):
+        if not isinstance(offers, tuple) or not offers:
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
         for p in offers:
-            if p not in PATHS:
+            if not isinstance(p, str) or p not in PATHS:
                 raise InvalidInputError(f"share offers unknown path {p!r:.40}")
-        if not isinstance(lifetime, str) or not (lifetime in LIFETIMES or re.match(r"^imports=[1-9]\d{0,8}$", lifetime)):
+        if len(set(offers)) != len(offers):
+            raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
+        if not isinstance(lifetime, str) or not (lifetime in LIFETIMES
+                                                 or re.match(r"^imports=[1-9]\d{0,8}\Z", lifetime)):
             raise InvalidInputError(f"share lifetime {lifetime!r:.40} is not a known policy")
         if fabric is not None:
             _text(fabric, "fabric")
@@ -164,11 +154,147 @@ class Share:
     def __hash__(self) -> int:
         return hash(self._fields_)
 
-    def __getattr__(self, name: str) -> Any:
+    # -- fields ----------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Format version of the share (1)."""
+        return self._fields_[0]
+
+    @property
+    def share_id(self) -> str:
+        """32 hex digits naming the export in the exporter."""
+        return self._fields_[1]
+
+    @property
+    def token(self) -> bytes:
+        """The 32-byte secret that lets its holder open the share."""
+        return self._fields_[2]
+
+    @property
+    def exporter_pid(self) -> int:
+        """The exporting process."""
+        return self._fields_[3]
+
+    @property
+    def node(self) -> str:
+        """The exporter's node key: boot id, host name and network namespace."""
+        return self._fields_[4]
+
+    @property
+    def control(self) -> tuple[tuple[str, int], ...]:
+        """Where the exporter's control channel listens: (IP address, port) pairs."""
+        return self._fields_[5]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer in bytes."""
+        return self._fields_[6]
+
+    @property
+    def device(self) -> int | Literal["host"]:
+        """Where the memory lives in the exporter: ``"host"`` or a CUDA device ordinal."""
+        return self._fields_[7]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Array shape of the exported object (``(nbytes,)`` for untyped buffers)."""
+        return self._fields_[8]
+
+    @property
+    def typestr(self) -> str:
+        """``__array_interface__`` type string of the exported object (``"|u1"`` for untyped buffers)."""
+        return self._fields_[9]
+
+    @property
+    def offers(self) -> tuple[PathName, ...]:
+        """Paths the exporter can serve, fastest first."""
+        return self._fields_[10]
+
+    @property
+    def lifetime(self) -> str:
+        """The exporter's policy: ``"closed"``, ``"revoked"``, ``"none"`` or ``"imports=N"``."""
+        return self._fields_[11]
+
+    @property
+    def fabric(self) -> str | None:
+        """The exporter's NVLink fabric clique, for the fabric path."""
+        return self._fields_[12]
+
+    @property
+    def readonly(self) -> bool:
+        """Importers may only read."""
+        return self._fields_[13]
+
+    # -- wire form ---------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The share as bytes to send over any transport, trusted or not.
+
+        Compact JSON (ASCII) with a format tag and version; at most
+        :data:`MAX_SHARE_BYTES` bytes.  Read it back with :meth:`from_bytes`.
+        Like the share itself, the bytes are a capability: whoever holds them
+        can open the buffer.
+
+        Returns
+        -------
+        bytes
+        """
+        f = dict(zip(Share._NAMES, self._fields_, strict=True))
+        f["token"] = self.token.hex()
+        f["control"] = [list(a) for a in self.control]
+        f["shape"] = list(self.shape)
+        f["offers"] = list(self.offers)
+        f["format"] = _WIRE_TAG
+        return json.dumps(f, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Share:
+        """Rebuild a share from :meth:`to_bytes`; safe on bytes from an untrusted peer.
+
+        Nothing is executed: the bytes are parsed as bounded JSON with an
+        exact set of keys, and every field is validated as for unpickling.
+
+        Parameters
+        ----------
+        data : bytes-like
+            At most :data:`MAX_SHARE_BYTES` bytes.
+
+        Returns
+        -------
+        Share
+
+        Raises
+        ------
+        InvalidInputError
+            Anything but a well-formed share of a format this gpushare reads.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidInputError(f"Share.from_bytes expects bytes, not {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > MAX_SHARE_BYTES:
+            raise InvalidInputError(f"share is {len(data)} bytes; at most {MAX_SHARE_BYTES}")
         try:
-            return self._fields_[Share._NAMES.index(name)]
-        except ValueError:
-            raise AttributeError(name) from None
+            obj = json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                             parse_float=_no_float)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise InvalidInputError("share bytes are not a share from Share.to_bytes (not ASCII JSON)") from None
+        if not isinstance(obj, dict) or obj.get("format") != _WIRE_TAG:
+            raise InvalidInputError(f"share bytes do not start a {_WIRE_TAG!r} object")
+        keys = set(obj) - {"format"}
+        if keys != set(Share._NAMES):
+            missing, extra = set(Share._NAMES) - keys, keys - set(Share._NAMES)
+            raise InvalidInputError(
+                f"share bytes have the wrong fields (missing {sorted(missing)}, unexpected {sorted(extra)[:5]})"
+            )
+        token = obj["token"]
+        if not isinstance(token, str) or not re.match(r"^[0-9a-f]{64}\Z", token):
+            raise InvalidInputError("share token must be 64 lowercase hex digits")
+        obj["token"] = bytes.fromhex(token)
+        for name in ("shape", "offers"):
+            if isinstance(obj[name], list):
+                obj[name] = tuple(obj[name])
+        if isinstance(obj["control"], list):
+            obj["control"] = tuple(tuple(a) if isinstance(a, list) else a for a in obj["control"])
+        return cls._make(*(obj[name] for name in Share._NAMES))
 
     def revoke(self) -> None:
         """Exporter side: refuse new opens and stop remote access now.
@@ -184,6 +310,21 @@ class Share:
     def __repr__(self) -> str:
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _no_float(text: str) -> Any:
+    raise ValueError("floats are not allowed")
 
 
 def _rebuild_share(*fields: Any) -> Share:

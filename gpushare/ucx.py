@@ -18,6 +18,10 @@ from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, MemoryHandle, RemoteKe
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version"]
 
+for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request):
+    _cls.__module__ = __name__  # they present themselves as gpushare.ucx.X
+del _cls
+
 
 def ucx_version() -> tuple[int, int, int]:
     """The version of the UCX library in use, as (major, minor, release)."""

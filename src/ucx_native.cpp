@@ -13,6 +13,7 @@
 
 #include <sys/mman.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 
@@ -31,6 +32,8 @@
 #include <vector>
 
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
+#include <ucs/debug/log_def.h>
 #include <ucxx/api.h>
 
 namespace nb = nanobind;
@@ -493,6 +496,33 @@ class Endpoint {
   }
 };
 
+// UCX logs to stdout unless UCX_LOG_FILE names a file: stdout belongs to the
+// application, so messages go to stderr instead (UCX_LOG_LEVEL still decides
+// which are printed).  Installed once, before the first context is made.
+static ucs_log_func_rc_t stderrLogHandler(const char* file, unsigned line, const char* function,
+                                          ucs_log_level_t level, const ucs_log_component_config_t* comp,
+                                          const char* message, va_list ap)
+{
+  (void)function;
+  (void)comp;
+  const char* base = std::strrchr(file, '/');
+  std::fprintf(stderr, "[UCX %s] %s:%u ", ucs_log_level_names[level], base ? base + 1 : file, line);
+  std::vfprintf(stderr, message, ap);
+  std::fputc('\n', stderr);
+  return UCS_LOG_FUNC_RC_STOP;
+}
+
+static void logToStderr()
+{
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* file = ucs_global_opts.log_file;
+    if (file == nullptr || file[0] == '\0') {
+      ucs_log_push_handler(stderrLogHandler);
+    }
+  });
+}
+
 class Agent {
  public:
   std::shared_ptr<ucxx::Context> context;
@@ -503,6 +533,7 @@ class Agent {
   Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_)
     : errorHandling(errorHandling_), polling(polling_)
   {
+    logToStderr();
     ucxx::ConfigMap cfg(config.begin(), config.end());
     call("ucp_init", [&] {
       context = ucxx::contextBuilder(UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP | UCP_FEATURE_AM)

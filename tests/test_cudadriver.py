@@ -216,7 +216,7 @@ def test_devices_are_matched_by_uuid_across_visible_device_lists(spawn):
     importer = spawn(visible="0,1")        # ... and this one's ordinal 1
     exporter.call("allocate", "buf", 2 * MiB, 0, None, 0)
     exporter.call("write", "buf", 0, _pattern(2 * MiB))
-    desc = exporter.call("export_buffer", "buf", "posix_fd")
+    desc = exporter.call("export_buffer", "buf", "posix-fd")
     assert desc.owner_uuid == exporter.call("uuid_of", 0) == importer.call("uuid_of", 1)
     assert not desc.owner_uuid.startswith("GPU-")
     got = importer.call("import_buffer", "mine", desc)
@@ -248,7 +248,7 @@ def test_cuda_ipc_maps_on_the_exporters_device_by_uuid(spawn):
     exporter = spawn(visible="1")
     importer = spawn(visible="0,1")
     exporter.call("legacy_alloc", "buf", MiB, 6)
-    desc = exporter.call("export_buffer", "buf", "cuda_ipc")
+    desc = exporter.call("export_buffer", "buf", "cuda-ipc")
     assert desc.owner_uuid == importer.call("uuid_of", 1)
     got = importer.call("import_buffer", "mine", desc)
     assert got["device"] == 1
@@ -282,7 +282,7 @@ def test_pool_memory_is_refused_by_legacy_ipc_with_the_reason(spawn):
     p = spawn()
     p.call("pool_alloc", "buf", MiB)
     with pytest.raises(Exception, match="stream-ordered memory pool"):
-        p.call("export_buffer", "buf", "cuda_ipc")
+        p.call("export_buffer", "buf", "cuda-ipc")
     share = p.call("export", "buf")
     assert "cuda-ipc" not in share.offers
 
@@ -345,5 +345,5 @@ def test_ucx_rma_keeps_cuda_ipc_for_one_fabric_allocation(spawn):
 def test_descriptors_from_the_stand_in_pickle(spawn):
     p = spawn()
     p.call("allocate", "buf", 2 * MiB, 0)
-    desc = p.call("export_buffer", "buf", "posix_fd")
+    desc = p.call("export_buffer", "buf", "posix-fd")
     assert pickle.loads(pickle.dumps(desc)) == desc

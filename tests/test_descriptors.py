@@ -200,7 +200,7 @@ def posix_fd(**changes):
 
 def test_posix_fd_is_plain_data():
     d = posix_fd()
-    assert d.handle_type == "posix_fd"
+    assert d.handle_type == "posix-fd"
     assert (d.version, d.export_id, d.pid, d.device, d.sizes, d.size) == (
         1,
         3,
@@ -252,12 +252,20 @@ def test_posix_fd_refuses(changes, match):
         posix_fd(**changes)
     fields = {**GOOD_FD, **changes}
     with pytest.raises(gs.InvalidInputError, match=match):  # the same through pickle
-        roundtrip(Evil("posix_fd", *fields.values()))
+        roundtrip(Evil("posix-fd", *fields.values()))
+
+
+@pytest.mark.parametrize(("old", "new"), [("posix_fd", "posix-fd"), ("cuda_ipc", "cuda-ipc")])
+def test_descriptors_pickled_with_the_old_spelling_still_load(old, new):
+    fields = tuple(GOOD_FD.values()) if new == "posix-fd" else GOOD_IPC
+    d = roundtrip(Evil(old, *fields))
+    assert d.handle_type == new
+    assert roundtrip(d) == d
 
 
 def test_posix_fd_wrong_field_count():
     with pytest.raises(gs.InvalidInputError, match="has 9 fields; expected 10"):
-        roundtrip(Evil("posix_fd", *list(GOOD_FD.values())[:9]))
+        roundtrip(Evil("posix-fd", *list(GOOD_FD.values())[:9]))
 
 
 # -- CudaIpcBufferDescriptor --------------------------------------------------
@@ -267,7 +275,7 @@ GOOD_IPC = (H, 1 << 20, 4096, 8192, 0, "GPU-0", 99, "boot:host")
 
 def test_cuda_ipc_is_plain_data():
     d = CudaIpcBufferDescriptor._from_fields(*GOOD_IPC)
-    assert d.handle_type == "cuda_ipc"
+    assert d.handle_type == "cuda-ipc"
     assert (d.handle, d.base_size, d.offset, d.size, d.device, d.pid) == (H, 1 << 20, 4096, 8192, 0, 99)
     assert roundtrip(d) == d
 
@@ -288,7 +296,7 @@ def test_cuda_ipc_refuses(index, value, match):
     fields = list(GOOD_IPC)
     fields[index] = value
     with pytest.raises(gs.InvalidInputError, match=match):
-        roundtrip(Evil("cuda_ipc", *fields))
+        roundtrip(Evil("cuda-ipc", *fields))
 
 
 anything = st.one_of(
@@ -305,15 +313,15 @@ anything = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    kind=st.sampled_from(["fabric", "posix_fd", "cuda_ipc"]),
+    kind=st.sampled_from(["fabric", "posix-fd", "cuda-ipc"]),
     picks=st.lists(st.booleans(), min_size=10, max_size=10),
     noise=st.lists(anything, min_size=10, max_size=10),
 )
 def test_unpickling_anything_gives_a_descriptor_or_value_error(kind, picks, noise):
     good = {
         "fabric": ([H], [4096], None, None),
-        "posix_fd": tuple(GOOD_FD.values()),
-        "cuda_ipc": GOOD_IPC,
+        "posix-fd": tuple(GOOD_FD.values()),
+        "cuda-ipc": GOOD_IPC,
     }[kind]
     fields = [n if p else g for g, p, n in zip(good, picks, noise, strict=False)]
     try:

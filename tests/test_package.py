@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,12 +14,45 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_all_is_exactly_the_public_names():
-    public = {n for n in dir(gpushare) if not n.startswith("_")} - {"annotations", "importlib", "TYPE_CHECKING", "Any"}
+    public = {n for n in dir(gpushare) if not n.startswith("_")} - {"annotations", "importlib", "logging",
+                                                                    "TYPE_CHECKING", "Any"}
     public |= {"ucx", "__version__"}
-    assert set(gpushare.__all__) == public
+    # gpushare.open is public, but a star import must not shadow the builtin.
+    assert callable(gpushare.open) and "open" not in gpushare.__all__
+    assert set(gpushare.__all__) == public - {"open"}
     assert len(gpushare.__all__) == len(set(gpushare.__all__))
     for name in gpushare.__all__:
         getattr(gpushare, name)
+
+
+def test_star_import_shadows_no_builtin():
+    import builtins
+
+    assert not set(gpushare.__all__) & set(dir(builtins))
+    namespace: dict = {}
+    exec("from gpushare import *", namespace)
+    assert "open" not in namespace
+
+
+def test_public_classes_and_errors_present_themselves_as_gpushare():
+    from gpushare import ucx
+
+    for name in gpushare.__all__:
+        obj = getattr(gpushare, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "gpushare", name
+    assert repr(gpushare.ClosedError) == "<class 'gpushare.ClosedError'>"
+    for name in ("Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request"):
+        assert getattr(ucx, name).__module__ == "gpushare.ucx"
+    # pickles refer to the public name, which resolves
+    import pickle
+
+    err = pickle.loads(pickle.dumps(gpushare.AccessDeniedError("no")))
+    assert type(err) is gpushare.AccessDeniedError and str(err) == "no"
+
+
+def test_package_ships_py_typed():
+    assert (ROOT / "gpushare" / "py.typed").is_file()
 
 
 def test_ucx_all_names_exist():
@@ -83,12 +117,53 @@ def test_doctor_reports_capabilities_and_decisions():
     assert "UCX transports:" in r.stdout and "tcp/lo" in r.stdout
     assert "host memory from gpushare.allocate, peer on same node: host-fd" in r.stdout
     assert "host memory from gpushare.allocate, peer on another node: ucx-rma" in r.stdout
+    assert "  host-fd: works" in r.stdout and "  ucx-rma: works" in r.stdout
     r = subprocess.run([sys.executable, "-m", "gpushare", "doctor", "--json"], capture_output=True, text=True,
                        timeout=120)
     import json
 
     data = json.loads(r.stdout)
     assert {d["path"] for d in data["decisions"]} >= {"host-fd", "ucx-rma"}
+    assert r.returncode == 0 and data["ok"] is True
+    assert data["live_check"] == {"host-fd": "works", "ucx-rma": "works"}
+
+
+def test_demo_json_and_progress():
+    import io
+    import json
+
+    from gpushare._demo import run_demo
+
+    lines: list[str] = []
+    progress = io.StringIO()
+    assert run_demo(1 << 20, 2, lines.append, as_json=True, progress=progress, progress_after=0.0) == 0
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    assert report["passed"] is True and report["size"] == 1 << 20
+    assert [r["path"] for r in report["runs"]] == ["host-fd", "ucx-rma"]
+    assert all(r["get_ok"] and r["put_ok"] and r["get_gbps"] > 0 for r in report["runs"])
+    text = progress.getvalue()
+    assert "importer: opened over host-fd" in text and "importer: get 2/2" in text and "importer: put 2/2" in text
+
+
+def test_cli_version_and_plain_help():
+    r = subprocess.run([sys.executable, "-m", "gpushare", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"gpushare {gpushare.__version__}"
+    for args in ([], ["demo"], ["doctor"]):
+        r = subprocess.run([sys.executable, "-m", "gpushare", *args, "--help"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "``" not in r.stdout and ":func:" not in r.stdout and ":class:" not in r.stdout, r.stdout
+    assert "--json" in r.stdout  # doctor --help
+
+
+def test_doctor_fails_when_no_path_works_between_two_processes():
+    env = dict(os.environ, GPUSHARE_EXCLUDE_PATHS="host-fd,ucx-rma")
+    r = subprocess.run([sys.executable, "-m", "gpushare", "doctor"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "host-fd: FAILED: UnsupportedError" in r.stdout
+    assert "no path works between two processes on this node" in r.stdout
 
 
 def test_demo_rejects_bad_arguments():

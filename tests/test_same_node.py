@@ -237,7 +237,7 @@ def test_host_buffer_api(no_leaks):
         ((0,), {"device": "host"}, "size is 0"),
         ((True,), {"device": "host"}, "bool"),
         ((PAGE,), {"device": "host", "chunk_size": 100}, "multiple of the page size"),
-        ((PAGE,), {"device": "cpu"}, "expected 'host' or a device ordinal"),
+        ((PAGE,), {"device": "gpu"}, "expected 'host' \\(or 'cpu'\\) or a device ordinal"),
         ((1.5,), {"device": "host"}, "expected an integer"),
     ],
 )
@@ -248,7 +248,7 @@ def test_allocate_refuses_bad_arguments(args, kwargs, match):
 
 def test_export_and_import_refuse_wrong_kinds(no_leaks):
     with gs.allocate(PAGE, device="host") as buf:
-        with pytest.raises(gs.UnsupportedError, match="'posix_fd', not 'fabric'"):
+        with pytest.raises(gs.UnsupportedError, match="'posix-fd', not 'fabric'"):
             gs.export_buffer(buf, handle_type="fabric")
         with pytest.raises(gs.InvalidInputError, match="handle_type is 'nfs'"):
             gs.export_buffer(buf, handle_type="nfs")

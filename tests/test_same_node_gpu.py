@@ -30,7 +30,7 @@ def test_capabilities_is_plain_data_and_says_why_not():
     caps = gs.capabilities()
     assert json.loads(json.dumps(caps)) == caps
     assert pickle.loads(pickle.dumps(caps)) == caps
-    assert caps["host"]["handle_types"] == ["posix_fd"]
+    assert caps["host"]["handle_types"] == ["posix-fd"]
     assert set(caps["versions"]) == {"gpushare", "cuda-core", "cuda-bindings"}
     assert isinstance(caps["imex"]["present"], bool)
     if caps["imex"]["present"]:
@@ -41,7 +41,7 @@ def test_capabilities_is_plain_data_and_says_why_not():
     if reason is None:
         assert caps["cuda"]["available"] and caps["cuda"]["driver_version"] > 0
         for dev in caps["cuda"]["devices"]:
-            assert "cuda_ipc" in dev["handle_types"]
+            assert "cuda-ipc" in dev["handle_types"]
             assert ("fabric" in dev["handle_types"]) == (dev["fabric_reason"] is None)
     elif reason.startswith("no CUDA driver"):
         assert caps["cuda"] == {
@@ -77,7 +77,7 @@ def test_vmm_posix_fd_between_processes_kernel_writes_exporter_sees(child):
         mine = as_cupy(buf)
         mine.fill(1)
         cupy.cuda.runtime.deviceSynchronize()
-        desc = gs.export_buffer(buf, handle_type="posix_fd")
+        desc = gs.export_buffer(buf, handle_type="posix-fd")
         assert isinstance(desc, gs.PosixFdBufferDescriptor)
         assert len(desc.sizes) >= 3 and desc.device == 0
         assert child.call("import", desc) == size

@@ -363,7 +363,9 @@ def test_dead_exporter_gives_a_clear_error_quickly():
     child.proc.join(10)
     child.close()
     start = time.monotonic()
-    with pytest.raises(gs.ExporterUnreachableError):
+    # the message says what happened, and what to do
+    with pytest.raises(gs.ExporterUnreachableError,
+                       match=rf"the exporter \(pid {share.exporter_pid}\) has exited.*export the buffer again"):
         gs.open(share, timeout=5)
     assert time.monotonic() - start < 10
 

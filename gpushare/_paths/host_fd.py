@@ -308,7 +308,7 @@ def check_same_node(desc: PosixFdBufferDescriptor) -> None:
     if desc.node != here:
         raise UnsupportedError(
             f"the buffer was exported on node {desc.node!r}; this is {here!r}; "
-            "posix_fd sharing works only on the same node"
+            "posix-fd sharing works only on the same node"
         )
 
 

@@ -862,14 +862,17 @@ class Agent:
             (``__cuda_array_interface__``, DLPack, cuda.core ``Buffer``).
             ``None`` allocates: host memory rounded up to whole pages, or CUDA
             memory through UCX; :attr:`MemoryHandle.size` says how much.
-        memory_type : {"host", "cuda"}, optional
+        memory_type : {"host", "cpu", "cuda"}, optional
             Inferred from ``buffer`` when omitted (``"host"`` without one); a
-            value that contradicts the buffer is an error.
+            value that contradicts the buffer is an error.  ``"cpu"`` is a
+            synonym of ``"host"``.
         """
         self._check_usable()
         _check_int(size, "size", minimum=1, maximum=1 << 48)
+        if memory_type == "cpu":
+            memory_type = "host"
         if memory_type is not None and memory_type not in _MEMORY_TYPE_CODES:
-            raise InvalidInputError(f"memory_type must be 'host' or 'cuda', not {memory_type!r}")
+            raise InvalidInputError(f"memory_type must be 'host' (or 'cpu') or 'cuda', not {memory_type!r}")
         n = native()
         mm = None
         local = None
