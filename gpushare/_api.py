@@ -675,8 +675,14 @@ class View:
 
     Mapped views (every path but ucx-rma) are zero-copy: host ones expose
     ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__``.  A ucx-rma view
-    is not mapped: use :meth:`get` and :meth:`put`.
+    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__`` (read-only
+    where the share is).  A ucx-rma view is not mapped: use :meth:`get` and
+    :meth:`put`.
+
+    :meth:`close` ends the lease at once, but never unmaps memory that arrays
+    made from the view still use: a DLPack tensor keeps the mapping until it
+    is released, and an array made through ``__cuda_array_interface__`` (which
+    keeps the view object alive) until the view object is gone.
 
     Attributes
     ----------
@@ -696,17 +702,6 @@ class View:
         ``__array_interface__`` type string as exported.
     share : Share
         The share this view opened.
-
-    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
-    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__`` (read-only
-    where the share is).  A ucx-rma view is not mapped: use :meth:`get` and
-    :meth:`put`.
-
-    :meth:`close` ends the lease at once, but never unmaps memory that arrays
-    made from the view still use: a DLPack tensor keeps the mapping until it
-    is released, and an array made through ``__cuda_array_interface__`` (which
-    keeps the view object alive) until the view object is gone.
     """
 
     share: Share

@@ -342,6 +342,22 @@ def test_ucx_rma_keeps_cuda_ipc_for_one_fabric_allocation(spawn):
     assert p.call("rma_config", "chunked") == {"TLS": "^cuda_ipc"}
 
 
+@pytest.mark.parametrize("fabric", ["0", "1"])
+def test_chunked_vmm_buffer_over_ucx_rma(spawn, fabric):
+    exporter, importer = spawn(GPUSHARE_STANDIN_FABRIC=fabric), spawn(GPUSHARE_STANDIN_FABRIC=fabric)
+    size = 6 * MiB
+    exporter.call("allocate", "buf", size, 0, 2 * MiB, 0)
+    data = _pattern(size, 5)
+    exporter.call("write", "buf", 0, data)
+    share = exporter.call("export", "buf")
+    opened = importer.call("open_view", "v", share, {"prefer": ["ucx-rma"]})
+    assert opened["path"] == "ucx-rma"
+    # Across both allocation boundaries, both ways.
+    assert importer.call("view_get", "v", 2 * MiB - 100, 2 * MiB + 200) == data[2 * MiB - 100:4 * MiB + 100]
+    importer.call("view_put", "v", 4 * MiB - 8, b"\xee" * 16)
+    assert exporter.call("read", "buf", 4 * MiB - 8, 16) == b"\xee" * 16
+
+
 def test_descriptors_from_the_stand_in_pickle(spawn):
     p = spawn()
     p.call("allocate", "buf", 2 * MiB, 0)
