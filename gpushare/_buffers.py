@@ -165,22 +165,49 @@ def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
     return lb
 
 
-def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) -> LocalBuffer:
-    from ._ucx._loader import native
+class _Pin:
+    """A buffer-protocol export of an object, held until :meth:`release`:
+    while it is held the object cannot be resized or freed.  Pure Python, so
+    that host-to-host copies never load UCX."""
 
-    n = native()
-    try:
-        pin = n.PinnedBuffer(obj, writable)
-    except (BufferError, ValueError) as exc:
-        if writable:
+    __slots__ = ("_view", "address", "nbytes", "readonly")
+
+    def __init__(self, obj: Any, writable: bool) -> None:
+        view = memoryview(obj)  # TypeError: no buffer protocol
+        if not view.c_contiguous:
+            view.release()
+            raise BufferError("the buffer is not C-contiguous")
+        if writable and view.readonly:
+            view.release()
+            raise BufferError("the buffer is read-only")
+        self.nbytes = view.nbytes
+        self.readonly = view.readonly
+        if view.nbytes == 0:
+            self.address = 0
+        else:
+            import numpy
+
+            flat = numpy.frombuffer(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view, numpy.uint8)
+            self.address = int(flat.__array_interface__["data"][0])
+        self._view = view
+
+    def release(self) -> None:
+        view, self._view = self._view, None
+        if view is not None:
             try:
-                n.PinnedBuffer(obj, False).release()
-            except (BufferError, ValueError, TypeError):
-                pass
-            else:
-                raise InvalidInputError(
-                    f"{type(obj).__name__} buffer is read-only; a destination must be writable"
-                ) from None
+                view.release()
+            except BufferError:
+                pass  # a copy of the export is still referenced: it goes with it
+
+
+def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) -> LocalBuffer:
+    try:
+        pin = _Pin(obj, writable)
+    except (BufferError, ValueError) as exc:
+        if writable and "read-only" in str(exc):
+            raise InvalidInputError(
+                f"{type(obj).__name__} buffer is read-only; a destination must be writable"
+            ) from None
         fix = f"; {_CONTIGUOUS_FIX}" if "contiguous" in str(exc) else ""
         raise InvalidInputError(f"{type(obj).__name__} cannot be used as a buffer: {exc}{fix}") from None
     except TypeError:
