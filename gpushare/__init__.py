@@ -16,6 +16,7 @@ from ._api import View, export, open
 from ._capabilities import capabilities
 from ._descriptors import (
     CudaIpcBufferDescriptor,
+    CudaPoolBufferDescriptor,
     PosixFdBufferDescriptor,
     VirtualMemoryFabricBufferDescriptor,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "AccessDeniedError",
     "CUDAError",
     "CudaIpcBufferDescriptor",
+    "CudaPoolBufferDescriptor",
     "ExporterUnreachableError",
     "HostBuffer",
     "PosixFdBufferDescriptor",

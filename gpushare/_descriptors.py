@@ -22,6 +22,7 @@ __all__ = [
     "MAX_ALLOCATIONS",
     "MAX_SIZE",
     "CudaIpcBufferDescriptor",
+    "CudaPoolBufferDescriptor",
     "PosixFdBufferDescriptor",
     "VirtualMemoryFabricBufferDescriptor",
     "cuda_core_fabric_descriptor_class",
@@ -105,6 +106,32 @@ def _text(value: object, what: str, *, optional: bool = True) -> str | None:
     if len(value) > _MAX_TEXT:
         raise InvalidInputError(f"{what} is {len(value)} characters; expected at most {_MAX_TEXT}")
     return value
+
+
+def _blob64(value: object, what: str) -> None:
+    if not isinstance(value, bytes):
+        raise InvalidInputError(f"{what} is {type(value).__name__}; expected 64 bytes")
+    if len(value) != 64:
+        raise InvalidInputError(f"{what} is {len(value)} bytes; expected 64")
+
+
+def _span_in(base_size: object, offset: object, size: object, what: str) -> tuple[int, int, int]:
+    """(allocation size, offset, size) of a buffer that must lie inside it."""
+    (base,) = _size_list([base_size], f"{what} size")
+    offset_i = _integer(offset, "offset")
+    size_i = _integer(size, "buffer size")
+    if offset_i < 0 or size_i < 0 or offset_i + size_i > base:
+        raise InvalidInputError(
+            f"buffer of {size_i} bytes at offset {offset_i} does not fit in the {what} of {base} bytes"
+        )
+    return base, offset_i, size_i
+
+
+def _ordinal(device: object) -> int:
+    device_i = _integer(device, "device")
+    if not 0 <= device_i < _MAX_DEVICE:
+        raise InvalidInputError(f"device is {device_i}; expected 0 to {_MAX_DEVICE - 1}")
+    return device_i
 
 
 class _Frozen:
@@ -510,21 +537,9 @@ class CudaIpcBufferDescriptor(_Frozen):
         pid: object,
         node: object,
     ) -> CudaIpcBufferDescriptor:
-        if not isinstance(handle, bytes):
-            raise InvalidInputError(f"handle is {type(handle).__name__}; expected 64 bytes")
-        if len(handle) != 64:
-            raise InvalidInputError(f"handle is {len(handle)} bytes; expected 64")
-        (base,) = _size_list([base_size], "base allocation size")
-        offset_i = _integer(offset, "offset")
-        size_i = _integer(size, "buffer size")
-        if offset_i < 0 or size_i < 0 or offset_i + size_i > base:
-            raise InvalidInputError(
-                f"buffer of {size_i} bytes at offset {offset_i} does not fit in the "
-                f"base allocation of {base} bytes"
-            )
-        device_i = _integer(device, "device")
-        if not 0 <= device_i < _MAX_DEVICE:
-            raise InvalidInputError(f"device is {device_i}; expected 0 to {_MAX_DEVICE - 1}")
+        _blob64(handle, "handle")
+        base, offset_i, size_i = _span_in(base_size, offset, size, "base allocation")
+        device_i = _ordinal(device)
         pid_i = _integer(pid, "exporter pid")
         if not 0 < pid_i < _MAX_PID:
             raise InvalidInputError(f"exporter pid is {pid_i}; expected 1 to 2**31 - 1")
@@ -556,11 +571,103 @@ class CudaIpcBufferDescriptor(_Frozen):
         )
 
 
+class CudaPoolBufferDescriptor(_Frozen):
+    """Plain-data descriptor of CUDA memory from an exportable stream-ordered
+    pool (for example cuda.core's ``DeviceMemoryResource`` made with
+    ``ipc_enabled=True``), which legacy CUDA IPC cannot share.
+
+    The pool's POSIX file descriptor is served by the exporter's fd broker
+    (``address``, ``export_id``, ``token``, as for
+    :class:`PosixFdBufferDescriptor`); ``export_data`` is the 64-byte
+    ``CUmemPoolPtrExportData`` of the allocation that holds the buffer, which
+    is ``size`` bytes at ``offset`` into that allocation of ``base_size``
+    bytes.  Made by :func:`gpushare.export_buffer` (``handle_type="cuda-ipc"``),
+    imported by :func:`gpushare.import_buffer` in another process on the same
+    node.
+
+    Attributes
+    ----------
+    handle_type : str
+        Always ``"cuda-pool"``.
+    address, export_id, token, pid, node :
+        Where and how to fetch the pool's file descriptor.
+    device : int
+        The exporting device's ordinal.
+    owner_uuid : str or None
+        The exporting device's UUID.
+    export_data : bytes
+        The allocation's 64-byte pool export data.
+    base_size, offset, size : int
+        The allocation's size, and the buffer's place in it.
+    """
+
+    __slots__ = ("_base_size", "_export_data", "_offset", "_pool", "_size")
+
+    handle_type = "cuda-pool"
+    _FIELDS = ("address", "export_id", "token", "pid", "node", "device", "owner_uuid",
+               "_export_data", "_base_size", "_offset", "_size")
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            "CudaPoolBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
+        )
+
+    @classmethod
+    def _from_fields(
+        cls,
+        address: object,
+        export_id: object,
+        token: object,
+        pid: object,
+        node: object,
+        device: object,
+        owner_uuid: object,
+        export_data: object,
+        base_size: object,
+        offset: object,
+        size: object,
+    ) -> CudaPoolBufferDescriptor:
+        _blob64(export_data, "export data")
+        base, offset_i, size_i = _span_in(base_size, offset, size, "allocation")
+        device_i = _ordinal(device)
+        # The pool's broker entry is validated as a one-fd POSIX-fd descriptor.
+        pool = PosixFdBufferDescriptor._from_fields(
+            POSIX_FD_FORMAT, address, export_id, token, pid, node, device_i, (base,), base, owner_uuid
+        )
+        self = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(self, "_pool", pool)
+        set_(self, "_export_data", export_data)
+        set_(self, "_base_size", base)
+        set_(self, "_offset", offset_i)
+        set_(self, "_size", size_i)
+        return self
+
+    address = property(lambda self: self._pool.address, doc="The exporter's fd broker socket.")
+    export_id = property(lambda self: self._pool.export_id, doc="The pool's entry in the broker.")
+    token = property(lambda self: self._pool.token, doc="The 32-byte token the broker asks for.")
+    pid = property(lambda self: self._pool.pid, doc="The exporting process id.")
+    node = property(lambda self: self._pool.node, doc="The exporting node's identity.")
+    device = property(lambda self: self._pool.device, doc="The exporting device's ordinal.")
+    owner_uuid = property(lambda self: self._pool.owner_uuid, doc="The exporting device's UUID, or None.")
+    export_data = property(lambda self: self._export_data, doc="The allocation's 64-byte pool export data.")
+    base_size = property(lambda self: self._base_size, doc="Size of the allocation that holds the buffer.")
+    offset = property(lambda self: self._offset, doc="The buffer's offset in that allocation.")
+    size = property(lambda self: self._size, doc="The buffer size in bytes.")
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaPoolBufferDescriptor(device={self.device}, offset={self._offset}, "
+            f"size={self._size}, pid={self.pid}, export_id={self.export_id})"
+        )
+
+
 def _rebuild(handle_type: object, *fields: object) -> Any:
     """The unpickling constructor of every descriptor: validates it all again."""
     kinds: dict[object, Any] = {
         cls.handle_type: cls
-        for cls in (VirtualMemoryFabricBufferDescriptor, PosixFdBufferDescriptor, CudaIpcBufferDescriptor)
+        for cls in (VirtualMemoryFabricBufferDescriptor, PosixFdBufferDescriptor, CudaIpcBufferDescriptor,
+                    CudaPoolBufferDescriptor)
     }
     if isinstance(handle_type, str):  # pickles made before the hyphenated spelling
         handle_type = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}.get(handle_type, handle_type)

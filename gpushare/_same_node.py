@@ -12,6 +12,7 @@ from typing import Any
 from . import _types
 from ._descriptors import (
     CudaIpcBufferDescriptor,
+    CudaPoolBufferDescriptor,
     PosixFdBufferDescriptor,
     VirtualMemoryFabricBufferDescriptor,
     _integer,
@@ -181,6 +182,10 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         from ._paths import cuda_ipc
 
         return cuda_ipc.import_ipc(descriptor, device, readonly=readonly)
+    if isinstance(descriptor, CudaPoolBufferDescriptor):
+        from ._paths import cuda_ipc
+
+        return cuda_ipc.import_pool(descriptor, device, readonly=readonly)
     try:
         fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
     except InvalidInputError:

@@ -119,6 +119,23 @@ def pool_alloc(state: dict, name: str, size: int) -> None:
     state["bufs"][name] = buf
 
 
+def ipc_pool_alloc(state: dict, name: str, size: int, offset: int, fill: int) -> None:
+    """Memory from an exportable pool (cuda.core's IPC-enabled resource),
+    ``offset`` bytes into its allocation, filled synchronously."""
+    from cuda.core import Buffer, Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    dev = Device(0)
+    dev.set_current()
+    mr = DeviceMemoryResource(dev, options=DeviceMemoryResourceOptions(ipc_enabled=True, max_size=64 << 20))
+    stream = dev.create_stream()
+    whole = mr.allocate(size + offset, stream=stream)
+    stream.sync()
+    state.setdefault("keep", []).append((mr, whole, stream))
+    part = Buffer.from_handle(int(whole.handle) + offset, size, owner=whole)
+    state["bufs"][name] = part
+    write(state, name, 0, bytes([fill]) * size)
+
+
 def helper_allocate(state: dict, name: str, size: int) -> None:
     """The allocation helper the ``gpu`` tests use."""
     import _rma_gpu_peer

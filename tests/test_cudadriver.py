@@ -281,10 +281,30 @@ def test_allocations_are_gpudirect_rdma_capable(spawn):
 def test_pool_memory_is_refused_by_legacy_ipc_with_the_reason(spawn):
     p = spawn()
     p.call("pool_alloc", "buf", MiB)
-    with pytest.raises(Exception, match="stream-ordered memory pool"):
+    with pytest.raises(Exception, match="stream-ordered memory pool that was not made exportable"):
         p.call("export_buffer", "buf", "cuda-ipc")
     share = p.call("export", "buf")
     assert "cuda-ipc" not in share.offers
+
+
+def test_exportable_pool_memory_goes_over_the_pools_own_export(spawn):
+    exporter, importer = spawn(), spawn()
+    exporter.call("ipc_pool_alloc", "buf", 4096, 512, 0x3C)
+    desc = exporter.call("export_buffer", "buf", "cuda-ipc")
+    assert type(desc).__name__ == "CudaPoolBufferDescriptor" and desc.offset == 512 and desc.size == 4096
+    assert pickle.loads(pickle.dumps(desc)) == desc
+    got = importer.call("import_buffer", "mine", desc)
+    assert got["size"] == 4096 and got["current"] is None
+    assert importer.call("read", "mine", 0, 4096) == b"\x3c" * 4096
+    importer.call("close_buf", "mine")
+    assert importer.call("ipc_handles") == 0
+    share = exporter.call("export", "buf")
+    assert "cuda-ipc" in share.offers
+    assert importer.call("open_view", "v", share)["path"] == "cuda-ipc"
+    importer.call("view_put", "v", 8, b"pool ipc")
+    assert exporter.call("read", "buf", 8, 8) == b"pool ipc"
+    importer.call("close_view", "v", "gc")
+    assert importer.call("ipc_handles") == 0
 
 
 def test_legacy_allocations_go_over_cuda_ipc(spawn):

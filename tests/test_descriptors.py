@@ -14,6 +14,7 @@ from gpushare._descriptors import (
     MAX_ALLOCATIONS,
     POSIX_FD_FORMAT,
     CudaIpcBufferDescriptor,
+    CudaPoolBufferDescriptor,
     PosixFdBufferDescriptor,
     VirtualMemoryFabricBufferDescriptor,
     _rebuild,
@@ -299,6 +300,41 @@ def test_cuda_ipc_refuses(index, value, match):
         roundtrip(Evil("cuda-ipc", *fields))
 
 
+# -- CudaPoolBufferDescriptor -------------------------------------------------
+
+GOOD_POOL = ("\0gpushare-1-abc", 3, bytes(range(32)), 1234, "boot:host", 0, "GPU-0", H, 1 << 20, 4096, 8192)
+
+
+def test_cuda_pool_is_plain_data():
+    d = CudaPoolBufferDescriptor._from_fields(*GOOD_POOL)
+    assert d.handle_type == "cuda-pool"
+    assert (d.export_data, d.base_size, d.offset, d.size, d.device, d.pid, d.export_id) == (
+        H, 1 << 20, 4096, 8192, 0, 1234, 3)
+    assert roundtrip(d) == d
+    assert "token" not in repr(d) and bytes(range(32)).hex() not in repr(d)
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "match"),
+    [
+        (0, "", "broker address is 0 bytes"),
+        (2, bytes(31), "token"),
+        (3, 0, "pid"),
+        (5, -1, "device is -1"),
+        (7, H[:63], "export data is 63 bytes; expected 64"),
+        (7, "x" * 64, "export data is str"),
+        (8, 0, "allocation size 0 is 0"),
+        (9, -1, "at offset -1 does not fit"),
+        (10, (1 << 20) - 4095, "does not fit in the allocation"),
+    ],
+)
+def test_cuda_pool_refuses(index, value, match):
+    fields = list(GOOD_POOL)
+    fields[index] = value
+    with pytest.raises(gs.InvalidInputError, match=match):
+        roundtrip(Evil("cuda-pool", *fields))
+
+
 anything = st.one_of(
     st.none(),
     st.booleans(),
@@ -313,15 +349,16 @@ anything = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    kind=st.sampled_from(["fabric", "posix-fd", "cuda-ipc"]),
-    picks=st.lists(st.booleans(), min_size=10, max_size=10),
-    noise=st.lists(anything, min_size=10, max_size=10),
+    kind=st.sampled_from(["fabric", "posix-fd", "cuda-ipc", "cuda-pool"]),
+    picks=st.lists(st.booleans(), min_size=11, max_size=11),
+    noise=st.lists(anything, min_size=11, max_size=11),
 )
 def test_unpickling_anything_gives_a_descriptor_or_value_error(kind, picks, noise):
     good = {
         "fabric": ([H], [4096], None, None),
         "posix-fd": tuple(GOOD_FD.values()),
         "cuda-ipc": GOOD_IPC,
+        "cuda-pool": GOOD_POOL,
     }[kind]
     fields = [n if p else g for g, p, n in zip(good, picks, noise, strict=False)]
     try:

@@ -413,6 +413,7 @@ def test_public_names():
         "VirtualMemoryFabricBufferDescriptor",
         "PosixFdBufferDescriptor",
         "CudaIpcBufferDescriptor",
+        "CudaPoolBufferDescriptor",
         "HostBuffer",
         "AccessDeniedError",
         "ExporterUnreachableError",

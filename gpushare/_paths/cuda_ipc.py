@@ -1,4 +1,11 @@
-"""The cuda-ipc path: legacy CUDA IPC for device memory not from VMM.
+"""The cuda-ipc path: CUDA memory not from VMM, on one node.
+
+Memory from ``cudaMalloc``/``cuMemAlloc`` goes through legacy CUDA IPC.
+Memory from a stream-ordered pool cannot; when its pool was made exportable
+(POSIX file descriptors, as cuda.core's ``DeviceMemoryResource`` with
+``ipc_enabled=True`` makes it), it goes through the pool's own export: the
+pool's fd, served by the fd broker once per pool, and the allocation's
+export data (:class:`~gpushare.CudaPoolBufferDescriptor`).
 
 The exporter takes the IPC handle of the whole base allocation that contains
 the buffer (``cuMemGetAddressRange``) and sends the offset along.  Opening a
@@ -15,13 +22,13 @@ import threading
 import warnings
 from typing import Any
 
-from .._descriptors import CudaIpcBufferDescriptor
+from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
 from .._errors import CUDAError, InvalidInputError, UnsupportedError
 from . import _cuda
 from .broker import node_identity
 from .host_fd import check_same_node
 
-__all__ = ["export_ipc", "import_ipc", "open_handle_count"]
+__all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count"]
 
 _lock = threading.Lock()
 #: (exporter pid, handle bytes, device) -> [base pointer, mapped size, users]
@@ -30,9 +37,10 @@ _Ref: type | None = None
 
 
 def open_handle_count() -> int:
-    """How many base allocations this process has open through CUDA IPC."""
+    """How many base allocations this process has open through CUDA IPC,
+    legacy handles and imported pool allocations together."""
     with _lock:
-        return len(_opened)
+        return len(_opened) + len(_imported_ptrs)
 
 
 def _pointer_and_size(obj: Any) -> tuple[int, int]:
@@ -78,11 +86,14 @@ def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
         capable = _cuda.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
                               "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
         if not int(capable):
+            pool = _cuda.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
+                               "cuPointerGetAttribute(MEMPOOL_HANDLE)")
+            if pool is not None and int(pool):
+                return _export_pool(drv, pool, ptr, size, ordinal)
             raise UnsupportedError(
-                "legacy CUDA IPC cannot export this memory: it comes from a stream-ordered memory pool "
-                "(cudaMallocAsync, cuda.core Device.allocate, torch expandable segments) or from CUDA "
-                "virtual memory; allocate it with gpushare.allocate(size, device=N) to share it on this "
-                "node, or share it over ucx-rma"
+                "legacy CUDA IPC cannot export this memory: it is CUDA virtual memory not from "
+                "gpushare.allocate; allocate it with gpushare.allocate(size, device=N) to share it on "
+                "this node, or share it over ucx-rma"
             )
         base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
         handle = _cuda.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
@@ -95,6 +106,45 @@ def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
         _cuda.device_uuid(ordinal),
         os.getpid(),
         node_identity(),
+    )
+
+
+#: pool handle -> (its broker descriptor, the fd the broker serves)
+_pools: dict[int, Any] = {}
+
+
+def _export_pool(drv: Any, pool: Any, ptr: int, size: int, ordinal: int) -> CudaPoolBufferDescriptor:
+    """Describe pool memory through the pool's own export (context pushed)."""
+    from . import broker
+
+    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    with _lock:
+        entry = _pools.get(int(pool))
+        if entry is None or entry[0].pid != os.getpid():
+            res = drv.cuMemPoolExportToShareableHandle(pool, t, 0)
+            if res[0] != drv.CUresult.CUDA_SUCCESS:
+                raise UnsupportedError(
+                    "this memory comes from a stream-ordered memory pool that was not made exportable "
+                    "(cudaMallocAsync's default pool, cuda.core Device.allocate, torch expandable segments "
+                    f"[{res[0].name}]): legacy CUDA IPC cannot share it. Allocate "
+                    "from an exportable pool (cuda.core DeviceMemoryResource with ipc_enabled=True), or "
+                    "with gpushare.allocate(size, device=N), or share it over ucx-rma"
+                )
+            fd = int(res[1])
+            try:
+                _, desc = broker.publish([fd], device=ordinal, sizes=(1,), size=1,
+                                         owner_uuid=_cuda.device_uuid(ordinal))
+            except BaseException:
+                os.close(fd)
+                raise
+            entry = (desc, fd)  # served, and the fd kept, for the life of this process
+            _pools[int(pool)] = entry
+    desc = entry[0]
+    base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    data = _cuda.check(drv.cuMemPoolExportPointer(base), "cuMemPoolExportPointer")
+    return CudaPoolBufferDescriptor._from_fields(
+        desc.address, desc.export_id, desc.token, desc.pid, desc.node, ordinal, desc.owner_uuid,
+        _cuda.bytes_of(data, 64), int(base_size), ptr - int(base), size,
     )
 
 
@@ -189,3 +239,109 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: b
         entry[2] += 1
         ref = _ref_class()(key, ordinal)
         return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+
+
+#: (exporter pid, broker export id) -> [imported pool handle, pointers imported from it]
+_imported_pools: dict[tuple[int, int], list[Any]] = {}
+#: (exporter pid, broker export id, export data) -> [pointer, users, pool key, device]
+_imported_ptrs: dict[tuple[int, int, bytes], list[Any]] = {}
+
+
+def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
+    """Import pool memory: the pool once per exporter's pool, each allocation
+    once; a cuda.core ``Buffer`` of the described range whose close frees
+    the imported pointer (and the pool with its last pointer)."""
+    check_same_node(desc)
+    if readonly:
+        raise UnsupportedError("imported pool memory is mapped writable only; a read-only share cannot use it")
+    if desc.pid == os.getpid():
+        raise UnsupportedError("pool memory cannot be imported by the process that exported it; use the original")
+    drv = _cuda.driver()
+    from cuda.core import Buffer
+
+    from .broker import fetch_fds
+
+    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
+    pool_key = (desc.pid, desc.export_id)
+    ptr_key = (desc.pid, desc.export_id, desc.export_data)
+    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    with _cuda.on_device(ordinal), _lock:
+        pool_entry = _imported_pools.get(pool_key)
+        if pool_entry is None:
+            (fd,) = fetch_fds(desc.address, desc.export_id, desc.token, 1, pid=desc.pid)
+            try:
+                pool = _cuda.check(drv.cuMemPoolImportFromShareableHandle(fd, t, 0),
+                                   "cuMemPoolImportFromShareableHandle")
+            finally:
+                os.close(fd)
+            pool_entry = [pool, 0]
+            _imported_pools[pool_key] = pool_entry
+        entry = _imported_ptrs.get(ptr_key)
+        if entry is None:
+            data = _cuda.set_bytes(drv.CUmemPoolPtrExportData(), desc.export_data)
+            try:
+                ptr = int(_cuda.check(drv.cuMemPoolImportPointer(pool_entry[0], data), "cuMemPoolImportPointer"))
+                _, real = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+                if desc.offset + desc.size > int(real):
+                    drv.cuMemFree(ptr)
+                    raise InvalidInputError(
+                        f"buffer of {desc.size} bytes at offset {desc.offset} does not fit in the "
+                        f"imported allocation of {int(real)} bytes"
+                    )
+            except BaseException:
+                if pool_entry[1] == 0:
+                    del _imported_pools[pool_key]
+                    drv.cuMemPoolDestroy(pool_entry[0])
+                raise
+            entry = [ptr, 0, pool_key, ordinal]
+            _imported_ptrs[ptr_key] = entry
+            pool_entry[1] += 1
+        entry[1] += 1
+        ref = _pool_ref_class()(ptr_key, entry[3])
+        return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+
+
+def _unuse_pool(ref: Any) -> None:
+    drv = _cuda.driver()
+    with _lock:
+        if ref.done:
+            return
+        ref.done = True
+        entry = _imported_ptrs.get(ref.key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1]:
+            return
+        del _imported_ptrs[ref.key]
+        pool_entry = _imported_pools.get(entry[2])
+        with _cuda.on_device(entry[3]):
+            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize before freeing imported pool memory")
+            _cuda.check(drv.cuMemFree(entry[0]), "cuMemFree(imported pool pointer)")
+            if pool_entry is not None:
+                pool_entry[1] -= 1
+                if pool_entry[1] == 0:
+                    del _imported_pools[entry[2]]
+                    _cuda.check(drv.cuMemPoolDestroy(pool_entry[0]), "cuMemPoolDestroy(imported pool)")
+
+
+_PoolRef: type | None = None
+
+
+def _pool_ref_class() -> type:
+    global _PoolRef
+    if _PoolRef is not None:
+        return _PoolRef
+    base = _ref_class()
+
+    class PoolRef(base):  # type: ignore[misc, valid-type]
+        """One importer's use of an imported pool allocation."""
+
+        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+            try:
+                _unuse_pool(self)
+            except CUDAError as exc:  # from close() or the garbage collector: warn, never crash
+                warnings.warn(f"freeing imported pool memory failed: {exc}", ResourceWarning, 2)
+
+    _PoolRef = PoolRef
+    return _PoolRef
