@@ -1,0 +1,20 @@
+#!/bin/sh
+# Builds the CUDA driver stand-in (libcuda.so.1) into OUTDIR and prints its
+# absolute path.  Usage: tests/cudadriver/build.sh OUTDIR
+set -eu
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+cc=${CC:-cc}
+$cc -std=gnu11 -O1 -g -Wall -Wextra -Werror -Wno-unused-parameter -fPIC -shared \
+    -fvisibility=hidden -Wl,-soname,libcuda.so.1 -Wl,--no-undefined \
+    -o "$out/libcuda.so.1.tmp" \
+    "$here/standin_core.c" "$here/standin_stream.c" "$here/standin_mem.c" "$here/standin_procs.c" \
+    -lpthread -lrt
+mv -f "$out/libcuda.so.1.tmp" "$out/libcuda.so.1"
+ln -sf libcuda.so.1 "$out/libcuda.so"
+echo "$out/libcuda.so.1"
