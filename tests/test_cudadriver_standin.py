@@ -359,17 +359,28 @@ def test_pool_ipc_export_and_import_between_processes(run):
 def test_cuda_core_ipc_memory_resource_between_processes(run):
     out = run(
         """
-        import multiprocessing as mp
         from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
         d = Device(0); d.set_current()
-        mr = DeviceMemoryResource(d, options=DeviceMemoryResourceOptions(ipc_enabled=True))
+        mr = DeviceMemoryResource(d, options=DeviceMemoryResourceOptions(ipc_enabled=True, max_size=64 << 20))
         s = d.create_stream()
         buf = mr.allocate(1024, stream=s)
         ok(drv.cuMemcpyHtoDAsync(int(buf.handle), b"core-ipc", 8, int(s.handle))); s.sync()
-        print(bool(mr.is_ipc_enabled), buf.is_mapped if hasattr(buf, "is_mapped") else False)
+        fd = int(mr.allocation_handle.handle)
+        import pickle
+        blob = pickle.dumps(buf.ipc_descriptor)
+        print(peer(f'''
+        import pickle
+        from cuda.core import Buffer, Device, DeviceMemoryResource
+        d = Device(0); d.set_current(); s = d.create_stream()
+        mr = DeviceMemoryResource.from_allocation_handle(d, {fd})
+        buf = Buffer.from_ipc_descriptor(mr, pickle.loads({blob!r}), stream=s)
+        print(dtoh(int(buf.handle), 8))
+        buf.close(s); s.sync()
+        ''', pass_fds=[fd]).strip())
+        buf.close(s); s.sync()
         """
     )
-    assert lines(out)[0].startswith("True")
+    assert lines(out) == ["b'core-ipc'"]
 
 
 def test_unmapping_under_queued_use_is_an_illegal_address_and_poisons_the_context(run):
@@ -458,3 +469,132 @@ def test_the_stand_in_is_never_taken_for_a_gpu(run):
         """
     )
     assert "stand-in" in out
+
+
+def test_current_context_is_per_thread_and_a_stack(run):
+    out = run(
+        """
+        import threading
+        dev0, ctx0 = setup(0)
+        ctx1 = ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(1))))
+        seen = []
+        t = threading.Thread(target=lambda: seen.append((int(ok(drv.cuCtxGetCurrent())), err(drv.cuMemAlloc(8)))))
+        t.start(); t.join()
+        print(seen[0][0], seen[0][1])                     # a new thread has no current context
+        ok(drv.cuCtxPushCurrent(ctx1))
+        print(int(ok(drv.cuCtxGetDevice())))
+        print(int(ok(drv.cuCtxPopCurrent())) == int(ctx1), int(ok(drv.cuCtxGetDevice())))
+        ok(drv.cuCtxSetCurrent(0))
+        print(err(drv.cuCtxGetDevice()))
+        """
+    )
+    assert lines(out) == ["0 CUDA_ERROR_INVALID_CONTEXT", "1", "True 0", "CUDA_ERROR_INVALID_CONTEXT"]
+
+
+def test_per_thread_default_stream_mode(run):
+    out = run(
+        """
+        import threading
+        setup(0)
+        a = ok(drv.cuMemAlloc(4)); b = ok(drv.cuMemAlloc(4))
+        htod(a, b"ptds"); ok(drv.cuCtxSynchronize())
+        ok(drv.cuMemcpyDtoDAsync(b, a, 4, 0))             # stream 0: this thread's stream
+        res = []
+        def other():
+            ok(drv.cuCtxSetCurrent(ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(0))))))
+            ok(drv.cuStreamSynchronize(0))                # another thread's stream 0 is another stream
+            res.append(peek(b, 4))
+        t = threading.Thread(target=other); t.start(); t.join()
+        print(res[0])
+        ok(drv.cuStreamSynchronize(drv.CUstream(2)))       # CU_STREAM_PER_THREAD
+        print(peek(b, 4))
+        """,
+        CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM="1",
+    )
+    assert lines(out) == [repr(b"\0" * 4), "b'ptds'"]
+
+
+def test_pointer_attributes_and_address_ranges_of_every_kind(run):
+    out = run(
+        """
+        A = drv.CUpointer_attribute
+        _, ctx = setup(0)
+        def attrs(p):
+            return [
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p))),
+                ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)),
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p))) == int(p) - 16,
+                ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_SIZE, p)),
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, p))),
+            ]
+        legacy = ok(drv.cuMemAlloc(1000))
+        print(*attrs(int(legacy) + 16), ok(drv.cuMemGetAddressRange(int(legacy) + 16))[1])
+        s = ok(drv.cuStreamCreate(0))
+        pool_ptr = ok(drv.cuMemAllocAsync(1000, s))
+        print(*attrs(int(pool_ptr) + 16), int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, pool_ptr))) != 0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(1, handle_types=1, rdma=True), 0))
+        va = vmm_map(h, GRAN, (1, RW))
+        print(*attrs(va + 16), ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, va)))
+        h2 = ok(drv.cuMemRetainAllocationHandle(va + 100))
+        print(int(h2) == int(h)); ok(drv.cuMemRelease(h2))
+        host = ok(drv.cuMemAllocHost(64))
+        print(*attrs(int(host) + 16)[:1], ok(drv.cuMemGetAddressRange(int(host)))[1])
+        import ctypes
+        unknown = ctypes.addressof(ctypes.create_string_buffer(8))
+        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, unknown)),
+              err(drv.cuMemGetAddressRange(unknown)))
+        ok(drv.cuCtxSetCurrent(0))
+        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy)),
+              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))))
+        """
+    )
+    assert lines(out) == [
+        "2 0 True 1000 0 1000",
+        "2 0 True 1024 0 True",
+        f"2 1 True {2 << 20} 1 1",
+        "True",
+        "1 64",
+        "CUDA_ERROR_INVALID_VALUE CUDA_ERROR_NOT_FOUND",
+        "CUDA_ERROR_INVALID_CONTEXT 2",
+    ]
+
+
+def test_pool_memory_freed_in_stream_order_is_then_an_illegal_address(run):
+    out = run(
+        """
+        setup(0)
+        s = ok(drv.cuStreamCreate(0))
+        p = ok(drv.cuMemAllocAsync(256, s))
+        ok(drv.cuMemcpyHtoDAsync(p, b"x" * 256, 256, s))
+        ok(drv.cuMemFreeAsync(p, s))
+        print(err(drv.cuMemFreeAsync(p, s)))              # a second free
+        ok(drv.cuStreamSynchronize(s))
+        ok(drv.cuMemsetD8Async(p, 0, 256, s))             # use after the free ran
+        print(err(drv.cuStreamSynchronize(s)))
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_pinned_memory_copies_and_host_functions_run_in_stream_order(run):
+    out = run(
+        """
+        import ctypes
+        setup(0)
+        host = ok(drv.cuMemAllocHost(8)); dev = ok(drv.cuMemAlloc(8))
+        ctypes.memmove(int(host), b"pinned!!", 8)
+        s = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyHtoDAsync(dev, host, 8, s))
+        ctypes.memmove(int(host), b"changed!", 8)         # pinned: read when the copy runs
+        seen = []
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: seen.append(peek(dev, 8)))
+        ok(drv.cuLaunchHostFunc(s, ctypes.cast(cb, ctypes.c_void_p).value, 0))
+        ok(drv.cuMemsetD32Async(dev, 0x41414141, 2, s))
+        print(seen)                                       # nothing ran yet
+        ok(drv.cuStreamSynchronize(s))
+        print(seen, peek(dev, 8))
+        ok(drv.cuMemcpyHtoDAsync(dev, host, 8, s)); ok(drv.cuStreamSynchronize(s))
+        print(peek(dev, 8))
+        """
+    )
+    assert lines(out) == ["[]", "[b'changed!'] b'AAAAAAAA'", "b'changed!'"]
