@@ -598,3 +598,50 @@ def test_pinned_memory_copies_and_host_functions_run_in_stream_order(run):
         """
     )
     assert lines(out) == ["[]", "[b'changed!'] b'AAAAAAAA'", "b'changed!'"]
+
+
+NVML_CODE = """
+from cuda.bindings import nvml
+nvml.init_v2()
+n = nvml.device_get_count_v2()
+print(n)
+for i in range(n):
+    h = nvml.device_get_handle_by_index_v2(i)
+    u = nvml.device_get_uuid(h)
+    info = nvml.device_get_gpu_fabric_info_v(h)
+    print(u, nvml.device_get_handle_by_uuid(u) == h, any(bytes(info.cluster_uuid)), info.clique_id, int(info.state))
+nvml.shutdown()
+ok(drv.cuInit(0))
+print(*[bytes(ok(drv.cuDeviceGetUuid(ok(drv.cuDeviceGet(i)))).bytes).hex() for i in range(ok(drv.cuDeviceGetCount()))])
+"""
+
+
+def test_nvml_enumerates_physical_devices_with_the_cuda_uuids_and_fabric_state(run):
+    out = lines(run(NVML_CODE, CUDA_VISIBLE_DEVICES="1", GPUSHARE_STANDIN_FABRIC="1"))
+    assert out[0] == "2"  # NVML ignores CUDA_VISIBLE_DEVICES
+    uuids = [line.split()[0] for line in out[1:3]]
+    assert [line.split()[1:] for line in out[1:3]] == [["True", "True", "1", "3"]] * 2
+    assert out[3] == uuids[1].removeprefix("GPU-").replace("-", "")  # ordinal 0 here is physical 1
+    incomplete = lines(run(NVML_CODE, GPUSHARE_STANDIN_FABRIC="incomplete"))
+    assert [line.split()[1:] for line in incomplete[1:3]] == [["True", "False", "0", "2"]] * 2
+    off = lines(run(NVML_CODE))
+    assert [line.split()[1:] for line in off[1:3]] == [["True", "False", "0", "0"]] * 2
+
+
+def test_work_queued_at_exit_still_lands_in_shared_memory(run):
+    out = run(
+        """
+        setup(0)
+        p = ok(drv.cuMemAlloc(8))
+        htod(p, b"before.."); ok(drv.cuCtxSynchronize())
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        peer(f'''
+        setup(0)
+        p = ok(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1))
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemcpyHtoDAsync(p, b"at exit!", 8, s))    # never synchronized
+        ''')
+        print(dtoh(p, 8))
+        """
+    )
+    assert lines(out) == ["b'at exit!'"]

@@ -1,6 +1,7 @@
 #!/bin/sh
-# Builds the CUDA driver stand-in (libcuda.so.1) into OUTDIR and prints its
-# absolute path.  Usage: tests/cudadriver/build.sh OUTDIR
+# Builds the CUDA driver stand-in (libcuda.so.1) and the NVML stand-in
+# (libnvidia-ml.so.1) into OUTDIR and prints the absolute path of
+# libcuda.so.1.  Usage: tests/cudadriver/build.sh OUTDIR
 set -eu
 if [ $# -ne 1 ]; then
     echo "usage: $0 OUTDIR" >&2
@@ -10,6 +11,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$1"
 out=$(cd "$1" && pwd)
 cc=${CC:-cc}
+$cc -std=gnu11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden \
+    -Wl,-soname,libnvidia-ml.so.1 -Wl,--no-undefined \
+    -o "$out/libnvidia-ml.so.1.tmp" "$here/nvml_standin.c" -lpthread
+mv -f "$out/libnvidia-ml.so.1.tmp" "$out/libnvidia-ml.so.1"
 $cc -std=gnu11 -O1 -g -Wall -Wextra -Werror -Wno-unused-parameter -fPIC -shared \
     -fvisibility=hidden -Wl,-soname,libcuda.so.1 -Wl,--no-undefined \
     -o "$out/libcuda.so.1.tmp" \

@@ -241,7 +241,6 @@ CUresult ctx_usable(struct sctx *c);
 struct sctx *primary_of(int phys);
 void random_hex(char *out, size_t nbytes);
 uint64_t fnv1a(const void *data, size_t n);
-void uuid_of(int phys, unsigned char out[16]);
 
 /* streams (standin_stream.c) */
 CUresult resolve_stream(struct sctx *c, CUstream h, struct sstream **out);

@@ -1,5 +1,6 @@
 /* CUDA driver stand-in: init, errors, devices, contexts (tests only; see README.md). */
 #include "standin.h"
+#include "standin_uuid.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -145,23 +146,6 @@ uint64_t fnv1a(const void *data, size_t n) {
     return h;
 }
 
-/* Stable 16-byte UUID of a physical device, the same in every process. */
-void uuid_of(int phys, unsigned char out[16]) {
-    static const unsigned char tail[12] = {'s', 't', 'a', 'n', 'd', 'i', 'n', '-', 'g', 'p', 'u', 's'};
-    out[0] = (unsigned char)(0x10 * ((phys % 15) + 1) + ((phys / 15) & 0xf));
-    out[1] = 0x5a;
-    out[2] = (unsigned char)phys;
-    out[3] = 0x01;
-    memcpy(out + 4, tail, 12);
-}
-
-static void uuid_text(int phys, char *buf) {
-    unsigned char u[16];
-    uuid_of(phys, u);
-    sprintf(buf, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
-            u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
-}
-
 /* CUDA_VISIBLE_DEVICES as the driver reads it: indices or GPU-<uuid prefix>,
    the list ends at the first invalid entry (unknown, ambiguous or repeated). */
 static void parse_visible(void) {
@@ -189,7 +173,7 @@ static void parse_visible(void) {
             int matches = 0;
             for (int i = 0; i < g_nphys; i++) {
                 char u[64];
-                uuid_text(i, u);
+                standin_uuid_text(i, u);
                 if (len <= strlen(u) && strncasecmp(u, tok, len) == 0) {
                     matches++;
                     phys = i;
@@ -313,7 +297,7 @@ EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
     CUresult r = ordinal_to_phys(dev, &phys);
     if (r) RET(r);
     if (!uuid) RET(CUDA_ERROR_INVALID_VALUE);
-    uuid_of(phys, (unsigned char *)uuid->bytes);
+    standin_uuid(phys, (unsigned char *)uuid->bytes);
     RET(CUDA_SUCCESS);
 }
 

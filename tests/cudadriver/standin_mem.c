@@ -124,9 +124,11 @@ CUresult check_span(int phys, uintptr_t a, size_t n, int write) {
     uintptr_t end = a + n;
     while (a < end) {
         struct range *r = find_range(a);
-        if (!r) {
+        if (!r) { /* host memory: it must still be mapped */
             uintptr_t nx;
-            if (!next_range_start(a, end, &nx)) return CUDA_SUCCESS;
+            int more = next_range_start(a, end, &nx);
+            if (!host_span_ok(a, nx - a)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+            if (!more) return CUDA_SUCCESS;
             a = nx;
             continue;
         }

@@ -16,6 +16,7 @@
 #define EVENT_MAGIC 0x45564e31u
 
 static unsigned long long g_seq = 1;
+static int g_exiting;
 static struct sevent *g_events;
 
 struct ptlist {
@@ -163,9 +164,8 @@ static CUresult exec_op(struct op *o) {
         r = check_span(dev, o->dst, o->n, 1);
         if (!r && !o->staging) r = check_span(dev, o->src, o->n, 0);
         if (r) {
-            if (g_trace)
-                standin_note("illegal address: copy of %zu bytes 0x%lx <- 0x%lx on device %d", o->n,
-                             (unsigned long)o->dst, (unsigned long)o->src, dev);
+            standin_note("illegal address: queued copy of %zu bytes 0x%lx <- 0x%lx on device %d; the context is "
+                         "poisoned", o->n, (unsigned long)o->dst, (unsigned long)(o->staging ? 0 : o->src), dev);
             return r;
         }
         memmove((void *)o->dst, o->staging ? o->staging : (void *)o->src, o->n);
@@ -173,7 +173,8 @@ static CUresult exec_op(struct op *o) {
     case OP_SET:
         r = check_span(dev, o->dst, o->n * (size_t)o->setwidth, 1);
         if (r) {
-            if (g_trace) standin_note("illegal address: memset at 0x%lx on device %d", (unsigned long)o->dst, dev);
+            standin_note("illegal address: queued memset at 0x%lx on device %d; the context is poisoned",
+                         (unsigned long)o->dst, dev);
             return r;
         }
         if (o->setwidth == 1) {
@@ -193,10 +194,10 @@ static CUresult exec_op(struct op *o) {
         run_until(o->wait_for);
         return CUDA_SUCCESS;
     case OP_HOSTFN:
-        o->fn(o->ud);
+        if (!g_exiting) o->fn(o->ud);
         return CUDA_SUCCESS;
     case OP_CALLBACK:
-        o->cb(o->s->dead ? NULL : o->s, CUDA_SUCCESS, o->ud);
+        if (!g_exiting) o->cb(o->s->dead ? NULL : o->s, CUDA_SUCCESS, o->ud);
         return CUDA_SUCCESS;
     case OP_POOLFREE: {
         struct range *rg = find_range(o->dst);
@@ -256,6 +257,17 @@ void stream_free_all(struct sctx *c) {
     c->streams = NULL;
     for (struct ptlist *p = t_pt; p; p = p->next)
         if (p->ctx == c) p->s = NULL;
+}
+
+/* At process exit the GPU would still finish the work it was given: queued
+   copies and memsets land (visible to other processes sharing the memory);
+   host functions no longer run, the interpreter that owns them is gone. */
+__attribute__((destructor)) static void finish_at_exit(void) {
+    pthread_mutex_lock(&g_lock);
+    g_exiting = 1;
+    for (struct sctx *c = g_ctxs; c; c = c->next)
+        if (c->active) drain_ctx(c);
+    pthread_mutex_unlock(&g_lock);
 }
 
 /* ---------------------------------------------------------------- streams */
