@@ -645,3 +645,29 @@ def test_work_queued_at_exit_still_lands_in_shared_memory(run):
         """
     )
     assert lines(out) == ["b'at exit!'"]
+
+
+def test_primary_context_release_and_reset(run):
+    out = run(
+        """
+        dev, ctx = setup(0)
+        print(ok(drv.cuDevicePrimaryCtxGetState(dev))[1])
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN)                              # no access granted to anyone
+        ok(drv.cuMemcpyDtoHAsync(bytearray(1), va, 1, 0))
+        print(err(drv.cuCtxSynchronize()), err(drv.cuStreamCreate(0)))
+        ok(drv.cuDevicePrimaryCtxReset(dev))               # clears the poison
+        print(ok(drv.cuDevicePrimaryCtxGetState(dev))[1], err(drv.cuMemAlloc(8)))
+        ctx = ok(drv.cuDevicePrimaryCtxRetain(dev)); ok(drv.cuCtxSetCurrent(ctx))
+        print(err(drv.cuMemAlloc(8)))
+        ok(drv.cuDevicePrimaryCtxRelease(dev))
+        print(err(drv.cuMemAlloc(8)))
+        """
+    )
+    assert lines(out) == [
+        "1",
+        "CUDA_ERROR_ILLEGAL_ADDRESS CUDA_ERROR_ILLEGAL_ADDRESS",
+        "0 CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    ]

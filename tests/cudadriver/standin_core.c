@@ -25,11 +25,17 @@ static unsigned long long g_next_id = 1;
 static __thread struct sctx *t_stack[64];
 static __thread int t_depth;
 
+static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
+static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
+static void atfork_child(void) { pthread_mutex_unlock(&g_lock); }
+
 __attribute__((constructor)) static void standin_setup(void) {
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&g_lock, &a);
+    /* A fork while another thread holds the lock must not leave it held. */
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     const char *t = getenv("GPUSHARE_STANDIN_TRACE");
     g_trace = t && *t && strcmp(t, "0") != 0;
     const char *v = getenv("GPUSHARE_STANDIN_DRIVER_VERSION");

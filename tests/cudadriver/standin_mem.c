@@ -1281,7 +1281,7 @@ static CUresult pointer_attr(int attr, uintptr_t a, struct range *r, void *data)
     int host = r->kind == RK_HOST || r->kind == RK_HOSTREG;
     uintptr_t base = m ? m->va : b ? r->pool->base + b->off : r->base;
     size_t size = m ? m->size : b ? b->size : r->size;
-    int dev = m ? m->p->dev : r->phys;
+    int dev = m ? m->p->dev : r->kind == RK_IPC ? r->ctx->phys : r->phys; /* IPC: the context it was opened in */
     struct sctx *cc = cur_ctx();
     unsigned char yes = 1, no = 0;
     switch (attr) {

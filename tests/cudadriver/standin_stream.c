@@ -53,9 +53,19 @@ static int stream_valid(struct sstream *s) {
     return 0;
 }
 
+static int in_ctx(struct sctx *c, struct sstream *s) {
+    for (struct sstream *x = c->streams; x; x = x->next)
+        if (x == s) return 1;
+    return 0;
+}
+
 static struct sstream *per_thread(struct sctx *c) {
     for (struct ptlist *p = t_pt; p; p = p->next)
-        if (p->ctx == c && p->s) return p->s;
+        if (p->ctx == c) {
+            if (!p->s || !in_ctx(c, p->s)) p->s = stream_new(c, SK_PER_THREAD, 0, 0); /* context was reset */
+            if (p->s) p->s->owner = pthread_self();
+            return p->s;
+        }
     struct ptlist *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->ctx = c;
@@ -255,8 +265,6 @@ void stream_free_all(struct sctx *c) {
         s = n;
     }
     c->streams = NULL;
-    for (struct ptlist *p = t_pt; p; p = p->next)
-        if (p->ctx == c) p->s = NULL;
 }
 
 /* At process exit the GPU would still finish the work it was given: queued
