@@ -491,27 +491,30 @@ def test_current_context_is_per_thread_and_a_stack(run):
     assert lines(out) == ["0 CUDA_ERROR_INVALID_CONTEXT", "1", "True 0", "CUDA_ERROR_INVALID_CONTEXT"]
 
 
-def test_per_thread_default_stream_mode(run):
-    out = run(
-        """
-        import threading
-        setup(0)
-        a = ok(drv.cuMemAlloc(4)); b = ok(drv.cuMemAlloc(4))
-        htod(a, b"ptds"); ok(drv.cuCtxSynchronize())
-        ok(drv.cuMemcpyDtoDAsync(b, a, 4, 0))             # stream 0: this thread's stream
-        res = []
-        def other():
-            ok(drv.cuCtxSetCurrent(ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(0))))))
-            ok(drv.cuStreamSynchronize(0))                # another thread's stream 0 is another stream
-            res.append(peek(b, 4))
-        t = threading.Thread(target=other); t.start(); t.join()
-        print(res[0])
-        ok(drv.cuStreamSynchronize(drv.CUstream(2)))       # CU_STREAM_PER_THREAD
-        print(peek(b, 4))
-        """,
-        CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM="1",
-    )
-    assert lines(out) == [repr(b"\0" * 4), "b'ptds'"]
+PTDS_CODE = """
+import threading
+from cuda.bindings import runtime
+runtime.cudaGetDeviceCount()       # the runtime resolves per-thread variants too: they must not leak
+setup(0)
+a = ok(drv.cuMemAlloc(4)); b = ok(drv.cuMemAlloc(4))
+htod(a, b"ptds"); ok(drv.cuCtxSynchronize())
+ok(drv.cuMemcpyDtoDAsync(b, a, 4, 0))             # stream 0
+res = []
+def other():
+    ok(drv.cuCtxSetCurrent(ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(0))))))
+    ok(drv.cuStreamSynchronize(0))                # the same stream only in legacy mode
+    res.append(peek(b, 4))
+t = threading.Thread(target=other); t.start(); t.join()
+print(res[0])
+ok(drv.cuStreamSynchronize(drv.CUstream(2)))       # CU_STREAM_PER_THREAD
+print(peek(b, 4))
+"""
+
+
+def test_default_stream_is_legacy_unless_per_thread_mode_is_asked_for(run):
+    assert lines(run(PTDS_CODE)) == ["b'ptds'", "b'ptds'"]
+    per_thread = run(PTDS_CODE, CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM="1")
+    assert lines(per_thread) == [repr(b"\0" * 4), "b'ptds'"]
 
 
 def test_pointer_attributes_and_address_ranges_of_every_kind(run):

@@ -221,7 +221,8 @@ struct spool {
 /* ---- shared state and helpers (standin_core.c) ---- */
 extern pthread_mutex_t g_lock;
 extern int g_inited, g_nphys, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
-extern int g_trace, g_fabric, g_ptds;
+extern int g_trace, g_fabric;
+extern __thread int t_ptds; /* inside a per-thread-default-stream variant */
 extern struct sctx *g_ctxs;
 extern struct sctx *g_primary[MAXDEV];
 
@@ -241,6 +242,16 @@ CUresult ctx_usable(struct sctx *c);
 struct sctx *primary_of(int phys);
 void random_hex(char *out, size_t nbytes);
 uint64_t fnv1a(const void *data, size_t n);
+
+/* A per-thread default stream variant of an entry point: stream 0 (and the
+   blocking forms' implicit stream) is CU_STREAM_PER_THREAD while it runs. */
+#define PTDS(fn, params, args)                                                                               \
+    EXPORT CUresult fn##_ptds params {                                                                       \
+        t_ptds++;                                                                                            \
+        CUresult r_ = fn args;                                                                               \
+        t_ptds--;                                                                                            \
+        return r_;                                                                                           \
+    }
 
 /* streams (standin_stream.c) */
 CUresult resolve_stream(struct sctx *c, CUstream h, struct sstream **out);

@@ -16,7 +16,8 @@
 
 pthread_mutex_t g_lock;
 int g_inited, g_nphys = 2, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
-int g_trace, g_fabric, g_ptds;
+int g_trace, g_fabric;
+__thread int t_ptds;
 struct sctx *g_ctxs;
 struct sctx *g_primary[MAXDEV];
 static int g_driver_version = 13050;

@@ -1365,3 +1365,9 @@ EXPORT CUresult cuPointerGetAttributes(unsigned int n, int *attrs, void **data, 
     }
     RET(CUDA_SUCCESS);
 }
+
+/* ---------------------------------------------------------------- per-thread default stream variants */
+
+PTDS(cuMemAllocAsync, (CUdeviceptr *d, size_t n, CUstream h), (d, n, h))
+PTDS(cuMemAllocFromPoolAsync, (CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream h), (d, n, p, h))
+PTDS(cuMemFreeAsync, (CUdeviceptr d, CUstream h), (d, h))

@@ -11,9 +11,11 @@
 
 #include <string.h>
 
-#define P(name, since, fn, stream) extern CUresult fn();
+#define P(name, since, fn) extern CUresult fn();
+#define S(name, since, fn) extern CUresult fn(), fn##_ptds();
 #include "standin_procs.inc"
 #undef P
+#undef S
 CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 
@@ -21,16 +23,18 @@ struct proc {
     const char *name;
     int since;
     void *fn;
-    int stream; /* takes a stream or uses the default stream */
+    void *ptds; /* the per-thread default stream variant, or NULL */
 };
 
-#define P(name, since, fn, stream) {name, since, (void *)fn, stream},
+#define P(name, since, fn) {name, since, (void *)fn, NULL},
+#define S(name, since, fn) {name, since, (void *)fn, (void *)fn##_ptds},
 static const struct proc PROCS[] = {
 #include "standin_procs.inc"
-    P("cuGetProcAddress", 11030, cuGetProcAddress, 0)
-    P("cuGetProcAddress", 12000, cuGetProcAddress_v2, 0)
+    P("cuGetProcAddress", 11030, cuGetProcAddress)
+    P("cuGetProcAddress", 12000, cuGetProcAddress_v2)
 };
 #undef P
+#undef S
 
 enum { PROC_DEFAULT = 0, PROC_LEGACY_STREAM = 1, PROC_PER_THREAD_DEFAULT_STREAM = 2 };
 
@@ -45,15 +49,9 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
         known = 1;
         if (PROCS[i].since <= version && (!best || PROCS[i].since > best->since)) best = &PROCS[i];
     }
-    *pfn = best ? best->fn : NULL;
+    /* Per-thread mode gives the variants in which stream 0 is this thread's stream. */
+    *pfn = !best ? NULL : (flags == PROC_PER_THREAD_DEFAULT_STREAM && best->ptds) ? best->ptds : best->fn;
     if (status) *status = best ? 0 : known ? 2 : 1;
-    if (best && best->stream && flags == PROC_PER_THREAD_DEFAULT_STREAM) {
-        /* cuda.bindings resolves every entry point in one mode per process:
-           stream 0 then means the per-thread default stream. */
-        pthread_mutex_lock(&g_lock);
-        g_ptds = 1;
-        pthread_mutex_unlock(&g_lock);
-    }
     if (g_trace)
         standin_note("cuGetProcAddress(%s, %d, flags=%llu)%s", symbol, version, flags,
                      best ? "" : known ? " -> NOT FOUND for this version" : " -> NOT FOUND (not implemented)");

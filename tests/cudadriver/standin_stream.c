@@ -83,7 +83,7 @@ static struct sstream *per_thread(struct sctx *c) {
 /* A stream handle (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD or a created one)
    for work issued with `c` current; created streams carry their own context. */
 CUresult resolve_stream(struct sctx *c, CUstream h, struct sstream **out) {
-    if (!h) h = g_ptds ? STREAM_PER_THREAD : STREAM_LEGACY;
+    if (!h) h = t_ptds ? STREAM_PER_THREAD : STREAM_LEGACY;
     if (h == STREAM_LEGACY || h == STREAM_PER_THREAD) {
         if (!c) return CUDA_ERROR_INVALID_CONTEXT;
         CUresult r = ctx_usable(c);
@@ -725,3 +725,38 @@ EXPORT CUresult cuStreamIsCapturing(CUstream h, int *status) {
     *status = 0; /* CU_STREAM_CAPTURE_STATUS_NONE: the stand-in has no graphs */
     RET(CUDA_SUCCESS);
 }
+
+/* ---------------------------------------------------------------- per-thread default stream variants */
+
+typedef CUdeviceptr DP;
+PTDS(cuMemcpy, (DP d, DP s, size_t n), (d, s, n))
+PTDS(cuMemcpyAsync, (DP d, DP s, size_t n, CUstream h), (d, s, n, h))
+PTDS(cuMemcpyPeer, (DP d, CUcontext dc, DP s, CUcontext sc, size_t n), (d, dc, s, sc, n))
+PTDS(cuMemcpyPeerAsync, (DP d, CUcontext dc, DP s, CUcontext sc, size_t n, CUstream h), (d, dc, s, sc, n, h))
+PTDS(cuMemcpyHtoD_v2, (DP d, const void *s, size_t n), (d, s, n))
+PTDS(cuMemcpyDtoH_v2, (void *d, DP s, size_t n), (d, s, n))
+PTDS(cuMemcpyDtoD_v2, (DP d, DP s, size_t n), (d, s, n))
+PTDS(cuMemcpyHtoDAsync_v2, (DP d, const void *s, size_t n, CUstream h), (d, s, n, h))
+PTDS(cuMemcpyDtoHAsync_v2, (void *d, DP s, size_t n, CUstream h), (d, s, n, h))
+PTDS(cuMemcpyDtoDAsync_v2, (DP d, DP s, size_t n, CUstream h), (d, s, n, h))
+PTDS(cuMemsetD8_v2, (DP d, unsigned char v, size_t n), (d, v, n))
+PTDS(cuMemsetD16_v2, (DP d, unsigned short v, size_t n), (d, v, n))
+PTDS(cuMemsetD32_v2, (DP d, unsigned int v, size_t n), (d, v, n))
+PTDS(cuMemsetD8Async, (DP d, unsigned char v, size_t n, CUstream h), (d, v, n, h))
+PTDS(cuMemsetD16Async, (DP d, unsigned short v, size_t n, CUstream h), (d, v, n, h))
+PTDS(cuMemsetD32Async, (DP d, unsigned int v, size_t n, CUstream h), (d, v, n, h))
+PTDS(cuStreamSynchronize, (CUstream h), (h))
+PTDS(cuStreamQuery, (CUstream h), (h))
+PTDS(cuStreamGetFlags, (CUstream h, unsigned int *f), (h, f))
+PTDS(cuStreamGetPriority, (CUstream h, int *p), (h, p))
+PTDS(cuStreamGetId, (CUstream h, unsigned long long *id), (h, id))
+PTDS(cuStreamGetCtx, (CUstream h, CUcontext *c), (h, c))
+PTDS(cuStreamGetCtx_v2, (CUstream h, CUcontext *c, void **g), (h, c, g))
+PTDS(cuStreamGetDevice, (CUstream h, CUdevice *d), (h, d))
+PTDS(cuStreamWaitEvent, (CUstream h, CUevent e, unsigned int f), (h, e, f))
+PTDS(cuStreamIsCapturing, (CUstream h, int *st), (h, st))
+PTDS(cuStreamAddCallback, (CUstream h, CUstreamCallback cb, void *ud, unsigned int f), (h, cb, ud, f))
+PTDS(cuLaunchHostFunc, (CUstream h, CUhostFn fn, void *ud), (h, fn, ud))
+PTDS(cuLaunchHostFunc_v2, (CUstream h, CUhostFn fn, void *ud, unsigned int m), (h, fn, ud, m))
+PTDS(cuEventRecord, (CUevent e, CUstream h), (e, h))
+PTDS(cuEventRecordWithFlags, (CUevent e, CUstream h, unsigned int f), (e, h, f))
