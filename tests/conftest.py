@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -71,6 +73,24 @@ def standin_env(libdir: str, **env: str | None) -> dict[str, str]:
         else:
             out[k] = v
     return out
+
+
+@contextlib.contextmanager
+def standin_children(libdir: str, **env: str | None) -> Iterator[None]:
+    """Processes started inside (``_procs.Child``, multiprocessing spawn,
+    subprocess) load the stand-in from ``libdir``, with ``env`` applied.
+
+    Only children see it: the dynamic loader reads LD_LIBRARY_PATH when a
+    process starts, so this process keeps its own driver (or none).
+    """
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(standin_env(libdir, **env))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

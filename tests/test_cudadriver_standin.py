@@ -674,3 +674,68 @@ def test_primary_context_release_and_reset(run):
         "CUDA_SUCCESS",
         "CUDA_ERROR_CONTEXT_IS_DESTROYED",
     ]
+
+
+def _child_setup() -> dict:
+    import os
+
+    from cuda.bindings import driver
+
+    (err,) = driver.cuInit(0)
+    _, name = driver.cuDeviceGetName(64, 0)
+    _, count = driver.cuDeviceGetCount()
+    reply = {"err": err.name, "name": name.split(b"\0")[0].decode(), "count": count, "env": os.environ["FOO"]}
+    return {"_handlers": {}, "_reply": reply}
+
+
+def test_children_started_under_standin_children_load_it(standin_lib):
+    import os
+
+    from _procs import Child
+    from conftest import cuda_device_reason, standin_children
+
+    before = dict(os.environ)
+    with standin_children(standin_lib, CUDA_VISIBLE_DEVICES="1", FOO="bar"):
+        child = Child(_child_setup)
+    assert dict(os.environ) == before
+    try:
+        assert child.hello == {"err": "CUDA_SUCCESS", "name": "gpushare CUDA driver stand-in", "count": 1, "env": "bar"}
+    finally:
+        assert child.close() == 0
+    cuda_device_reason()  # this process looks for a driver after the children did
+    with open("/proc/self/maps") as maps:
+        assert standin_lib not in maps.read()  # and never loads the stand-in
+
+
+def test_released_memory_leaves_no_descriptors_mappings_or_shared_memory(run):
+    out = run(
+        """
+        import glob
+        def fds(): return len(os.listdir("/proc/self/fd"))
+        def maps(): return sum("gs-standin" in line or "gs-sfab" in line for line in open("/proc/self/maps"))
+        setup(0)
+        s = ok(drv.cuStreamCreate(0))
+        for _ in range(2):        # the first round warms up lazily created pools
+            before = (fds(), maps(), sorted(glob.glob("/dev/shm/gs-sfab-*")))
+            p = ok(drv.cuMemAlloc(1 << 20)); ok(drv.cuIpcGetMemHandle(p)); ok(drv.cuMemFree(p))
+            h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=9), 0))
+            fd = ok(drv.cuMemExportToShareableHandle(h, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+            h2 = ok(drv.cuMemImportFromShareableHandle(fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            os.close(fd)
+            va = vmm_map(h2, GRAN, (0, RW)); htod(va, b"x"); ok(drv.cuCtxSynchronize())
+            ok(drv.cuMemUnmap(va, GRAN)); ok(drv.cuMemAddressFree(va, GRAN))
+            ok(drv.cuMemRelease(h2)); ok(drv.cuMemRelease(h))
+            props = drv.CUmemPoolProps()
+            props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            pool = ok(drv.cuMemPoolCreate(props))
+            q = ok(drv.cuMemAllocFromPoolAsync(4096, pool, s)); ok(drv.cuMemPoolDestroy(pool))
+            ok(drv.cuMemFreeAsync(q, s)); ok(drv.cuStreamSynchronize(s))   # the pool goes with its last block
+            host = ok(drv.cuMemAllocHost(4096)); ok(drv.cuMemFreeHost(host))
+            after = (fds(), maps(), sorted(glob.glob("/dev/shm/gs-sfab-*")))
+        print(before == after, before[1:])
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["True (0, [])"]
