@@ -724,6 +724,8 @@ def test_released_memory_leaves_no_descriptors_mappings_or_shared_memory(run):
             os.close(fd)
             va = vmm_map(h2, GRAN, (0, RW)); htod(va, b"x"); ok(drv.cuCtxSynchronize())
             ok(drv.cuMemUnmap(va, GRAN)); ok(drv.cuMemAddressFree(va, GRAN))
+            va = vmm_map(h2, GRAN, (0, RW))
+            ok(drv.cuMemAddressFree(va, GRAN))                          # unmaps what is still mapped
             ok(drv.cuMemRelease(h2)); ok(drv.cuMemRelease(h))
             props = drv.CUmemPoolProps()
             props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED

@@ -470,7 +470,13 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     if (r) RET(r);
     struct range *rg = find_range((uintptr_t)ptr);
     if (!rg || rg->kind != RK_VMM || rg->base != (uintptr_t)ptr || rg->size != size) RET(CUDA_ERROR_INVALID_VALUE);
-    if (rg->maps) RET(CUDA_ERROR_INVALID_VALUE); /* still mapped: cuMemUnmap first */
+    while (rg->maps) { /* still mapped: the driver unmaps it (queued work touching it then fails) */
+        struct vmap *m = rg->maps;
+        rg->maps = m->next;
+        m->p->mrefs--;
+        phys_maybe_free(m->p);
+        free(m);
+    }
     munmap((void *)rg->base, rg->size);
     range_remove(rg);
     RET(CUDA_SUCCESS);
