@@ -255,6 +255,23 @@ def test_fabric_tokens_import_in_another_process_when_enabled(run):
     assert lines(out) == ["1", "64", "b'fabric'", "CUDA_ERROR_INVALID_VALUE"]
 
 
+def test_fabric_names_go_with_the_exporting_process(run):
+    out = run(
+        """
+        import glob
+        pid = peer('''
+        import glob
+        setup(0)
+        ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=8), 0))   # never released
+        print(len(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")), os.getpid())
+        ''').split()
+        print(pid[0], glob.glob(f"/dev/shm/gsf-{pid[1]}-*"))
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["1 []"]
+
+
 def test_fabric_handles_are_refused_when_not_enabled(run):
     out = run(
         """
@@ -712,11 +729,11 @@ def test_released_memory_leaves_no_descriptors_mappings_or_shared_memory(run):
         """
         import glob
         def fds(): return len(os.listdir("/proc/self/fd"))
-        def maps(): return sum("gs-standin" in line or "gs-sfab" in line for line in open("/proc/self/maps"))
+        def maps(): return sum("gs-standin" in line or "/gsf-" in line for line in open("/proc/self/maps"))
         setup(0)
         s = ok(drv.cuStreamCreate(0))
         for _ in range(2):        # the first round warms up lazily created pools
-            before = (fds(), maps(), sorted(glob.glob("/dev/shm/gs-sfab-*")))
+            before = (fds(), maps(), sorted(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")))
             p = ok(drv.cuMemAlloc(1 << 20)); ok(drv.cuIpcGetMemHandle(p)); ok(drv.cuMemFree(p))
             h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=9), 0))
             fd = ok(drv.cuMemExportToShareableHandle(h, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
@@ -735,7 +752,7 @@ def test_released_memory_leaves_no_descriptors_mappings_or_shared_memory(run):
             q = ok(drv.cuMemAllocFromPoolAsync(4096, pool, s)); ok(drv.cuMemPoolDestroy(pool))
             ok(drv.cuMemFreeAsync(q, s)); ok(drv.cuStreamSynchronize(s))   # the pool goes with its last block
             host = ok(drv.cuMemAllocHost(4096)); ok(drv.cuMemFreeHost(host))
-            after = (fds(), maps(), sorted(glob.glob("/dev/shm/gs-sfab-*")))
+            after = (fds(), maps(), sorted(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")))
         print(before == after, before[1:])
         """,
         GPUSHARE_STANDIN_FABRIC="1",

@@ -350,6 +350,13 @@ static void phys_maybe_free(struct phys *p) {
     free(p);
 }
 
+/* Names of fabric-capable allocations this process created go with it, even
+   when it exits without releasing them (a killed process still leaves them). */
+__attribute__((destructor)) static void unlink_fabric_names(void) {
+    for (struct phys *p = g_phys; p; p = p->next)
+        if (p->owns_shm) shm_unlink(p->shm);
+}
+
 static struct phys *phys_new(int fd, size_t size, int htypes, int dev, int rdma) {
     struct phys *p = calloc(1, sizeof *p);
     if (!p) return NULL;
@@ -399,9 +406,9 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     int fd;
     char shm[64] = "";
     if (ht & HT_FABRIC) {
-        char hex[13];
-        random_hex(hex, 6);
-        snprintf(shm, sizeof shm, "/gs-sfab-d%d-h%d-r%d-%s", phys, ht, rdma, hex);
+        char hex[9];
+        random_hex(hex, 4);
+        snprintf(shm, sizeof shm, "/gsf-%d-d%d-h%d-r%d-%s", (int)getpid(), phys, ht, rdma, hex);
         fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         if (fd >= 0 && ftruncate(fd, (off_t)size) != 0) {
             close(fd);
@@ -648,7 +655,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
         if (src < 0 || fcntl(src, F_GETFD) < 0 || fd_target(src, target, sizeof target) != 0)
             RET(CUDA_ERROR_INVALID_VALUE);
         if (sscanf(target, "/memfd:gs-standin-vmm-d%d-h%d-r%d", &dev, &ht, &rdma) != 3 &&
-            sscanf(target, "/dev/shm/gs-sfab-d%d-h%d-r%d-", &dev, &ht, &rdma) != 3)
+            sscanf(target, "/dev/shm/gsf-%*d-d%d-h%d-r%d-", &dev, &ht, &rdma) != 3)
             RET(CUDA_ERROR_INVALID_VALUE); /* not memory a cuMemExportToShareableHandle made */
         if (fstat(src, &st) != 0 || st.st_size <= 0) RET(CUDA_ERROR_INVALID_VALUE);
         size = (size_t)st.st_size;
@@ -661,7 +668,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
         memcpy(&t, os, sizeof t);
         if (memcmp(t.magic, FAB_MAGIC, 8) != 0 || t.check != fnv1a(&t, offsetof(struct fabric_token, check)))
             RET(CUDA_ERROR_INVALID_VALUE);
-        if (memchr(t.name, 0, sizeof t.name) == NULL || strncmp(t.name, "/gs-sfab-", 9) != 0 ||
+        if (memchr(t.name, 0, sizeof t.name) == NULL || strncmp(t.name, "/gsf-", 5) != 0 ||
             strchr(t.name + 1, '/'))
             RET(CUDA_ERROR_INVALID_VALUE);
         fd = shm_open(t.name, O_RDWR | O_CLOEXEC, 0);
