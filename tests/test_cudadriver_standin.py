@@ -92,9 +92,13 @@ def test_device_to_device_copy_shows_old_bytes_until_synchronized(run):
         print(peek(dst, 1))
         ok(drv.cuMemcpyDtoDAsync(dst, src, 64, 0))   # legacy stream, sync DtoH drains it
         print(dtoh(dst, 64) == b"n" * 64)
+        htod(src, b"b" * 64)
+        blocking = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyDtoDAsync(dst, src, 64, blocking))
+        print(peek(dst, 1), dtoh(dst, 1))       # the legacy stream waits for blocking streams
         """
     )
-    assert lines(out) == ["b'o' b'o'", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS", "b'n'", "True"]
+    assert lines(out) == ["b'o' b'o'", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS", "b'n'", "True", "b'n' b'b'"]
 
 
 def test_pageable_host_to_device_copy_lands_only_at_synchronization(run):
