@@ -88,6 +88,8 @@ def access(ordinal: int, flags) -> drv.CUmemAccessDesc:
     return d
 
 
+POSIX = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+FABRIC = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
 RW = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 RO = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
 
