@@ -787,3 +787,32 @@ def test_without_a_compiler_the_fixture_skips_except_under_ci(ci):
         assert r.returncode != 0 and "1 error" in r.stdout
     else:
         assert r.returncode == 0 and "1 skipped" in r.stdout
+
+
+def test_threads_using_it_at_once_get_their_own_results(run):
+    out = run(
+        """
+        import threading
+        dev, ctx = setup(0)
+        errors, results = [], []
+        def work(k):
+            try:
+                ok(drv.cuCtxSetCurrent(ctx))
+                s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                for i in range(50):
+                    a = ok(drv.cuMemAllocAsync(4096, s)); b = ok(drv.cuMemAlloc(4096))
+                    ok(drv.cuMemsetD8Async(a, (k * 7 + i) % 256, 4096, s))
+                    ok(drv.cuMemcpyDtoDAsync(b, a, 4096, s)); ok(drv.cuMemFreeAsync(a, s))
+                    ok(drv.cuStreamSynchronize(s))
+                    results.append(dtoh(b, 4096) == bytes([(k * 7 + i) % 256]) * 4096)
+                    ok(drv.cuMemFree(b))
+                ok(drv.cuStreamDestroy(s))
+            except Exception as exc:
+                errors.append(exc)
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in ts: t.start()
+        for t in ts: t.join(60)
+        print(errors, len(results), all(results))
+        """
+    )
+    assert lines(out) == ["[] 200 True"]
