@@ -18,7 +18,8 @@ mv -f "$out/libnvidia-ml.so.1.tmp" "$out/libnvidia-ml.so.1"
 $cc -std=gnu11 -O1 -g -Wall -Wextra -Werror -Wno-unused-parameter -fPIC -shared \
     -fvisibility=hidden -Wl,-soname,libcuda.so.1 -Wl,--no-undefined \
     -o "$out/libcuda.so.1.tmp" \
-    "$here/standin_core.c" "$here/standin_stream.c" "$here/standin_mem.c" "$here/standin_procs.c" \
+    "$here/standin_core.c" "$here/standin_stream.c" "$here/standin_mem.c" "$here/standin_pool.c" \
+    "$here/standin_procs.c" \
     -lpthread -lrt
 mv -f "$out/libcuda.so.1.tmp" "$out/libcuda.so.1"
 ln -sf libcuda.so.1 "$out/libcuda.so"

@@ -267,12 +267,18 @@ enum { DIR_ANY, DIR_HTOD, DIR_DTOH, DIR_DTOD };
 
 /* memory (standin_mem.c) */
 struct range *find_range(uintptr_t a);
+struct range *range_add(int kind, uintptr_t base, size_t size, int phys);
+void range_remove(struct range *r);
+int make_memfd(const char *name, size_t size);
+int fd_target(int fd, char *buf, size_t len);
 struct vmap *find_map(struct range *r, uintptr_t a);
 struct pblock *find_block(struct spool *p, uintptr_t a);
 int is_device_addr(uintptr_t a);
 int is_pinned_addr(uintptr_t a);
 int host_span_ok(uintptr_t a, size_t n);
 CUresult check_span(int phys, uintptr_t a, size_t n, int write);
+
+/* pools (standin_pool.c) */
 void pool_block_free(struct spool *p, uintptr_t a);
 struct spool *default_pool(int phys);
 
