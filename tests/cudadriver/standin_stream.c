@@ -271,7 +271,12 @@ void stream_free_all(struct sctx *c) {
    copies and memsets land (visible to other processes sharing the memory);
    host functions no longer run, the interpreter that owns them is gone. */
 __attribute__((destructor)) static void finish_at_exit(void) {
-    pthread_mutex_lock(&g_lock);
+    /* A thread still inside a call (a daemon thread in a host function) keeps
+       the lock: give up after a second rather than hang the exit. */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1;
+    if (pthread_mutex_timedlock(&g_lock, &until) != 0) return;
     g_exiting = 1;
     for (struct sctx *c = g_ctxs; c; c = c->next)
         if (c->active) drain_ctx(c);
