@@ -1,0 +1,818 @@
+"""The CUDA driver stand-in (tests/cudadriver) keeps the driver's contract.
+
+Every test runs its code in child processes that load the stand-in through
+LD_LIBRARY_PATH; the pytest process never does.  These are checks of the
+stand-in, which gpushare's own CUDA tests then rely on.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.cudadriver
+
+HEADER = (
+    "import sys, os; sys.path.insert(0, os.path.join({tests!r}, 'cudadriver'))\n"
+    "from standin_child import *\n"
+)
+
+
+@pytest.fixture
+def run(run_standin):
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def go(code: str, **env: str | None) -> str:
+        return run_standin(HEADER.format(tests=tests) + textwrap.dedent(code), **env)
+
+    return go
+
+
+def lines(out: str) -> list[str]:
+    return out.strip().splitlines()
+
+
+def test_cuda_core_device_stream_allocate_and_copy(run):
+    out = run(
+        """
+        from cuda.core import Device
+        d = Device(0)
+        d.set_current()
+        print(d.name)
+        s = d.create_stream()
+        a = d.allocate(4096, stream=s)
+        b = d.allocate(4096, stream=s)
+        ok(drv.cuMemcpyHtoDAsync(int(a.handle), b"x" * 4096, 4096, int(s.handle)))
+        b.copy_from(a, stream=s)
+        e = s.record()
+        e.sync()
+        print(dtoh(int(b.handle), 4096) == b"x" * 4096)
+        a.close(s); b.close(s); s.sync()
+        """
+    )
+    assert lines(out) == ["gpushare CUDA driver stand-in", "True"]
+
+
+def test_calls_without_a_current_context_fail_with_invalid_context(run):
+    out = run(
+        """
+        ok(drv.cuInit(0))
+        print(err(drv.cuMemAlloc(1024)))
+        print(err(drv.cuStreamCreate(0)))
+        print(err(drv.cuCtxSynchronize()))
+        print(err(drv.cuMemcpyHtoD(0x1000, b"x", 1)))
+        print(err(drv.cuMemAllocAsync(1024, 0)))
+        # VMM calls that name their device work without a context
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = ok(drv.cuMemAddressReserve(GRAN, 0, 0, 0))
+        ok(drv.cuMemMap(va, GRAN, 0, h, 0))
+        ok(drv.cuMemSetAccess(va, GRAN, [access(0, RW)], 1))
+        ok(drv.cuMemUnmap(va, GRAN)); ok(drv.cuMemAddressFree(va, GRAN)); ok(drv.cuMemRelease(h))
+        print("vmm ok")
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_INVALID_CONTEXT"] * 5 + ["vmm ok"]
+
+
+def test_device_to_device_copy_shows_old_bytes_until_synchronized(run):
+    out = run(
+        """
+        setup()
+        src = ok(drv.cuMemAlloc(64)); dst = ok(drv.cuMemAlloc(64))
+        htod(src, b"n" * 64); htod(dst, b"o" * 64)
+        ok(drv.cuCtxSynchronize())
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemcpyDtoDAsync(dst, src, 64, s))
+        print(peek(dst, 1), dtoh(dst, 1))       # the legacy stream does not wait for a non-blocking one
+        print(err(drv.cuStreamQuery(s)))        # pending work is reported ...
+        print(err(drv.cuStreamQuery(s)))        # ... and completes afterwards
+        print(peek(dst, 1))
+        ok(drv.cuMemcpyDtoDAsync(dst, src, 64, 0))   # legacy stream, sync DtoH drains it
+        print(dtoh(dst, 64) == b"n" * 64)
+        htod(src, b"b" * 64)
+        blocking = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyDtoDAsync(dst, src, 64, blocking))
+        print(peek(dst, 1), dtoh(dst, 1))       # the legacy stream waits for blocking streams
+        """
+    )
+    assert lines(out) == ["b'o' b'o'", "CUDA_ERROR_NOT_READY", "CUDA_SUCCESS", "b'n'", "True", "b'n' b'b'"]
+
+
+def test_pageable_host_to_device_copy_lands_only_at_synchronization(run):
+    out = run(
+        """
+        import ctypes
+        setup()
+        dst = ok(drv.cuMemAlloc(16))
+        src = ctypes.create_string_buffer(b"A" * 16, 16)
+        ok(drv.cuMemcpyHtoD(dst, ctypes.addressof(src), 16))   # staged, not yet written
+        ctypes.memmove(src, b"B" * 16, 16)                     # the staged copy keeps the old source
+        print(peek(dst, 16))
+        ok(drv.cuCtxSynchronize())
+        print(peek(dst, 16))
+        s = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyHtoDAsync(dst, b"C" * 16, 16, s))
+        print(peek(dst, 1))
+        ok(drv.cuStreamSynchronize(s))
+        print(peek(dst, 1))
+        """
+    )
+    assert lines(out) == [repr(b"\0" * 16), repr(b"A" * 16), "b'A'", "b'C'"]
+
+
+def test_events_order_streams_and_report_pending_work(run):
+    out = run(
+        """
+        setup()
+        a = ok(drv.cuMemAlloc(8)); b = ok(drv.cuMemAlloc(8)); c = ok(drv.cuMemAlloc(8))
+        htod(a, b"12345678"); ok(drv.cuCtxSynchronize())
+        nb = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        s1 = ok(drv.cuStreamCreate(nb)); s2 = ok(drv.cuStreamCreate(nb))
+        ev = ok(drv.cuEventCreate(0))
+        ok(drv.cuMemcpyDtoDAsync(b, a, 8, s1)); ok(drv.cuEventRecord(ev, s1))
+        ok(drv.cuStreamWaitEvent(s2, ev, 0)); ok(drv.cuMemcpyDtoDAsync(c, b, 8, s2))
+        ok(drv.cuStreamSynchronize(s2))          # runs s1 up to the event first
+        print(peek(c, 8))
+        ev2 = ok(drv.cuEventCreate(0))
+        ok(drv.cuEventRecord(ev, s1)); ok(drv.cuMemcpyDtoDAsync(c, a, 1, s1)); ok(drv.cuEventRecord(ev2, s1))
+        print(err(drv.cuEventElapsedTime(ev, ev2)))
+        print(err(drv.cuEventQuery(ev2)), err(drv.cuEventQuery(ev2)))
+        print(ok(drv.cuEventElapsedTime(ev, ev2)) >= 0)
+        """
+    )
+    assert lines(out) == ["b'12345678'", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_NOT_READY CUDA_SUCCESS", "True"]
+
+
+def test_visible_devices_remap_ordinals_and_uuids_match_across_processes(run):
+    code = """
+        ok(drv.cuInit(0))
+        n = ok(drv.cuDeviceGetCount())
+        print(n, *[bytes(ok(drv.cuDeviceGetUuid(ok(drv.cuDeviceGet(i)))).bytes).hex() for i in range(n)])
+        """
+    plain = lines(run(code))[0].split()
+    swapped = lines(run(code, CUDA_VISIBLE_DEVICES="1,0"))[0].split()
+    assert plain[0] == swapped[0] == "2"
+    assert plain[1] != plain[2]
+    assert swapped[1:] == [plain[2], plain[1]]
+    u1 = plain[2]
+    by_uuid = f"GPU-{u1[:8]}"
+    assert lines(run(code, CUDA_VISIBLE_DEVICES=by_uuid))[0].split() == ["1", u1]
+    assert lines(run(code, CUDA_VISIBLE_DEVICES="1,7,0"))[0].split() == ["1", u1]  # stops at 7
+    assert lines(run(code, CUDA_VISIBLE_DEVICES="0,0"))[0].split() == ["1", plain[1]]
+    assert lines(run(code, GPUSHARE_STANDIN_DEVICES="3"))[0].split()[0] == "3"
+    none = run("print(err(drv.cuInit(0)))", CUDA_VISIBLE_DEVICES="")
+    assert lines(none) == ["CUDA_ERROR_NO_DEVICE"]
+
+
+def test_vmm_memory_without_access_for_the_device_is_an_illegal_address(run):
+    out = run(
+        """
+        setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN, (0, RW))
+        htod(va, b"ok"); print(dtoh(va, 2))
+        _, ctx1 = setup(1)                      # device 1 has no access
+        ok(drv.cuMemcpyDtoHAsync(bytearray(2), va, 2, 0))
+        print(err(drv.cuCtxSynchronize()))
+        print(err(drv.cuMemAlloc(16)))          # the context stays poisoned
+        """
+    )
+    assert lines(out) == ["b'ok'", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_vmm_read_only_access_refuses_writes(run):
+    out = run(
+        """
+        setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN, (0, RW))
+        htod(va, b"ro"); ok(drv.cuCtxSynchronize())
+        ok(drv.cuMemSetAccess(va, GRAN, [access(0, RO)], 1))
+        loc = access(0, RO).location
+        print(int(ok(drv.cuMemGetAccess(loc, va))))
+        print(dtoh(va, 2))
+        ok(drv.cuMemcpyHtoDAsync(va, b"xx", 2, 0))
+        print(err(drv.cuCtxSynchronize()))
+        """
+    )
+    assert lines(out) == ["1", "b'ro'", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_posix_fd_export_and_import_between_processes(run):
+    out = run(
+        """
+        setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=1, rdma=True), 0))
+        va = vmm_map(h, GRAN, (0, RW))
+        htod(va, b"shared!"); ok(drv.cuCtxSynchronize())
+        fd = ok(drv.cuMemExportToShareableHandle(h, POSIX, 0))
+        print(peer(f'''
+        setup(0)
+        h = ok(drv.cuMemImportFromShareableHandle({fd}, POSIX))
+        prop = ok(drv.cuMemGetAllocationPropertiesFromHandle(h))
+        print(int(prop.requestedHandleTypes), prop.location.id, prop.allocFlags.gpuDirectRDMACapable)
+        va = vmm_map(h, {GRAN}, (0, RW))
+        print(dtoh(va, 7))
+        htod(va, b"answer!"); ok(drv.cuCtxSynchronize())
+        ''', pass_fds=[fd]).strip())
+        print(dtoh(va, 7))
+        h2 = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=0), 0))
+        print(err(drv.cuMemExportToShareableHandle(h2, POSIX, 0)))
+        """
+    )
+    assert lines(out) == ["1 0 1", "b'shared!'", "b'answer!'", "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_fabric_tokens_import_in_another_process_when_enabled(run):
+    out = run(
+        """
+        setup(0)
+        d = ok(drv.cuDeviceGet(0))
+        print(ok(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, d)))
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=8), 0))
+        va = vmm_map(h, GRAN, (0, RW))
+        htod(va, b"fabric"); ok(drv.cuCtxSynchronize())
+        tok = bytes(ok(drv.cuMemExportToShareableHandle(h, FABRIC, 0)).data)
+        print(len(tok))
+        print(peer(f'''
+        setup(1)
+        fh = drv.CUmemFabricHandle(); fh.data = {tok!r}
+        h = ok(drv.cuMemImportFromShareableHandle(fh.getPtr(), FABRIC))
+        va = vmm_map(h, {GRAN}, (1, RW))
+        print(dtoh(va, 6))
+        ''').strip())
+        ok(drv.cuMemUnmap(va, GRAN)); ok(drv.cuMemRelease(h))   # the exporter's last handle: the token dies
+        print(peer(f'''
+        setup(0)
+        fh = drv.CUmemFabricHandle(); fh.data = {tok!r}
+        print(err(drv.cuMemImportFromShareableHandle(fh.getPtr(), FABRIC)))
+        ''').strip())
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["1", "64", "b'fabric'", "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_fabric_names_go_with_the_exporting_process(run):
+    out = run(
+        """
+        import glob
+        pid = peer('''
+        import glob
+        setup(0)
+        ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=8), 0))   # never released
+        print(len(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")), os.getpid())
+        ''').split()
+        print(pid[0], glob.glob(f"/dev/shm/gsf-{pid[1]}-*"))
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["1 []"]
+
+
+def test_fabric_handles_are_refused_when_not_enabled(run):
+    out = run(
+        """
+        setup(0)
+        d = ok(drv.cuDeviceGet(0))
+        print(ok(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, d)))
+        print(err(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=8), 0)))
+        print(err(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=9), 0)))
+        """
+    )
+    assert lines(out) == ["0", "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_NOT_PERMITTED"]
+
+
+def test_legacy_ipc_between_processes_and_its_refusals(run):
+    out = run(
+        """
+        setup(0)
+        p = ok(drv.cuMemAlloc(100))
+        htod(p, b"legacy"); ok(drv.cuCtxSynchronize())
+        h = ok(drv.cuIpcGetMemHandle(p))
+        handle = raw(h)
+        print(err(drv.cuIpcOpenMemHandle(h, 1)))       # not in the exporting process
+        print(peer(f'''
+        setup(0)
+        h = filled(drv.CUipcMemHandle(), {handle!r})
+        p = ok(drv.cuIpcOpenMemHandle(h, 1))
+        print(dtoh(p, 6), ok(drv.cuMemGetAddressRange(p))[1])
+        htod(p, b"LEGACY"); ok(drv.cuCtxSynchronize())
+        ok(drv.cuIpcCloseMemHandle(p))
+        print(err(drv.cuIpcCloseMemHandle(p)))
+        ''').strip())
+        print(dtoh(p, 6))
+        s = ok(drv.cuStreamCreate(0))
+        q = ok(drv.cuMemAllocAsync(64, s))
+        print(err(drv.cuIpcGetMemHandle(q)))           # pool memory is not legacy-IPC capable
+        print(ok(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p)),
+              ok(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, q)))
+        """
+    )
+    assert lines(out) == [
+        "CUDA_ERROR_INVALID_CONTEXT",
+        "b'legacy' 100",
+        "CUDA_ERROR_INVALID_VALUE",
+        "b'LEGACY'",
+        "CUDA_ERROR_INVALID_VALUE",
+        "True False",
+    ]
+
+
+def test_legacy_ipc_shows_unsynchronized_writes_as_old_bytes_in_the_importer(run):
+    out = run(
+        """
+        setup(0)
+        p = ok(drv.cuMemAlloc(8)); src = ok(drv.cuMemAlloc(8))
+        htod(p, b"oldoldol"); htod(src, b"newnewne"); ok(drv.cuCtxSynchronize())
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        s = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyDtoDAsync(p, src, 8, s))        # not synchronized
+        code = f'''
+        setup(0)
+        h = filled(drv.CUipcMemHandle(), {handle!r})
+        print(dtoh(ok(drv.cuIpcOpenMemHandle(h, 1)), 8))
+        '''
+        print(peer(code).strip())
+        ok(drv.cuStreamSynchronize(s))
+        print(peer(code).strip())
+        """
+    )
+    assert lines(out) == ["b'oldoldol'", "b'newnewne'"]
+
+
+def test_pool_ipc_export_and_import_between_processes(run):
+    out = run(
+        """
+        setup(0)
+        props = drv.CUmemPoolProps()
+        props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = POSIX
+        props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = 0
+        pool = ok(drv.cuMemPoolCreate(props))
+        s = ok(drv.cuStreamCreate(0))
+        p = ok(drv.cuMemAllocFromPoolAsync(4096, pool, s))
+        ok(drv.cuMemcpyHtoDAsync(p, b"pooled", 6, s)); ok(drv.cuStreamSynchronize(s))
+        fd = ok(drv.cuMemPoolExportToShareableHandle(pool, POSIX, 0))
+        data = raw(ok(drv.cuMemPoolExportPointer(p)))
+        print(peer(f'''
+        setup(0)
+        pool = ok(drv.cuMemPoolImportFromShareableHandle({fd}, POSIX, 0))
+        d = filled(drv.CUmemPoolPtrExportData(), {data!r})
+        p = ok(drv.cuMemPoolImportPointer(pool, d))
+        print(dtoh(p, 6))
+        ok(drv.cuMemFreeAsync(p, 0)); ok(drv.cuCtxSynchronize())
+        ''', pass_fds=[fd]).strip())
+        dflt = ok(drv.cuDeviceGetDefaultMemPool(ok(drv.cuDeviceGet(0))))
+        print(err(drv.cuMemPoolExportToShareableHandle(dflt, POSIX, 0)))
+        """
+    )
+    assert lines(out) == ["b'pooled'", "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_cuda_core_ipc_memory_resource_between_processes(run):
+    out = run(
+        """
+        from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+        d = Device(0); d.set_current()
+        mr = DeviceMemoryResource(d, options=DeviceMemoryResourceOptions(ipc_enabled=True, max_size=64 << 20))
+        s = d.create_stream()
+        buf = mr.allocate(1024, stream=s)
+        ok(drv.cuMemcpyHtoDAsync(int(buf.handle), b"core-ipc", 8, int(s.handle))); s.sync()
+        fd = int(mr.allocation_handle.handle)
+        import pickle
+        blob = pickle.dumps(buf.ipc_descriptor)
+        print(peer(f'''
+        import pickle
+        from cuda.core import Buffer, Device, DeviceMemoryResource
+        d = Device(0); d.set_current(); s = d.create_stream()
+        mr = DeviceMemoryResource.from_allocation_handle(d, {fd})
+        buf = Buffer.from_ipc_descriptor(mr, pickle.loads({blob!r}), stream=s)
+        print(dtoh(int(buf.handle), 8))
+        buf.close(s); s.sync()
+        ''', pass_fds=[fd]).strip())
+        buf.close(s); s.sync()
+        """
+    )
+    assert lines(out) == ["b'core-ipc'"]
+
+
+def test_unmapping_under_queued_use_is_an_illegal_address_and_poisons_the_context(run):
+    out = run(
+        """
+        setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN, (0, RW))
+        dst = ok(drv.cuMemAlloc(16))
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemcpyDtoDAsync(dst, va, 16, s))
+        ok(drv.cuMemUnmap(va, GRAN))
+        print(err(drv.cuStreamSynchronize(s)))
+        print(err(drv.cuMemAlloc(16)), err(drv.cuStreamCreate(0)))
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_malformed_handles_and_tokens_give_errors_not_crashes(run):
+    out = run(
+        """
+        import os
+        setup(0)
+        posix = POSIX
+        h = filled(drv.CUipcMemHandle(), os.urandom(64))
+        print(err(drv.cuIpcOpenMemHandle(h, 1)))
+        fd = os.open("/dev/null", os.O_RDONLY)
+        print(err(drv.cuMemImportFromShareableHandle(fd, posix)))
+        print(err(drv.cuMemPoolImportFromShareableHandle(fd, posix, 0)))
+        os.close(fd)
+        print(err(drv.cuMemImportFromShareableHandle(fd, posix)))       # closed fd
+        props = drv.CUmemPoolProps()
+        props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = posix
+        props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        pool = ok(drv.cuMemPoolCreate(props))
+        pfd = ok(drv.cuMemPoolExportToShareableHandle(pool, posix, 0))
+        print(peer(f'''
+        setup(0)
+        pool = ok(drv.cuMemPoolImportFromShareableHandle({pfd}, {int(posix)}, 0))
+        print(err(drv.cuMemPoolImportPointer(pool, filled(drv.CUmemPoolPtrExportData(), os.urandom(64)))))
+        ''', pass_fds=[pfd]).strip())
+        print(err(drv.cuMemRelease(12345)), err(drv.cuMemMap(0x1000, GRAN, 0, 12345, 0)))
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_INVALID_VALUE"] * 5 + ["CUDA_ERROR_INVALID_VALUE CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_malformed_fabric_tokens_give_errors(run):
+    out = run(
+        """
+        import os
+        setup(0)
+        fabric = FABRIC
+        fh = drv.CUmemFabricHandle(); fh.data = os.urandom(64)
+        print(err(drv.cuMemImportFromShareableHandle(fh.getPtr(), fabric)))
+        fh.data = b"GSFABv1" + bytes(57)
+        print(err(drv.cuMemImportFromShareableHandle(fh.getPtr(), fabric)))
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["CUDA_ERROR_INVALID_VALUE"] * 2
+
+
+def test_entry_points_it_lacks_fail_loudly(run):
+    out = run(
+        """
+        setup(0)
+        try:
+            drv.cuModuleLoadData(b"\\0")
+        except Exception as exc:
+            print("raised", "cuModuleLoad" in str(exc))
+        """,
+        GPUSHARE_STANDIN_TRACE="0",
+    )
+    assert lines(out) == ["raised True"]
+
+
+def test_the_stand_in_is_never_taken_for_a_gpu(run):
+    out = run(
+        """
+        sys.path.insert(0, os.path.dirname(sys.path[0]))
+        import conftest
+        print(conftest.cuda_device_reason())
+        """
+    )
+    assert "stand-in" in out
+
+
+def test_current_context_is_per_thread_and_a_stack(run):
+    out = run(
+        """
+        import threading
+        dev0, ctx0 = setup(0)
+        ctx1 = ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(1))))
+        seen = []
+        t = threading.Thread(target=lambda: seen.append((int(ok(drv.cuCtxGetCurrent())), err(drv.cuMemAlloc(8)))))
+        t.start(); t.join()
+        print(seen[0][0], seen[0][1])                     # a new thread has no current context
+        ok(drv.cuCtxPushCurrent(ctx1))
+        print(int(ok(drv.cuCtxGetDevice())))
+        print(int(ok(drv.cuCtxPopCurrent())) == int(ctx1), int(ok(drv.cuCtxGetDevice())))
+        ok(drv.cuCtxSetCurrent(0))
+        print(err(drv.cuCtxGetDevice()))
+        """
+    )
+    assert lines(out) == ["0 CUDA_ERROR_INVALID_CONTEXT", "1", "True 0", "CUDA_ERROR_INVALID_CONTEXT"]
+
+
+PTDS_CODE = """
+import threading
+from cuda.bindings import runtime
+runtime.cudaGetDeviceCount()       # the runtime resolves per-thread variants too: they must not leak
+setup(0)
+a = ok(drv.cuMemAlloc(4)); b = ok(drv.cuMemAlloc(4))
+htod(a, b"ptds"); ok(drv.cuCtxSynchronize())
+ok(drv.cuMemcpyDtoDAsync(b, a, 4, 0))             # stream 0
+res = []
+def other():
+    ok(drv.cuCtxSetCurrent(ok(drv.cuDevicePrimaryCtxRetain(ok(drv.cuDeviceGet(0))))))
+    ok(drv.cuStreamSynchronize(0))                # the same stream only in legacy mode
+    res.append(peek(b, 4))
+t = threading.Thread(target=other); t.start(); t.join()
+print(res[0])
+ok(drv.cuStreamSynchronize(drv.CUstream(2)))       # CU_STREAM_PER_THREAD
+print(peek(b, 4))
+"""
+
+
+def test_default_stream_is_legacy_unless_per_thread_mode_is_asked_for(run):
+    assert lines(run(PTDS_CODE)) == ["b'ptds'", "b'ptds'"]
+    per_thread = run(PTDS_CODE, CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM="1")
+    assert lines(per_thread) == [repr(b"\0" * 4), "b'ptds'"]
+
+
+def test_pointer_attributes_and_address_ranges_of_every_kind(run):
+    out = run(
+        """
+        A = drv.CUpointer_attribute
+        _, ctx = setup(0)
+        def attrs(p):
+            return [
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p))),
+                ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)),
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p))) == int(p) - 16,
+                ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_SIZE, p)),
+                int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, p))),
+            ]
+        legacy = ok(drv.cuMemAlloc(1000))
+        print(*attrs(int(legacy) + 16), ok(drv.cuMemGetAddressRange(int(legacy) + 16))[1])
+        s = ok(drv.cuStreamCreate(0))
+        pool_ptr = ok(drv.cuMemAllocAsync(1000, s))
+        pool = ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, pool_ptr))
+        print(*attrs(int(pool_ptr) + 16), int(pool) != 0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(1, handle_types=1, rdma=True), 0))
+        va = vmm_map(h, GRAN, (1, RW))
+        print(*attrs(va + 16), ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, va)))
+        h2 = ok(drv.cuMemRetainAllocationHandle(va + 100))
+        print(int(h2) == int(h)); ok(drv.cuMemRelease(h2))
+        host = ok(drv.cuMemAllocHost(64))
+        print(*attrs(int(host) + 16)[:1], ok(drv.cuMemGetAddressRange(int(host)))[1])
+        import ctypes
+        unknown = ctypes.addressof(ctypes.create_string_buffer(8))
+        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, unknown)),
+              err(drv.cuMemGetAddressRange(unknown)))
+        ok(drv.cuCtxSetCurrent(0))
+        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy)),
+              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))))
+        """
+    )
+    assert lines(out) == [
+        "2 0 True 1000 0 1000",
+        "2 0 True 1024 0 True",
+        f"2 1 True {2 << 20} 1 1",
+        "True",
+        "1 64",
+        "CUDA_ERROR_INVALID_VALUE CUDA_ERROR_NOT_FOUND",
+        "CUDA_ERROR_INVALID_CONTEXT 2",
+    ]
+
+
+def test_pool_memory_freed_in_stream_order_is_then_an_illegal_address(run):
+    out = run(
+        """
+        setup(0)
+        s = ok(drv.cuStreamCreate(0))
+        p = ok(drv.cuMemAllocAsync(256, s))
+        ok(drv.cuMemcpyHtoDAsync(p, b"x" * 256, 256, s))
+        ok(drv.cuMemFreeAsync(p, s))
+        print(err(drv.cuMemFreeAsync(p, s)))              # a second free
+        ok(drv.cuStreamSynchronize(s))
+        ok(drv.cuMemsetD8Async(p, 0, 256, s))             # use after the free ran
+        print(err(drv.cuStreamSynchronize(s)))
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_pinned_memory_copies_and_host_functions_run_in_stream_order(run):
+    out = run(
+        """
+        import ctypes
+        setup(0)
+        host = ok(drv.cuMemAllocHost(8)); dev = ok(drv.cuMemAlloc(8))
+        ctypes.memmove(int(host), b"pinned!!", 8)
+        s = ok(drv.cuStreamCreate(0))
+        ok(drv.cuMemcpyHtoDAsync(dev, host, 8, s))
+        ctypes.memmove(int(host), b"changed!", 8)         # pinned: read when the copy runs
+        seen = []
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: seen.append(peek(dev, 8)))
+        ok(drv.cuLaunchHostFunc(s, ctypes.cast(cb, ctypes.c_void_p).value, 0))
+        ok(drv.cuMemsetD32Async(dev, 0x41414141, 2, s))
+        print(seen)                                       # nothing ran yet
+        ok(drv.cuStreamSynchronize(s))
+        print(seen, peek(dev, 8))
+        ok(drv.cuMemcpyHtoDAsync(dev, host, 8, s)); ok(drv.cuStreamSynchronize(s))
+        print(peek(dev, 8))
+        """
+    )
+    assert lines(out) == ["[]", "[b'changed!'] b'AAAAAAAA'", "b'changed!'"]
+
+
+NVML_CODE = """
+from cuda.bindings import nvml
+nvml.init_v2()
+n = nvml.device_get_count_v2()
+print(n)
+for i in range(n):
+    h = nvml.device_get_handle_by_index_v2(i)
+    u = nvml.device_get_uuid(h)
+    info = nvml.device_get_gpu_fabric_info_v(h)
+    print(u, nvml.device_get_handle_by_uuid(u) == h, any(bytes(info.cluster_uuid)), info.clique_id, int(info.state))
+nvml.shutdown()
+ok(drv.cuInit(0))
+print(*[bytes(ok(drv.cuDeviceGetUuid(ok(drv.cuDeviceGet(i)))).bytes).hex() for i in range(ok(drv.cuDeviceGetCount()))])
+"""
+
+
+def test_nvml_enumerates_physical_devices_with_the_cuda_uuids_and_fabric_state(run):
+    out = lines(run(NVML_CODE, CUDA_VISIBLE_DEVICES="1", GPUSHARE_STANDIN_FABRIC="1"))
+    assert out[0] == "2"  # NVML ignores CUDA_VISIBLE_DEVICES
+    uuids = [line.split()[0] for line in out[1:3]]
+    assert [line.split()[1:] for line in out[1:3]] == [["True", "True", "1", "3"]] * 2
+    assert out[3] == uuids[1].removeprefix("GPU-").replace("-", "")  # ordinal 0 here is physical 1
+    incomplete = lines(run(NVML_CODE, GPUSHARE_STANDIN_FABRIC="incomplete"))
+    assert [line.split()[1:] for line in incomplete[1:3]] == [["True", "False", "0", "2"]] * 2
+    off = lines(run(NVML_CODE))
+    assert [line.split()[1:] for line in off[1:3]] == [["True", "False", "0", "0"]] * 2
+
+
+def test_work_queued_at_exit_still_lands_in_shared_memory(run):
+    out = run(
+        """
+        setup(0)
+        p = ok(drv.cuMemAlloc(8))
+        htod(p, b"before.."); ok(drv.cuCtxSynchronize())
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        peer(f'''
+        setup(0)
+        p = ok(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1))
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemcpyHtoDAsync(p, b"at exit!", 8, s))    # never synchronized
+        ''')
+        print(dtoh(p, 8))
+        """
+    )
+    assert lines(out) == ["b'at exit!'"]
+
+
+def test_primary_context_release_and_reset(run):
+    out = run(
+        """
+        dev, ctx = setup(0)
+        print(ok(drv.cuDevicePrimaryCtxGetState(dev))[1])
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN)                              # no access granted to anyone
+        ok(drv.cuMemcpyDtoHAsync(bytearray(1), va, 1, 0))
+        print(err(drv.cuCtxSynchronize()), err(drv.cuStreamCreate(0)))
+        ok(drv.cuDevicePrimaryCtxReset(dev))               # clears the poison
+        print(ok(drv.cuDevicePrimaryCtxGetState(dev))[1], err(drv.cuMemAlloc(8)))
+        ctx = ok(drv.cuDevicePrimaryCtxRetain(dev)); ok(drv.cuCtxSetCurrent(ctx))
+        print(err(drv.cuMemAlloc(8)))
+        ok(drv.cuDevicePrimaryCtxRelease(dev))
+        print(err(drv.cuMemAlloc(8)))
+        """
+    )
+    assert lines(out) == [
+        "1",
+        "CUDA_ERROR_ILLEGAL_ADDRESS CUDA_ERROR_ILLEGAL_ADDRESS",
+        "0 CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    ]
+
+
+def _child_setup() -> dict:
+    import os
+
+    from cuda.bindings import driver
+
+    (err,) = driver.cuInit(0)
+    _, name = driver.cuDeviceGetName(64, 0)
+    _, count = driver.cuDeviceGetCount()
+    reply = {"err": err.name, "name": name.split(b"\0")[0].decode(), "count": count, "env": os.environ["FOO"]}
+    return {"_handlers": {}, "_reply": reply}
+
+
+def test_children_started_under_standin_children_load_it(standin_lib):
+    import os
+
+    from _procs import Child
+    from conftest import cuda_device_reason, standin_children
+
+    before = dict(os.environ)
+    with standin_children(standin_lib, CUDA_VISIBLE_DEVICES="1", FOO="bar"):
+        child = Child(_child_setup)
+    assert dict(os.environ) == before
+    try:
+        assert child.hello == {"err": "CUDA_SUCCESS", "name": "gpushare CUDA driver stand-in", "count": 1, "env": "bar"}
+    finally:
+        assert child.close() == 0
+    cuda_device_reason()  # this process looks for a driver after the children did
+    with open("/proc/self/maps") as maps:
+        assert standin_lib not in maps.read()  # and never loads the stand-in
+
+
+def test_released_memory_leaves_no_descriptors_mappings_or_shared_memory(run):
+    out = run(
+        """
+        import glob
+        def fds(): return len(os.listdir("/proc/self/fd"))
+        def maps(): return sum("gs-standin" in line or "/gsf-" in line for line in open("/proc/self/maps"))
+        setup(0)
+        s = ok(drv.cuStreamCreate(0))
+        for _ in range(2):        # the first round warms up lazily created pools
+            before = (fds(), maps(), sorted(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")))
+            p = ok(drv.cuMemAlloc(1 << 20)); ok(drv.cuIpcGetMemHandle(p)); ok(drv.cuMemFree(p))
+            h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=9), 0))
+            fd = ok(drv.cuMemExportToShareableHandle(h, POSIX, 0))
+            h2 = ok(drv.cuMemImportFromShareableHandle(fd, POSIX))
+            os.close(fd)
+            va = vmm_map(h2, GRAN, (0, RW)); htod(va, b"x"); ok(drv.cuCtxSynchronize())
+            ok(drv.cuMemUnmap(va, GRAN)); ok(drv.cuMemAddressFree(va, GRAN))
+            va = vmm_map(h2, GRAN, (0, RW))
+            ok(drv.cuMemAddressFree(va, GRAN))                          # unmaps what is still mapped
+            ok(drv.cuMemRelease(h2)); ok(drv.cuMemRelease(h))
+            props = drv.CUmemPoolProps()
+            props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = POSIX
+            props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            pool = ok(drv.cuMemPoolCreate(props))
+            q = ok(drv.cuMemAllocFromPoolAsync(4096, pool, s)); ok(drv.cuMemPoolDestroy(pool))
+            ok(drv.cuMemFreeAsync(q, s)); ok(drv.cuStreamSynchronize(s))   # the pool goes with its last block
+            host = ok(drv.cuMemAllocHost(4096)); ok(drv.cuMemFreeHost(host))
+            after = (fds(), maps(), sorted(glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")))
+        print(before == after, before[1:])
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    assert lines(out) == ["True (0, [])"]
+
+
+@pytest.mark.parametrize("ci", [None, "1"])
+def test_without_a_compiler_the_fixture_skips_except_under_ci(ci):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["CC"] = "/nonexistent/cc"
+    if ci:
+        env["CI"] = ci
+    here = os.path.dirname(os.path.abspath(__file__))
+    test = "test_cudadriver_standin.py::test_calls_without_a_current_context_fail_with_invalid_context"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", os.path.join(here, test)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=os.path.dirname(here),
+    )
+    assert "no C compiler ('/nonexistent/cc')" in r.stdout
+    if ci:
+        assert r.returncode != 0 and "1 error" in r.stdout
+    else:
+        assert r.returncode == 0 and "1 skipped" in r.stdout
+
+
+def test_threads_using_it_at_once_get_their_own_results(run):
+    out = run(
+        """
+        import threading
+        dev, ctx = setup(0)
+        errors, results = [], []
+        def work(k):
+            try:
+                ok(drv.cuCtxSetCurrent(ctx))
+                s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                for i in range(50):
+                    a = ok(drv.cuMemAllocAsync(4096, s)); b = ok(drv.cuMemAlloc(4096))
+                    ok(drv.cuMemsetD8Async(a, (k * 7 + i) % 256, 4096, s))
+                    ok(drv.cuMemcpyDtoDAsync(b, a, 4096, s)); ok(drv.cuMemFreeAsync(a, s))
+                    ok(drv.cuStreamSynchronize(s))
+                    results.append(dtoh(b, 4096) == bytes([(k * 7 + i) % 256]) * 4096)
+                    ok(drv.cuMemFree(b))
+                ok(drv.cuStreamDestroy(s))
+            except Exception as exc:
+                errors.append(exc)
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in ts: t.start()
+        for t in ts: t.join(60)
+        print(errors, len(results), all(results))
+        """
+    )
+    assert lines(out) == ["[] 200 True"]
