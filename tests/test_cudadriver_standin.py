@@ -577,7 +577,7 @@ def test_pointer_attributes_and_address_ranges_of_every_kind(run):
         "True",
         "1 64",
         "CUDA_ERROR_INVALID_VALUE CUDA_ERROR_NOT_FOUND",
-        "2 2",  # pointer queries need no current context (UCX's CUDA transports ask without one)
+        "CUDA_SUCCESS 2",  # pointer queries need no current context (UCX's CUDA transports ask without one)
     ]
 
 
