@@ -376,6 +376,16 @@ def view_closed(state: dict, name: str) -> bool:
     return state["views"][name].closed
 
 
+def imex_channel(state: dict, directory: str) -> None:
+    """An IMEX channel this process can open, as a node with IMEX has one
+    (the stand-in's fabric handles need no more than that)."""
+    import gpushare._capabilities as caps
+
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, "channel0"), "a").close()  # noqa: SIM115 - just the file
+    caps.IMEX_CHANNELS = directory
+
+
 def capabilities(state: dict) -> dict:
     import gpushare as gs
 

@@ -255,15 +255,60 @@ def test_cuda_ipc_maps_on_the_exporters_device_by_uuid(spawn):
     assert importer.call("read", "mine", 0, 8) == b"\x06" * 8
 
 
+# -- the fabric path ---------------------------------------------------------------
+
+
+def test_fabric_handles_between_processes(spawn, tmp_path):
+    exporter = spawn(GPUSHARE_STANDIN_FABRIC="1")
+    importer = spawn(visible="1,0", GPUSHARE_STANDIN_FABRIC="1")
+    for p in (exporter, importer):
+        p.call("imex_channel", str(tmp_path / "imex"))
+    exporter.call("allocate", "buf", 4 * MiB, 0, 2 * MiB, 0)
+    exporter.call("write", "buf", 0, _pattern(4 * MiB, 2))
+    desc = exporter.call("export_buffer", "buf", "fabric")
+    assert type(desc).__name__ == "VirtualMemoryFabricBufferDescriptor" and len(desc.handles) == 2
+    got = importer.call("import_buffer", "mine", desc)
+    assert got["device"] == 1  # exporter's device 0 is physical 0: this process's 1
+    assert importer.call("read", "mine", 2 * MiB - 8, 16) == _pattern(4 * MiB, 2)[2 * MiB - 8:2 * MiB + 8]
+    importer.call("close_buf", "mine")
+    share = exporter.call("export", "buf")
+    assert "fabric" in share.offers and share.fabric
+    opened = importer.call("open_view", "v", share)
+    assert opened["path"] == "fabric", opened["why"]
+    importer.call("view_put", "v", 0, b"over the fabric")
+    assert exporter.call("read", "buf", 0, 15) == b"over the fabric"
+
+
+def test_without_a_fabric_export_says_why_and_open_falls_to_posix_fd(spawn):
+    exporter, importer = spawn(), spawn()
+    exporter.call("allocate", "buf", 2 * MiB, 0, None, 1)
+    with pytest.raises(Exception, match="fabric"):
+        exporter.call("export_buffer", "buf", "fabric")
+    share = exporter.call("export", "buf")
+    assert "fabric" not in share.offers
+    opened = importer.call("open_view", "v", share)
+    assert opened["path"] == "posix-fd" and not opened["warnings"]
+
+
 # -- defect 9: capabilities by UUID, fabric only when complete -------------------
 
 
-def test_capabilities_names_devices_by_uuid(spawn):
-    importer = spawn(visible="1,0")
-    caps = importer.call("capabilities")
+def test_capabilities_finds_devices_in_nvml_by_uuid(spawn):
+    # NVML numbers devices physically; this process sees physical 1 as 0.
+    p = spawn(visible="1,0", GPUSHARE_STANDIN_FABRIC="1", GPUSHARE_STANDIN_CLIQUES="10,11")
+    caps = p.call("capabilities")
     devices = caps["cuda"]["devices"]
-    assert [d["uuid"] for d in devices] == [importer.call("uuid_of", 0), importer.call("uuid_of", 1)]
+    assert [d["uuid"] for d in devices] == [p.call("uuid_of", 0), p.call("uuid_of", 1)]
     assert all(not d["uuid"].startswith("GPU-") for d in devices)
+    assert [d["fabric"]["clique_id"] for d in devices] == [11, 10]
+    assert all(d["fabric"]["cluster_uuid"] and d["fabric"]["reason"] is None for d in devices)
+
+
+def test_capabilities_counts_no_clique_until_the_fabric_is_ready(spawn):
+    p = spawn(GPUSHARE_STANDIN_FABRIC="incomplete")
+    for d in p.call("capabilities")["cuda"]["devices"]:
+        assert d["fabric"]["clique_id"] is None and d["fabric"]["cluster_uuid"] is None
+        assert "not ready" in d["fabric"]["reason"]
 
 
 # -- defect 10: VMM memory registrable for GPUDirect RDMA ------------------------

@@ -161,8 +161,23 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
     return NVML_SUCCESS;
 }
 
+/* The clique of physical device i: the i-th entry of GPUSHARE_STANDIN_CLIQUES
+   (a comma list of numbers), else 1. */
+static unsigned clique_of(int i) {
+    const char *list = getenv("GPUSHARE_STANDIN_CLIQUES");
+    for (int k = 0; list && *list; k++) {
+        char *end;
+        unsigned long v = strtoul(list, &end, 10);
+        if (end == list) break;
+        if (k == i) return (unsigned)v;
+        list = *end == ',' ? end + 1 : end;
+    }
+    return 1;
+}
+
 /* GPUSHARE_STANDIN_FABRIC=1: registered with the fabric (COMPLETED, cluster
-   UUID and clique 1); =incomplete: IN_PROGRESS; otherwise NOT_SUPPORTED. */
+   UUID and the device's clique); =incomplete: IN_PROGRESS; otherwise
+   NOT_SUPPORTED. */
 EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *info) {
     static const unsigned char CLUSTER[16] = {'g', 's', '-', 's', 't', 'a', 'n', 'd', 'i', 'n', '-', 'i', 'm', 'e', 'x', 1};
     if (!inited()) return NVML_ERROR_UNINITIALIZED;
@@ -176,7 +191,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabr
     info->healthMask = 0;
     if (f && strcmp(f, "1") == 0) {
         memcpy(info->clusterUuid, CLUSTER, sizeof CLUSTER);
-        info->cliqueId = 1;
+        info->cliqueId = clique_of(device_index(device));
         info->state = FABRIC_COMPLETED;
     } else if (f && strcmp(f, "incomplete") == 0) {
         info->state = FABRIC_IN_PROGRESS;
