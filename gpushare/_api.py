@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-from . import _buffers, _control
+from . import _buffers, _control, _types
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -386,7 +386,7 @@ def _raise_refusal(reply: dict) -> None:
 
 
 def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,  # noqa: A001
-         timeout: float = 10.0, device: int | None = None) -> View:
+         timeout: float = 10.0, device: _types.Device | None = None) -> View:
     """Open a share from any process that can reach the exporter.
 
     The best path for this pair is tried first, then the next ones if a
@@ -405,9 +405,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         ``exclude=`` adds to ``GPUSHARE_EXCLUDE_PATHS``.
     timeout : float
         Seconds for the whole open: reaching the exporter and every probe.
-    device : int, optional
+    device : int or "host", optional
         For shares of CUDA memory: the device (an ordinal of this process) to
-        map it on.  By default the calling thread's current device, where it
+        map it on (``"host"``/``"cpu"`` are accepted for host shares only).  By default the calling thread's current device, where it
         can reach the memory; else the memory's own device, matched by UUID.
         The calling thread's current device is left as it was.
 
@@ -426,9 +426,16 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidInputError("timeout must be a positive number of seconds")
+    if _types.is_host(device):
+        if share.device != "host":
+            raise InvalidInputError(
+                f"device={device!r}: this share is CUDA memory, which cannot be mapped on the host; "
+                "open it on a CUDA device (or device=None) and copy out with view.get()"
+            )
+        device = None
     if device is not None:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-            raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0), not {device!r}")
+            raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0) or 'host', not {device!r}")
         if share.device == "host":
             raise InvalidInputError(f"device={device} given for a share of host memory")
         from ._paths import _cuda

@@ -166,6 +166,10 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
     UnsupportedError
         Exported on another node, or no CUDA driver for device memory.
     """
+    if _types.is_host(device):
+        if not (isinstance(descriptor, PosixFdBufferDescriptor) and descriptor.device == "host"):
+            raise InvalidInputError(f"device={device!r} given for a descriptor of CUDA memory")
+        device = None
     if device is not None:
         device = _integer(device, "device")
     if not isinstance(readonly, bool):

@@ -40,6 +40,10 @@ def htod(address: int, data: np.ndarray) -> None:
     from cuda.bindings import driver
 
     (err,) = driver.cuMemcpyHtoD(address, data.ctypes.data, data.nbytes)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        # A pageable source is only staged when the call returns: the bytes
+        # are in device memory (for UCX to read) after a synchronisation.
+        (err,) = driver.cuCtxSynchronize()
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemcpyHtoD failed: {err.name}")
 

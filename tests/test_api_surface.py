@@ -348,3 +348,19 @@ def test_a_revoked_ucx_share_says_the_exporter_closed_its_side():
                 view.get(bytearray(16), timeout=10)
     finally:
         view.close()
+
+
+def test_open_and_import_take_cpu_for_host_memory_and_refuse_it_for_cuda_memory():
+    buf = gs.allocate(4096, device="cpu")
+    share = gs.export(buf, lifetime="revoked")
+    with gs.open(share, device="cpu") as view:
+        assert view.device == "host"
+    with pytest.raises(gs.InvalidInputError, match="given for a share of host memory"):
+        gs.open(share, device=0)
+    mapped = gs.import_buffer(gs.export_buffer(buf), device="cpu")
+    mapped.close()
+    fabric = gs.VirtualMemoryFabricBufferDescriptor.from_handles([bytes(64)], [2 << 20])
+    with pytest.raises(gs.InvalidInputError, match="descriptor of CUDA memory"):
+        gs.import_buffer(fabric, device="cpu")
+    share.revoke()
+    buf.close()
