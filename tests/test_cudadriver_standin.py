@@ -565,9 +565,10 @@ def test_pointer_attributes_and_address_ranges_of_every_kind(run):
         unknown = ctypes.addressof(ctypes.create_string_buffer(8))
         print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, unknown)),
               err(drv.cuMemGetAddressRange(unknown)))
-        ok(drv.cuCtxSetCurrent(0))
-        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy)),
-              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))))
+        ok(drv.cuCtxSetCurrent(0))                         # pointer queries need no current context
+        print(int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy))),
+              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))),
+              err(drv.cuMemGetAddressRange(legacy)))
         """
     )
     assert lines(out) == [
@@ -577,7 +578,7 @@ def test_pointer_attributes_and_address_ranges_of_every_kind(run):
         "True",
         "1 64",
         "CUDA_ERROR_INVALID_VALUE CUDA_ERROR_NOT_FOUND",
-        "CUDA_ERROR_INVALID_CONTEXT 2",
+        "2 2 CUDA_ERROR_INVALID_CONTEXT",
     ]
 
 
@@ -816,3 +817,20 @@ def test_threads_using_it_at_once_get_their_own_results(run):
         """
     )
     assert lines(out) == ["[] 200 True"]
+
+
+def test_ucx_cuda_transport_links_against_it(run):
+    # UCX's CUDA transport links libcuda.so.1 by symbol name, not through
+    # cuGetProcAddress: every symbol it needs must be there, or loading it
+    # (or, lazily bound, the first call) kills the process.
+    out = run(
+        """
+        import ctypes, glob
+        import libucx
+        libucx.load_library()
+        lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx", "libuct_cuda.so.0")
+        ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        print("loaded")
+        """
+    )
+    assert lines(out) == ["loaded"]

@@ -905,13 +905,11 @@ static CUresult pointer_attr(int attr, uintptr_t a, struct range *r, void *data)
     }
 }
 
-/* VMM pointers need no context; every other query does. */
+/* Pointer queries need no current context: the driver finds a pointer's
+   context through unified addressing (UCX asks from threads without one). */
 static CUresult pointer_ctx(struct range *r) {
-    CUresult e = need_init();
-    if (e) return e;
-    if (r && r->kind == RK_VMM) return CUDA_SUCCESS;
-    struct sctx *c;
-    return need_ctx(&c);
+    (void)r;
+    return need_init();
 }
 
 EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
@@ -938,5 +936,33 @@ EXPORT CUresult cuPointerGetAttributes(unsigned int n, int *attrs, void **data, 
         memset(data[i], 0, sizes[attrs[i]]);
         if (attrs[i] == 9) *(int *)data[i] = -2;
     }
+    RET(CUDA_SUCCESS);
+}
+
+/* ---------------------------------------------------------------- managed memory (absent) and the rest UCX links */
+
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
+    GUARD;
+    struct sctx *c;
+    CUresult r = need_ctx(&c);
+    if (r) RET(r);
+    if (!dptr || size == 0 || (flags != 1 && flags != 2)) RET(CUDA_ERROR_INVALID_VALUE);
+    RET(CUDA_ERROR_NOT_SUPPORTED); /* the devices say MANAGED_MEMORY = 0 */
+}
+
+EXPORT CUresult cuMemRangeGetAttribute(void *data, size_t size, int attr, CUdeviceptr ptr, size_t count) {
+    GUARD;
+    CUresult r = need_init();
+    if (r) RET(r);
+    RET(CUDA_ERROR_INVALID_VALUE); /* only managed memory has range attributes, and there is none */
+}
+
+/* Only CU_POINTER_ATTRIBUTE_SYNC_MEMOPS can be set; every copy here is synchronous with respect to others anyway. */
+EXPORT CUresult cuPointerSetAttribute(const void *value, int attr, CUdeviceptr ptr) {
+    GUARD;
+    struct sctx *c;
+    CUresult r = need_ctx(&c);
+    if (r) RET(r);
+    if (!value || attr != 6 || !is_device_addr((uintptr_t)ptr)) RET(CUDA_ERROR_INVALID_VALUE);
     RET(CUDA_SUCCESS);
 }
