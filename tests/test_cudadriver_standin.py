@@ -322,6 +322,36 @@ def test_legacy_ipc_between_processes_and_its_refusals(run):
     ]
 
 
+def test_legacy_ipc_handle_of_freed_memory_is_refused_even_when_its_fd_number_is_reused(run):
+    out = run(
+        """
+        setup(0)
+        def memfds():
+            out = {}
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if "gs-standin-ipc" in target:
+                    out[fd] = target
+            return out
+        p = ok(drv.cuMemAlloc(64))
+        first = memfds()
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        ok(drv.cuMemFree(p))
+        q = ok(drv.cuMemAlloc(64))                          # takes the same fd number
+        second = memfds()
+        print(len(first) == 1 and first.keys() == second.keys() and first != second)
+        print(peer(f'''
+        setup(0)
+        print(err(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1)))
+        ''').strip())
+        """
+    )
+    assert lines(out) == ["True", "CUDA_ERROR_INVALID_VALUE"]
+
+
 def test_legacy_ipc_shows_unsynchronized_writes_as_old_bytes_in_the_importer(run):
     out = run(
         """

@@ -786,9 +786,13 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pd, CUipcMemHandle handle, un
         }
     char path[64], target[256], want[96];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) RET(CUDA_ERROR_INVALID_VALUE); /* the exporter is gone or freed it */
     snprintf(want, sizeof want, "/memfd:gs-standin-ipc-d%d-%s", (int)h.dev, nonce);
+    ssize_t k = readlink(path, target, sizeof target - 1); /* look before opening anything */
+    if (k < 0) RET(CUDA_ERROR_INVALID_VALUE);              /* the exporter is gone or freed it */
+    target[k] = 0;
+    if (strncmp(target, want, strlen(want)) != 0) RET(CUDA_ERROR_INVALID_VALUE);
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) RET(CUDA_ERROR_INVALID_VALUE);
     struct stat st;
     if (fd_target(fd, target, sizeof target) != 0 || strncmp(target, want, strlen(want)) != 0 ||
         fstat(fd, &st) != 0 || (uint64_t)st.st_size < h.size) {
