@@ -864,3 +864,19 @@ def test_ucx_cuda_transport_links_against_it(run):
         """
     )
     assert lines(out) == ["loaded"]
+
+
+def test_copies_into_unwritable_host_memory_fail_instead_of_crashing(run):
+    out = run(
+        """
+        import mmap
+        setup(0)
+        p = ok(drv.cuMemAlloc(4096))
+        m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+        import numpy as np
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        print(err(drv.cuMemcpyDtoH(addr, p, 4096)))
+        print(err(drv.cuMemAlloc(8)))                       # a fault poisons the context like any other
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS"]
