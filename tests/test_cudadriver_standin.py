@@ -322,6 +322,36 @@ def test_legacy_ipc_between_processes_and_its_refusals(run):
     ]
 
 
+def test_legacy_ipc_handle_of_freed_memory_is_refused_even_when_its_fd_number_is_reused(run):
+    out = run(
+        """
+        setup(0)
+        def memfds():
+            out = {}
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if "gs-standin-ipc" in target:
+                    out[fd] = target
+            return out
+        p = ok(drv.cuMemAlloc(64))
+        first = memfds()
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        ok(drv.cuMemFree(p))
+        q = ok(drv.cuMemAlloc(64))                          # takes the same fd number
+        second = memfds()
+        print(len(first) == 1 and first.keys() == second.keys() and first != second)
+        print(peer(f'''
+        setup(0)
+        print(err(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1)))
+        ''').strip())
+        """
+    )
+    assert lines(out) == ["True", "CUDA_ERROR_INVALID_VALUE"]
+
+
 def test_legacy_ipc_shows_unsynchronized_writes_as_old_bytes_in_the_importer(run):
     out = run(
         """
@@ -565,9 +595,10 @@ def test_pointer_attributes_and_address_ranges_of_every_kind(run):
         unknown = ctypes.addressof(ctypes.create_string_buffer(8))
         print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, unknown)),
               err(drv.cuMemGetAddressRange(unknown)))
-        ok(drv.cuCtxSetCurrent(0))
-        print(err(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy)),
-              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))))
+        ok(drv.cuCtxSetCurrent(0))                         # pointer queries need no current context
+        print(int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, legacy))),
+              int(ok(drv.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, va))),
+              err(drv.cuMemGetAddressRange(legacy)))
         """
     )
     assert lines(out) == [
@@ -577,7 +608,7 @@ def test_pointer_attributes_and_address_ranges_of_every_kind(run):
         "True",
         "1 64",
         "CUDA_ERROR_INVALID_VALUE CUDA_ERROR_NOT_FOUND",
-        "CUDA_SUCCESS 2",  # pointer queries need no current context (UCX's CUDA transports ask without one)
+        "2 2 CUDA_ERROR_INVALID_CONTEXT",
     ]
 
 
@@ -816,3 +847,36 @@ def test_threads_using_it_at_once_get_their_own_results(run):
         """
     )
     assert lines(out) == ["[] 200 True"]
+
+
+def test_ucx_cuda_transport_links_against_it(run):
+    # UCX's CUDA transport links libcuda.so.1 by symbol name, not through
+    # cuGetProcAddress: every symbol it needs must be there, or loading it
+    # (or, lazily bound, the first call) kills the process.
+    out = run(
+        """
+        import ctypes, glob
+        import libucx
+        libucx.load_library()
+        lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "ucx", "libuct_cuda.so.0")
+        ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        print("loaded")
+        """
+    )
+    assert lines(out) == ["loaded"]
+
+
+def test_copies_into_unwritable_host_memory_fail_instead_of_crashing(run):
+    out = run(
+        """
+        import mmap
+        setup(0)
+        p = ok(drv.cuMemAlloc(4096))
+        m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+        import numpy as np
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        print(err(drv.cuMemcpyDtoH(addr, p, 4096)))
+        print(err(drv.cuMemAlloc(8)))                       # a fault poisons the context like any other
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS"]

@@ -376,9 +376,9 @@ static int attribute_value(int attr, int phys, int *known) {
     case 78: return 1;                   /* STREAM_PRIORITIES_SUPPORTED */
     case 81: return 233472;
     case 82: return 65536;
-    case 83: return 1;                   /* MANAGED_MEMORY */
+    case 83: return 0;                   /* MANAGED_MEMORY: not implemented */
     case 86: return 0;
-    case 89: return 1;
+    case 89: return 0;                   /* CONCURRENT_MANAGED_ACCESS */
     case 91: return 1;
     case 95: return 1;
     case 97: return 232448;

@@ -786,9 +786,13 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pd, CUipcMemHandle handle, un
         }
     char path[64], target[256], want[96];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h.pid, (int)h.fd);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) RET(CUDA_ERROR_INVALID_VALUE); /* the exporter is gone or freed it */
     snprintf(want, sizeof want, "/memfd:gs-standin-ipc-d%d-%s", (int)h.dev, nonce);
+    ssize_t k = readlink(path, target, sizeof target - 1); /* look before opening anything */
+    if (k < 0) RET(CUDA_ERROR_INVALID_VALUE);              /* the exporter is gone or freed it */
+    target[k] = 0;
+    if (strncmp(target, want, strlen(want)) != 0) RET(CUDA_ERROR_INVALID_VALUE);
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) RET(CUDA_ERROR_INVALID_VALUE);
     struct stat st;
     if (fd_target(fd, target, sizeof target) != 0 || strncmp(target, want, strlen(want)) != 0 ||
         fstat(fd, &st) != 0 || (uint64_t)st.st_size < h.size) {
@@ -905,9 +909,8 @@ static CUresult pointer_attr(int attr, uintptr_t a, struct range *r, void *data)
     }
 }
 
-/* Pointer queries need no current context: with unified addressing the
- * pointer names its allocation, and UCX's CUDA transports (among others) ask
- * from threads that have none.  cuMemGetAddressRange, by contrast, does. */
+/* Pointer queries need no current context: the driver finds a pointer's
+   context through unified addressing (UCX asks from threads without one). */
 static CUresult pointer_ctx(struct range *r) {
     (void)r;
     return need_init();
@@ -937,5 +940,33 @@ EXPORT CUresult cuPointerGetAttributes(unsigned int n, int *attrs, void **data, 
         memset(data[i], 0, sizes[attrs[i]]);
         if (attrs[i] == 9) *(int *)data[i] = -2;
     }
+    RET(CUDA_SUCCESS);
+}
+
+/* ---------------------------------------------------------------- managed memory (absent) and the rest UCX links */
+
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
+    GUARD;
+    struct sctx *c;
+    CUresult r = need_ctx(&c);
+    if (r) RET(r);
+    if (!dptr || size == 0 || (flags != 1 && flags != 2)) RET(CUDA_ERROR_INVALID_VALUE);
+    RET(CUDA_ERROR_NOT_SUPPORTED); /* the devices say MANAGED_MEMORY = 0 */
+}
+
+EXPORT CUresult cuMemRangeGetAttribute(void *data, size_t size, int attr, CUdeviceptr ptr, size_t count) {
+    GUARD;
+    CUresult r = need_init();
+    if (r) RET(r);
+    RET(CUDA_ERROR_INVALID_VALUE); /* only managed memory has range attributes, and there is none */
+}
+
+/* Only CU_POINTER_ATTRIBUTE_SYNC_MEMOPS can be set; every copy here is synchronous with respect to others anyway. */
+EXPORT CUresult cuPointerSetAttribute(const void *value, int attr, CUdeviceptr ptr) {
+    GUARD;
+    struct sctx *c;
+    CUresult r = need_ctx(&c);
+    if (r) RET(r);
+    if (!value || attr != 6 || !is_device_addr((uintptr_t)ptr)) RET(CUDA_ERROR_INVALID_VALUE);
     RET(CUDA_SUCCESS);
 }

@@ -7,10 +7,13 @@
  */
 #include "standin.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #define STREAM_MAGIC 0x53545231u
 #define EVENT_MAGIC 0x45564e31u
@@ -25,6 +28,29 @@ struct ptlist {
     struct ptlist *next;
 };
 static __thread struct ptlist *t_pt;
+
+/* Copies n bytes as the kernel would for another process: a source that
+   cannot be read or a destination that cannot be written (a read-only host
+   buffer, memory unmapped meanwhile) gives -1 instead of a crash.  Overlapping
+   ranges are not handled: source and destination are distinct allocations. */
+static int safe_copy(uintptr_t dst, uintptr_t src, size_t n) {
+    static int unavailable;
+    while (n && !unavailable) {
+        struct iovec local = {(void *)src, n}, remote = {(void *)dst, n};
+        ssize_t k = process_vm_writev(getpid(), &local, 1, &remote, 1, 0);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == ENOSYS || errno == EPERM)) {
+            unavailable = 1; /* a sandbox without the call: plain copies */
+            break;
+        }
+        if (k <= 0) return -1;
+        dst += (size_t)k;
+        src += (size_t)k;
+        n -= (size_t)k;
+    }
+    if (n) memmove((void *)dst, (void *)src, n);
+    return 0;
+}
 
 static double now_ms(void) {
     struct timespec ts;
@@ -178,7 +204,11 @@ static CUresult exec_op(struct op *o) {
                          "poisoned", o->n, (unsigned long)o->dst, (unsigned long)(o->staging ? 0 : o->src), dev);
             return r;
         }
-        memmove((void *)o->dst, o->staging ? o->staging : (void *)o->src, o->n);
+        if (safe_copy(o->dst, o->staging ? (uintptr_t)o->staging : o->src, o->n) != 0) {
+            standin_note("illegal address: queued copy of %zu bytes into 0x%lx faulted on device %d; the context "
+                         "is poisoned", o->n, (unsigned long)o->dst, dev);
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        }
         return CUDA_SUCCESS;
     case OP_SET:
         r = check_span(dev, o->dst, o->n * (size_t)o->setwidth, 1);
@@ -596,7 +626,10 @@ CUresult copy_submit(struct sctx *c, CUstream h, uintptr_t dst, uintptr_t src, s
             op_unref(o);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        memcpy(o->staging, (void *)src, n);
+        if (safe_copy((uintptr_t)o->staging, src, n) != 0) {
+            op_unref(o);
+            return CUDA_ERROR_INVALID_VALUE; /* the source cannot be read */
+        }
     }
     enqueue(s, o);
     int host_only = !dst_dev && !src_dev;
