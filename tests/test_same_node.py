@@ -37,10 +37,25 @@ def no_leaks():
     The broker (three fds, for the life of the process) is started first."""
     broker_mod.get_broker()
     gc.collect()
-    before = counts()
+    before, fds_before = counts(), _fd_targets()
     yield
     gc.collect()
-    assert counts() == before
+    after = counts()
+    if after != before:  # say which fds, so that a leak can be traced
+        fds_after = _fd_targets()
+        opened = {fd: t for fd, t in fds_after.items() if fds_before.get(fd) != t}
+        closed = {fd: t for fd, t in fds_before.items() if fds_after.get(fd) != t}
+        assert after == before, f"opened {opened}, closed {closed}"
+
+
+def _fd_targets() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
 
 
 @pytest.fixture
