@@ -33,16 +33,24 @@ from typing import Any
 from .._errors import CUDAError, UnsupportedError
 
 __all__ = [
+    "LEGACY_STREAM",
+    "PER_THREAD_STREAM",
+    "CopyRequest",
     "bytes_of",
     "check",
+    "copy_async",
     "current_ordinal",
     "device_count",
     "device_uuid",
     "driver",
+    "import_ordinal",
     "normalize_uuid",
     "on_device",
     "ordinal_of_uuid",
+    "pointer_ordinal",
     "set_bytes",
+    "stream_handle",
+    "stream_ordinal",
     "unavailable_reason",
     "valid_ordinal",
 ]
