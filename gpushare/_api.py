@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import socket
 import threading
 import time
 import warnings
 import weakref
 from typing import Any
 
-from . import _buffers, _control
+from . import _buffers
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -428,17 +427,15 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
             )
         return remaining
 
-    sock = _control.connect(_addresses_for(share), left())
+    from ._importer import get_importer
+
+    importer = get_importer()
+    addresses = _addresses_for(share)
     try:
-        _control.send(sock, {"op": "hello", "share": share.share_id, "token": share.token,
-                             "pid": os.getpid(), "node": node_key()})
-        reply = _control.recv(sock, left())
-        if not reply.get("ok"):
-            _raise_refusal(reply)
         for path in order:
-            _control.send(sock, {"op": "open", "path": path})
-            reply = _control.recv(sock, left())
-            if not reply.get("ok"):
+            request = {"op": "open", "share": share.share_id, "token": share.token, "path": path}
+            reply, lease = importer.open(share, addresses, request, deadline)
+            if lease is None:
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
                     continue
@@ -447,11 +444,13 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
                 view = _import(share, path, reply.get("payload"), left())
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
-                _control.send(sock, {"op": "failed"})
+                lease.failed()
                 continue
+            except BaseException:
+                lease.failed()
+                raise
             why = _explain(path, share, left_out, failures)
-            view._attach_lease(sock, why)
-            sock = None
+            view._attach_lease(lease, why)
             if failures and natural and natural.index(path) > 0:
                 try:
                     warnings.warn(SlowPathWarning(f"gpushare fell back to {path}: {'; '.join(failures)}"),
@@ -464,9 +463,6 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
         raise
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}") from None
-    finally:
-        if sock is not None:
-            sock.close()
     raise GpuShareError("every path failed: " + "; ".join(failures))
 
 
@@ -522,11 +518,8 @@ def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
 
 
 def _release_view(mapped: Any, endpoint: Any, lease: list) -> None:
-    for sock in lease:
-        try:
-            sock.close()
-        except OSError:
-            pass
+    for held in lease:
+        held.close()
     lease.clear()
     if endpoint is not None:
         try:
@@ -585,8 +578,8 @@ class View:
         self._finalizer = weakref.finalize(self, _release_view, mapped, endpoint, self._lease)
         return self
 
-    def _attach_lease(self, sock: socket.socket, why: str) -> None:
-        self._lease.append(sock)
+    def _attach_lease(self, lease: Any, why: str) -> None:
+        self._lease.append(lease)
         self.why = why
 
     # -- state -----------------------------------------------------------

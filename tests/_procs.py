@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import traceback
 from typing import Any, Callable
 
@@ -74,3 +75,13 @@ class Child:
             self.proc.join(5)
         self.conn.close()
         return self.proc.exitcode
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll ``cond()`` until it is true or ``timeout`` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

@@ -1,0 +1,181 @@
+"""The control plane at scale: one service thread, leases as records, reuse, pruning."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare import _importer
+from gpushare._exporter import AGENT_LINGER
+
+from _procs import Child, wait_for as _wait_for
+import _share_peer
+
+MiB = 1 << 20
+#: Long enough for an idle control connection and an idle share agent to go.
+SETTLE = max(_importer.IDLE_LINGER, AGENT_LINGER) + 1.5
+
+
+@pytest.fixture
+def exporter():
+    child = Child(_share_peer.setup)
+    yield child
+    assert child.close() == 0
+
+
+def test_thread_count_stays_flat_across_2000_host_fd_leases(exporter):
+    share = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
+    importer = Child(_share_peer.setup)
+    try:
+        before = exporter.call("stats")
+        assert importer.call("open_many", "all", [share], 2000, timeout=300) == ["host-fd"]
+        during = exporter.call("stats")
+        assert during["exporter"]["leases"] == 2000 and during["exporter"]["sessions"] == 1
+        assert during["threads"] == before["threads"] < 10
+        assert during["tasks"] == before["tasks"] < 10
+        mine = importer.call("stats")
+        assert mine["importer"] == {"connections": 1, "leases": 2000}
+        assert mine["threads"] < 10
+        importer.call("close_many", "all")
+        assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
+    finally:
+        importer.close()
+
+
+def test_thread_count_stays_flat_across_many_importers(exporter):
+    shares = [exporter.call("export", "host", 4096, {"lifetime": "revoked"}) for _ in range(20)]
+    before = exporter.call("stats")
+    importers = [Child(_share_peer.setup) for _ in range(4)]
+    try:
+        for child in importers:
+            assert child.call("open_many", "v", shares, 5, timeout=120) == ["host-fd"]
+        during = exporter.call("stats")
+        assert during["exporter"]["sessions"] == 4 and during["exporter"]["leases"] == 400
+        assert during["threads"] == before["threads"] < 10
+        assert during["tasks"] == before["tasks"] < 10
+    finally:
+        for child in importers:
+            child.close()
+    # The importers exited: the kernel closed their connections, ending every lease.
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
+    assert exporter.call("stats")["exporter"]["sessions"] == 0
+
+
+def test_broker_and_control_serve_fds_numbered_above_1024(exporter):
+    assert exporter.call("fill_fds", 1500) >= 1500
+    share = exporter.call("export", "host", MiB, {"lifetime": "revoked"})
+    for _ in range(3):  # and keeps serving afterwards
+        with gs.open(share, exclude=["same-process"]) as view:
+            assert view.path == "host-fd"
+            out = bytearray(4)
+            view.get(out, 100)
+            assert out == bytes(range(100, 104))
+
+
+@pytest.mark.parametrize("kind,path", [("numpy", "ucx-rma"), ("host", "host-fd")])
+def test_no_connection_outlives_its_open(exporter, kind, path):
+    share = exporter.call("export", kind, MiB, {"lifetime": "revoked"})
+    importer = Child(_share_peer.setup)
+    try:
+        assert importer.call("cycle", share, 1) == path
+        time.sleep(SETTLE)
+        before = (importer.call("stats")["sockets"], exporter.call("stats")["sockets"])
+        assert importer.call("cycle", share, 200, timeout=300) == path
+        time.sleep(SETTLE)
+        after = (importer.call("stats")["sockets"], exporter.call("stats")["sockets"])
+        assert after == before
+        assert importer.call("stats")["importer"]["connections"] == 0
+        assert exporter.call("stats")["exporter"]["sessions"] == 0
+    finally:
+        importer.close()
+
+
+def test_registry_returns_to_its_start_after_shares_end(exporter):
+    exporter.call("export", "numpy", 64, {"lifetime": "revoked"})  # starts the exporter
+    start = exporter.call("stats")
+    closed = [exporter.call("export", "host", 4096) for _ in range(20)]
+    counted = [exporter.call("export", "numpy", 4096, {"lifetime": 2}) for _ in range(10)]
+    revoked = [exporter.call("export", "host", 4096, {"lifetime": "revoked"}) for _ in range(10)]
+    grown = exporter.call("stats")
+    assert grown["exporter"]["exports"] == start["exporter"]["exports"] + 40
+    for share in closed:
+        with gs.open(share, exclude=["same-process"]) as view:
+            assert view.path == "host-fd"
+    for share in counted:
+        for _ in range(2):
+            with gs.open(share, exclude=["same-process"]) as view:
+                assert view.path == "ucx-rma"
+    exporter.call("revoke_all", revoked)
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["exports"] == start["exporter"]["exports"])
+    # Every share's own fd registration was withdrawn; the buffers' own go with them.
+    exporter.call("drop_exports")
+    assert _wait_for(lambda: exporter.call("stats")["broker"] == start["broker"])
+    # A late open still hears why.
+    with pytest.raises(gs.ClosedError, match="revoked"):
+        gs.open(revoked[0])
+    with pytest.raises(gs.ClosedError, match="no longer available"):
+        gs.open(closed[0])
+
+
+def test_a_further_open_of_the_same_exporter_is_one_request(exporter):
+    a = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
+    b = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
+    first = gs.open(a)
+    try:
+        before = exporter.call("stats")["exporter"]
+        mine = _importer.get_importer().stats()["connections"]
+        t0 = time.perf_counter()
+        second = gs.open(b)
+        elapsed = time.perf_counter() - t0
+        after = exporter.call("stats")["exporter"]
+        assert after["sessions"] == before["sessions"] == 1
+        assert after["messages"] == before["messages"] + 1  # the open request, nothing else
+        assert _importer.get_importer().stats()["connections"] == mine
+        assert elapsed < 0.5, elapsed  # on a loaded 2-core machine; ~1 ms when idle
+        second.close()
+    finally:
+        first.close()
+
+
+def test_a_forked_child_drops_the_parents_leases(exporter):
+    share = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
+    view = gs.open(share)
+    link = next(iter(_importer.get_importer()._links.values()))
+    fd = link.conn.fileno
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                os.fstat(fd)
+                code = 2  # the inherited control connection is still open
+            except OSError:
+                view.close()  # a no-op here: the parent's lease is not the child's
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert exporter.call("stats")["exporter"]["leases"] == 1  # the parent's lease is intact
+    out = bytearray(4)
+    view.get(out)
+    assert out == bytes(range(4))
+    view.close()
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
+
+
+def test_a_silent_control_peer_does_not_block_others(exporter, monkeypatch):
+    share = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
+    host, port = share.control[0]
+    with socket.create_connection((host, port), timeout=5) as silent:
+        silent.sendall(b"\x00\x00\x01\x00{")  # a frame that never completes
+        t0 = time.monotonic()
+        with gs.open(share) as view:
+            out = bytearray(4)
+            view.get(out)
+        assert out == bytes(range(4)) and time.monotonic() - t0 < 5
