@@ -264,7 +264,7 @@ def test_lifetime_n_imports(peer):
     peer.call("close", "n1")
     peer.call("close", "n2")
     assert _wait_for(lambda: export.retired)
-    assert registered(share) is None  # the registry forgot it
+    assert _wait_for(lambda: registered(share) is None)  # the registry forgot it
 
 
 def test_lifetime_none_keeps_nothing_alive(peer):
