@@ -434,14 +434,14 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
     try:
         for path in order:
             request = {"op": "open", "share": share.share_id, "token": share.token, "path": path}
-            reply, lease = importer.open(share, addresses, request, deadline)
+            reply, lease, fds = importer.open(share, addresses, request, deadline)
             if lease is None:
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), left())
+                view = _import(share, path, reply.get("payload"), left(), fds)
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
                 lease.failed()
@@ -485,7 +485,21 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
     return "; ".join(parts)
 
 
-def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
+def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int]) -> View:
+    """Turn an exporter's offer into a view; ``fds`` (owned, closed here)
+    came with the offer over a same-node control connection."""
+    if fds and path != "host-fd":
+        for fd in fds:
+            os.close(fd)
+        raise InvalidInputError(f"exporter sent file descriptors with a {path} offer")
+    try:
+        return _import_offer(share, path, payload, timeout, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: list[int]) -> View:
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
     if path == "ucx-rma":
@@ -510,7 +524,16 @@ def _import(share: Share, path: str, payload: Any, timeout: float) -> View:
     desc = _rebuild(*fields)
     if getattr(desc, "size", None) != share.nbytes:
         raise InvalidInputError(f"descriptor is {getattr(desc, 'size', '?')} bytes; the share says {share.nbytes}")
-    mapped = _same_node.import_buffer(desc)
+    if fds:
+        from ._paths import host_fd
+
+        if not isinstance(desc, host_fd.PosixFdBufferDescriptor) or desc.device != "host":
+            raise InvalidInputError("exporter sent file descriptors with an offer that is not host memory")
+        given = list(fds)
+        fds.clear()  # import_host owns them now
+        mapped = host_fd.import_host(desc, fds=given)
+    else:
+        mapped = _same_node.import_buffer(desc)
     return View._make(share, path, "", mapped=mapped)
 
 

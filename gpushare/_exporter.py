@@ -207,11 +207,30 @@ class Exporter:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind((bind_host, 0))
             self._listener.listen(1024)
-            self.addresses = advertised_addresses(self._listener.getsockname()[1], bind_host)
+            port = self._listener.getsockname()[1]
+            self.addresses = advertised_addresses(port, bind_host)
             self._service.listen(self._listener, self._accept)
         except BaseException:
             self._listener.close()
             raise
+        self._local = self._listen_local(port)
+
+    def _listen_local(self, port: int) -> socket.socket | None:
+        """The control channel for importers on this node: a Unix socket at
+        an address importers derive from the share (pid and port), over which
+        host-fd opens get their fds with the reply.  None if the address is
+        taken (importers then use TCP and the broker)."""
+        from ._paths.broker import control_address
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(control_address(self.pid, port))
+            sock.listen(1024)
+            self._service.listen(sock, self._accept_local)
+        except OSError:
+            sock.close()
+            return None
+        return sock
 
     # -- registry -------------------------------------------------------
     def add(self, export: Export) -> None:
@@ -240,6 +259,7 @@ class Exporter:
         with self._lock:
             return {"exports": len(self._exports), "ended": len(self._ended),
                     "sessions": len(self._sessions), "messages": self.messages,
+                    "local_sessions": sum(s.local for s in self._sessions),
                     "leases": sum(len(s.leases) for s in self._sessions)}
 
     def stop(self) -> None:
@@ -249,6 +269,8 @@ class Exporter:
             self._stopped = True
             exports = list(self._exports.values())
         self._service.unlisten(self._listener)
+        if self._local is not None:
+            self._service.unlisten(self._local)
         for exp in exports:
             with exp.lock:
                 exp.close_remote()
@@ -270,7 +292,18 @@ class Exporter:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        session = _Session(self)
+        self._serve(sock, _Session(self))
+
+    def _accept_local(self, sock: socket.socket) -> None:
+        from ._paths.broker import may_share
+
+        # Checked before a byte is read, as the fd broker does.
+        if not may_share(sock):
+            sock.close()
+            return
+        self._serve(sock, _Session(self, local=True))
+
+    def _serve(self, sock: socket.socket, session: _Session) -> None:
         with self._lock:
             self._sessions.add(session)
         self._service.connect(sock, session, time.monotonic() + _control.TIMEOUT)
@@ -294,8 +327,9 @@ class _Session(Protocol):
     which is where a peer authenticates (:meth:`authenticate`).
     """
 
-    def __init__(self, exporter: Exporter) -> None:
+    def __init__(self, exporter: Exporter, *, local: bool = False) -> None:
         self.exporter = exporter
+        self.local = local  # a Unix socket from this user on this node: fds may go with replies
         self.ready = False
         self.leases: dict[int, Export] = {}
         self._next_lease = 1
@@ -387,6 +421,7 @@ class _Session(Protocol):
             if path not in export.offers or path == "same-process":
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
                 return
+            fds: list[int] = []
             try:
                 if path == "ucx-rma":
                     address, key = export.rma_offer()
@@ -394,16 +429,24 @@ class _Session(Protocol):
                 else:
                     desc = export.descriptors[path]
                     payload = {"descriptor": [desc.handle_type, *desc._fields()]}
+                    if self.local and path == "host-fd":
+                        fds = _local_fds(desc)
+                lease = self._next_lease
+                reply = {"id": rid, "ok": True, "lease": lease, "payload": payload}
+                if fds:
+                    reply["fds"] = len(fds)
+                frame = _control.pack(reply)
             except GpuShareError as exc:
+                for fd in fds:
+                    os.close(fd)
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             export.opens += 1
             export.total += 1
-        lease = self._next_lease
         self._next_lease += 1
         self.leases[lease] = export
         conn.deadline = None
-        conn.send(_control.pack({"id": rid, "ok": True, "lease": lease, "payload": payload}))
+        conn.send(frame, fds)
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -417,6 +460,16 @@ class _Session(Protocol):
                 export.total -= 1
             export.after_close()
         self._idle(conn)
+
+
+def _local_fds(desc: Any) -> list[int]:
+    """The fds a host-fd descriptor names, for an importer on this node's
+    control socket (the broker's registration and token, checked as the
+    broker checks them); none if the registration was withdrawn (the
+    importer then asks the broker, and hears why)."""
+    from ._paths.broker import grant
+
+    return grant(desc.export_id, desc.token) or []
 
 
 _REFUSALS = {

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from . import _control
-from ._errors import ExporterUnreachableError, InvalidInputError
+from ._errors import ExporterUnreachableError, GpuShareError, InvalidInputError
 from ._process import PerProcess
 from ._service import Connection, Protocol, Timer, get_service
 
@@ -39,17 +39,21 @@ class _Lost(Exception):
 
 
 class _Waiter:
-    __slots__ = ("event", "reply")
+    __slots__ = ("event", "fds", "reply")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.reply: dict | None = None
+        self.fds: list[int] = []
 
 
 class _Link(Protocol):
     """One control connection to one exporter."""
 
-    def __init__(self, importer: Importer, key: tuple, pid: int) -> None:
+    def __init__(self, importer: Importer, key: tuple, pid: int, *, local: bool = False) -> None:
+        #: A Unix socket to an exporter on this node: fds come with replies.
+        self.wants_fds = local
+        self._fds: list[int] = []  # received, not yet claimed by a reply
         self.importer = importer
         self.key = key
         self.exporter_pid = pid
@@ -63,8 +67,8 @@ class _Link(Protocol):
         self._linger: Timer | None = None
 
     # -- any thread ---------------------------------------------------------
-    def request(self, message: dict, timeout: float) -> dict:
-        """Send one request and wait for its reply."""
+    def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
+        """Send one request and wait for its reply, and the fds that came with it."""
         rid = next(self.importer.ids)
         waiter = _Waiter()
         with self.lock:
@@ -83,7 +87,7 @@ class _Link(Protocol):
                 raise TimeoutError(f"no answer from exporter pid {self.exporter_pid} within {timeout:.3g} s")
         if waiter.reply is None:
             raise _Lost(self.dead or "the connection closed")
-        return waiter.reply
+        return waiter.reply, waiter.fds
 
     def end_lease(self, lease: int, op: str) -> None:
         """Tell the exporter a lease ended (``close``) or was not used (``failed``)."""
@@ -119,15 +123,19 @@ class _Link(Protocol):
             self.conn.close()
 
     def data_received(self, conn: Connection, fds: list[int]) -> None:
-        for fd in fds:
-            os.close(fd)
+        self._fds.extend(fds)
         for message in _control.take_frames(conn.rbuf):
             rid, lease = message.get("id"), message.get("lease")
             granted = message.get("ok") is True and isinstance(lease, int) and not isinstance(lease, bool)
+            count = message.get("fds", 0)
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self._fds):
+                raise InvalidInputError(f"exporter pid {self.exporter_pid} announced fds it did not send")
+            got, self._fds = self._fds[:count], self._fds[count:]
             with self.lock:
                 waiter = self.pending.pop(rid, None)  # type: ignore[arg-type]
                 late = waiter is None and rid in self._abandoned
                 if waiter is None and not late:
+                    _close_all(got)
                     raise InvalidInputError(f"exporter pid {self.exporter_pid} answered a request never made")
                 self._abandoned.discard(rid)  # type: ignore[arg-type]
                 self.answered = True
@@ -135,13 +143,19 @@ class _Link(Protocol):
                     self.leases.add(lease)
                 self._maybe_linger()
             if late:
+                _close_all(got)
                 if granted:  # nobody waits for this open any more: give it back
                     self.end_lease(lease, "failed")
                 continue
+            waiter.fds = got
             waiter.reply = message
             waiter.event.set()
+        if self._fds and not conn.rbuf:
+            raise InvalidInputError(f"exporter pid {self.exporter_pid} sent fds with no reply")
 
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        fds, self._fds = self._fds, []
+        _close_all(fds)
         with self.lock:
             if self.dead is None:
                 self.dead = f"the connection closed ({exc})" if exc else "the exporter closed the connection"
@@ -193,29 +207,33 @@ class Importer:
             links = list(self._links.values())
         return {"connections": len(links), "leases": sum(len(link.leases) for link in links)}
 
-    def open(self, share: Any, addresses: tuple, message: dict, deadline: float) -> tuple[dict, Lease | None]:
-        """Send an open request for ``share``; the reply, and its lease if granted.
+    def open(self, share: Any, addresses: tuple, message: dict,
+             deadline: float) -> tuple[dict, Lease | None, list[int]]:
+        """Send an open request for ``share``: the reply, its lease if granted,
+        and the fds that came with it (the caller owns them).
 
         A connection that closed under a request it had reused (the exporter
         dropped it as idle) is replaced once.
         """
         link = self._link(share, addresses, deadline)
         try:
-            reply = link.request(message, _left(deadline))
+            reply, fds = link.request(message, _left(deadline))
         except _Lost as exc:
             if not link.answered:
                 raise _unreachable(share, exc) from None
             link = self._link(share, addresses, deadline)
             try:
-                reply = link.request(message, _left(deadline))
+                reply, fds = link.request(message, _left(deadline))
             except _Lost as exc2:
                 raise _unreachable(share, exc2) from None
         if not reply.get("ok"):
-            return reply, None
+            _close_all(fds)
+            return reply, None, []
         lease = reply.get("lease")
         if isinstance(lease, bool) or not isinstance(lease, int):
+            _close_all(fds)
             raise InvalidInputError(f"exporter pid {share.exporter_pid} granted a malformed lease")
-        return reply, Lease(link, lease)
+        return reply, Lease(link, lease), fds
 
     def _link(self, share: Any, addresses: tuple, deadline: float) -> _Link:
         key = (share.exporter_pid, share.node, share.control)
@@ -225,13 +243,15 @@ class Importer:
             return link
         if self.service.in_service_thread():
             raise InvalidInputError("gpushare.open cannot be called from gpushare's service thread")
-        link = _Link(self, key, share.exporter_pid)
-        sock = _control.connect(addresses, _left(deadline))
-        try:
-            _hello(sock, share.exporter_pid, deadline)
-        except BaseException:
-            sock.close()
-            raise
+        sock = _connect_local(share, deadline)
+        link = _Link(self, key, share.exporter_pid, local=sock is not None)
+        if sock is None:
+            sock = _control.connect(addresses, _left(deadline))
+            try:
+                _hello(sock, share.exporter_pid, deadline)
+            except BaseException:
+                sock.close()
+                raise
         link.conn = self.service.connect(sock, link)
         with self._lock:
             other = self._links.get(key)
@@ -266,6 +286,32 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("the open ran out of time")
     return left
+
+
+def _connect_local(share: Any, deadline: float) -> socket.socket | None:
+    """A control connection over the exporter's Unix socket, when it is on
+    this node and answers as the exporter, of this user or root; else None
+    (and the caller uses TCP)."""
+    from ._paths.broker import check_peer, control_address
+    from ._share import node_key
+
+    if share.node != node_key():
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(_left(deadline))
+        sock.connect(control_address(share.exporter_pid, share.control[0][1]))
+        check_peer(sock, share.exporter_pid, "the control socket")
+        _hello(sock, share.exporter_pid, deadline)
+    except (OSError, EOFError, GpuShareError):
+        sock.close()
+        return None
+    return sock
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:

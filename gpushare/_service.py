@@ -86,11 +86,20 @@ class Connection:
         socket takes now; the rest goes as the peer reads.  With
         ``close_fds`` the descriptors are closed once sent (or dropped)."""
         owned = list(fds) if close_fds else [os.dup(fd) for fd in fds]
+        view = memoryview(data)
+        # At most MAX_FDS descriptors ride on one byte each; the rest of the
+        # bytes follow.  (The peer has them all once it has the bytes.)
+        chunks = [[view[i : i + 1], owned[j : j + MAX_FDS]]
+                  for i, j in enumerate(range(0, len(owned), MAX_FDS))]
+        if len(chunks) > len(view):
+            _close_all(owned)
+            raise ValueError(f"{len(owned)} fds need more than {len(view)} bytes to ride on")
+        chunks.append([view[len(chunks):], []])
         with self._wlock:
             if self.closed:
                 _close_all(owned)
                 return
-            self._wq.append([memoryview(data), owned])
+            self._wq.extend(chunk for chunk in chunks if len(chunk[0]))
             if not self._writing:
                 self._flush_locked()
                 if self._wq and not self._writing:

@@ -175,6 +175,16 @@ def _fill_fds(state: dict, above: int) -> int:
     return max(held)
 
 
+def _export_desc(state: dict, size: int) -> Any:
+    """A host buffer's descriptor from gpushare.export_buffer (served by the broker)."""
+    import gpushare as gs
+
+    buf = gs.allocate(size, device="host")
+    buf.memoryview()[:4] = b"desc"
+    state.setdefault("exported", []).append(buf)
+    return gs.export_buffer(buf)
+
+
 def _drop_exports(state: dict) -> None:
     for obj in state.pop("exported", []):
         if hasattr(obj, "close"):
@@ -204,5 +214,6 @@ HANDLERS = {
     "cycle": _cycle,
     "fill_fds": _fill_fds,
     "drop_exports": _drop_exports,
+    "export_desc": _export_desc,
     "revoke_all": _revoke_all,
 }

@@ -66,15 +66,24 @@ def test_thread_count_stays_flat_across_many_importers(exporter):
     assert exporter.call("stats")["exporter"]["sessions"] == 0
 
 
-def test_broker_and_control_serve_fds_numbered_above_1024(exporter):
+def test_broker_and_control_serve_fds_numbered_above_1024(exporter, monkeypatch):
     assert exporter.call("fill_fds", 1500) >= 1500
     share = exporter.call("export", "host", MiB, {"lifetime": "revoked"})
+    desc = exporter.call("export_desc", 4096)
     for _ in range(3):  # and keeps serving afterwards
-        with gs.open(share, exclude=["same-process"]) as view:
+        with gs.open(share) as view:
             assert view.path == "host-fd"
             out = bytearray(4)
             view.get(out, 100)
             assert out == bytes(range(100, 104))
+        with gs.import_buffer(desc) as buf:  # from the broker itself
+            assert bytes(buf.memoryview()[:4]) == b"desc"
+    # Over TCP, the fds come from the broker too.
+    monkeypatch.setattr(_importer, "_connect_local", lambda share, deadline: None)
+    time.sleep(SETTLE)  # the local connection goes
+    with gs.open(share) as view:
+        assert view.path == "host-fd"
+    assert exporter.call("stats")["exporter"]["local_sessions"] == 0
 
 
 @pytest.mark.parametrize("kind,path", [("numpy", "ucx-rma"), ("host", "host-fd")])
@@ -122,7 +131,10 @@ def test_registry_returns_to_its_start_after_shares_end(exporter):
         gs.open(closed[0])
 
 
-def test_a_further_open_of_the_same_exporter_is_one_request(exporter):
+@pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
+def test_a_further_open_of_the_same_exporter_is_one_request(exporter, monkeypatch, local):
+    if not local:
+        monkeypatch.setattr(_importer, "_connect_local", lambda share, deadline: None)
     a = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
     b = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
     first = gs.open(a)
@@ -134,6 +146,9 @@ def test_a_further_open_of_the_same_exporter_is_one_request(exporter):
         elapsed = time.perf_counter() - t0
         after = exporter.call("stats")["exporter"]
         assert after["sessions"] == before["sessions"] == 1
+        # Same node: the fds came with the reply, over the exporter's Unix socket.
+        assert after["local_sessions"] == int(local)
+        assert second.path == "host-fd"
         assert after["messages"] == before["messages"] + 1  # the open request, nothing else
         assert _importer.get_importer().stats()["connections"] == mine
         assert elapsed < 0.5, elapsed  # on a loaded 2-core machine; ~1 ms when idle
@@ -179,3 +194,42 @@ def test_a_silent_control_peer_does_not_block_others(exporter, monkeypatch):
             out = bytearray(4)
             view.get(out)
         assert out == bytes(range(4)) and time.monotonic() - t0 < 5
+
+
+def _hello_as_nobody(address, conn) -> None:
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(address)
+            body = b'{"op":"hello"}'
+            try:
+                s.sendall(len(body).to_bytes(4, "big") + body)
+                conn.send(("answered", s.recv(4096)))
+            except (BrokenPipeError, ConnectionResetError):
+                conn.send(("answered", b""))  # closed under our feet
+    except BaseException as exc:  # noqa: BLE001
+        conn.send((type(exc).__name__, str(exc)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as another user")
+def test_the_local_control_socket_refuses_other_users():
+    import multiprocessing as mp
+
+    from gpushare._paths.broker import control_address
+
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    address = control_address(os.getpid(), share.control[0][1])
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_hello_as_nobody, args=(address, theirs))
+    proc.start()
+    theirs.close()
+    try:
+        assert ours.poll(30)
+        assert ours.recv() == ("answered", b"")  # closed before a byte was read
+    finally:
+        proc.join(10)
+        ours.close()
+    share.revoke()

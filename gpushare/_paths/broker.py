@@ -41,7 +41,7 @@ from .._descriptors import POSIX_FD_FORMAT, PosixFdBufferDescriptor
 from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputError
 from .._process import PerProcess
 
-__all__ = ["Broker", "fetch_fds", "get_broker", "node_identity", "publish"]
+__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish"]
 
 _MAGIC = b"GSFD"
 _PROTOCOL = 1
@@ -231,6 +231,41 @@ def get_broker() -> Broker:
     return _service.get()
 
 
+def grant(export_id: int, token: bytes) -> list[int] | None:
+    """Duplicates of a registration's fds (the caller owns them), or None
+    when this process's broker does not serve it with that token."""
+    broker = _service.current()
+    if broker is None:
+        return None
+    status, granted = broker.grant(export_id, token)
+    return list(granted) if status == _OK else None
+
+
+def control_address(pid: int, port: int) -> str:
+    """The Unix-socket address of the control channel of exporter ``pid``
+    whose TCP control port is ``port`` (abstract, in its network namespace)."""
+    return f"\0gpushare-control-{pid}-{port}"
+
+
+def check_peer(sock: socket.socket, pid: int, what: str) -> None:
+    """Refuse a Unix-socket peer that is not process ``pid`` of this user (or root)."""
+    peer_pid, peer_uid, _ = _peer_credentials(sock)
+    if peer_pid != pid:
+        raise AccessDeniedError(f"{what} is process {peer_pid}, not exporter pid {pid}; "
+                                "refusing memory from an impostor")
+    if not _uid_may_share(peer_uid):
+        raise AccessDeniedError(f"{what} runs as user id {peer_uid}; this process is user id {os.getuid()}")
+
+
+def may_share(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this user or root."""
+    try:
+        _, uid, _ = _peer_credentials(sock)
+    except OSError:
+        return False
+    return _uid_may_share(uid)
+
+
 def publish(
     fds: Sequence[int],
     *,
@@ -302,16 +337,7 @@ def fetch_fds(
                 sock.sendall(_REQUEST.pack(_MAGIC, _PROTOCOL, export_id, token))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # a broker that refuses us answers before reading; read its answer
-            peer_pid, peer_uid, _ = _peer_credentials(sock)
-            if peer_pid != pid:
-                raise AccessDeniedError(
-                    f"the broker at {address!r} is process {peer_pid}, not exporter pid {pid}; "
-                    "refusing memory from an impostor"
-                )
-            if not _uid_may_share(peer_uid):
-                raise AccessDeniedError(
-                    f"the broker runs as user id {peer_uid}; this process is user id {os.getuid()}"
-                )
+            check_peer(sock, pid, f"the broker at {address!r}")
             data = _recv_with_fds(sock, _REPLY.size, fds, deadline)
             magic, protocol, status, length, n = _REPLY.unpack(data)
             if magic != _MAGIC or protocol != _PROTOCOL:
