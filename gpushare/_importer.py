@@ -57,7 +57,9 @@ class _Link(Protocol):
         self.importer = importer
         self.key = key
         self.exporter_pid = pid
-        self.lock = threading.Lock()
+        # Re-entrant: a view's finalizer (run by the garbage collector at any
+        # allocation) may end a lease while this thread holds the lock.
+        self.lock = threading.RLock()
         self.conn: Connection | None = None
         self.pending: dict[int, _Waiter] = {}
         self.leases: set[int] = set()

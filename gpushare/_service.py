@@ -76,7 +76,10 @@ class Connection:
         self.rbuf = bytearray()
         self.closed = False
         self._wq: collections.deque[list] = collections.deque()  # [memoryview, fds] pairs
-        self._wlock = threading.Lock()
+        # Re-entrant: a view's finalizer (run by the garbage collector at any
+        # allocation) may send while this thread is inside send or a flush.
+        self._wlock = threading.RLock()
+        self._flushing = False
         self._writing = False
         self._close_when_sent = False
 
@@ -100,6 +103,11 @@ class Connection:
                 _close_all(owned)
                 return
             self._wq.extend(chunk for chunk in chunks if len(chunk[0]))
+            if self._flushing:  # re-entered mid-flush: the service thread sends it
+                if not self._writing:
+                    self._writing = True
+                    self.service.call_soon(self._want_write)
+                return
             if not self._writing:
                 self._flush_locked()
                 if self._wq and not self._writing:
@@ -120,6 +128,13 @@ class Connection:
     # -- service thread ----------------------------------------------------
     def _flush_locked(self) -> None:
         """Send queued bytes until the socket would block (lock held)."""
+        self._flushing = True
+        try:
+            self._flush_queue()
+        finally:
+            self._flushing = False
+
+    def _flush_queue(self) -> None:
         while self._wq:
             entry = self._wq[0]
             view, fds = entry

@@ -124,6 +124,7 @@ def _stats(state: dict) -> dict:
         "exporter": exporter.stats() if exporter else None,
         "importer": importer.stats() if importer else None,
         "broker": len(b) if b else 0,
+        "cpu_s": sum(os.times()[:2]),
     }
 
 

@@ -41,6 +41,10 @@ def test_thread_count_stays_flat_across_2000_host_fd_leases(exporter):
         mine = importer.call("stats")
         assert mine["importer"] == {"connections": 1, "leases": 2000}
         assert mine["threads"] < 10
+        # Idle with 2,000 leases: the service thread sleeps (no polling).
+        time.sleep(1.0)
+        assert exporter.call("stats")["cpu_s"] - during["cpu_s"] < 0.1
+        assert importer.call("stats")["cpu_s"] - mine["cpu_s"] < 0.1
         importer.call("close_many", "all")
         assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
     finally:
