@@ -331,6 +331,7 @@ class _Session(Protocol):
         self.exporter = exporter
         self.local = local  # a Unix socket from this user on this node: fds may go with replies
         self.ready = False
+        self.finished = False  # refused for good: nothing more is read
         self.leases: dict[int, Export] = {}
         self._next_lease = 1
 
@@ -338,8 +339,11 @@ class _Session(Protocol):
     def data_received(self, conn: Connection, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)  # importers send none
+        if self.finished:
+            conn.rbuf.clear()
+            return
         for message in _control.take_frames(conn.rbuf):
-            if conn.closed:
+            if self.finished or conn.closed:
                 return
             self.exporter.messages += 1
             self._handle(conn, message)
@@ -362,6 +366,7 @@ class _Session(Protocol):
     def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
         conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
         if close:
+            self.finished = True
             conn.close_when_sent()
 
     def _handle(self, conn: Connection, msg: dict) -> None:

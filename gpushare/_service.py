@@ -403,15 +403,20 @@ class Service:
                     self._accept(*listener)
                     continue
                 conn = self._conns.get(fd)
-                if conn is None:
-                    continue
-                if events & selectors.EVENT_WRITE:
-                    conn._on_writable()
-                if events & selectors.EVENT_READ and not conn.closed:
-                    conn._on_readable()
+                if conn is not None:
+                    self._serve(conn, events)
             self._run_calls()
             self._run_timers()
             self._check_deadlines()
+
+    def _serve(self, conn: Connection, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE:
+                conn._on_writable()
+            if events & selectors.EVENT_READ and not conn.closed:
+                conn._on_readable()
+        except Exception as exc:  # noqa: BLE001 - one connection never stops the service
+            conn.close(exc)
 
     def _next_timeout(self) -> float | None:
         if self._calls:

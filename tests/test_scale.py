@@ -237,3 +237,30 @@ def test_the_local_control_socket_refuses_other_users():
         proc.join(10)
         ours.close()
     share.revoke()
+
+
+def test_nothing_after_a_refused_hello_is_served():
+    import json
+    import struct
+
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    host, port = share.control[0]
+
+    def frame(message):
+        body = json.dumps(message).encode()
+        return struct.pack("!I", len(body)) + body
+
+    open_request = {"op": "open", "id": 1, "share": share.share_id, "token": {"b": share.token.hex()},
+                    "path": "ucx-rma"}
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(frame({"op": "open"}) + frame(open_request))  # no hello first
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    (n,) = struct.unpack("!I", data[:4])
+    assert json.loads(data[4 : 4 + n])["message"] == "expected hello"
+    assert len(data) == 4 + n  # one refusal, then the connection closed; the open went unanswered
+    from gpushare._exporter import registered
+
+    assert registered(share).opens == 0
+    share.revoke()
