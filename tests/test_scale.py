@@ -264,3 +264,33 @@ def test_nothing_after_a_refused_hello_is_served():
 
     assert registered(share).opens == 0
     share.revoke()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (SIGSTOP takes effect asynchronously)."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    for task in tasks:
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+    return True
+
+
+def test_an_open_that_timed_out_gives_its_late_lease_back(exporter):
+    import signal
+
+    share = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
+    with gs.open(share):  # the connection exists; the next open is one request on it
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        try:
+            assert _wait_for(lambda: _stopped(exporter.proc.pid))
+            t0 = time.monotonic()
+            with pytest.raises(gs.ExporterUnreachableError):
+                gs.open(share, timeout=1.0)
+            assert time.monotonic() - t0 < 3
+        finally:
+            os.kill(exporter.proc.pid, signal.SIGCONT)
+        # The exporter answers late; nobody waits, so the lease is handed back.
+        assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 1)
+        assert _importer.get_importer().stats()["leases"] == 1
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
