@@ -315,6 +315,8 @@ MAX_LEASES = 1 << 20
 MAX_ENDED = 4096
 #: Seconds a control connection with no lease may stay idle.
 IDLE_TIMEOUT = 120.0
+#: Bytes of replies a connection may leave unread before it is dropped.
+MAX_BACKLOG = 4 << 20
 #: Seconds a share's ucx-rma agent outlives its last remote view.
 AGENT_LINGER = 2.0
 
@@ -342,6 +344,8 @@ class _Session(Protocol):
         if self.finished:
             conn.rbuf.clear()
             return
+        if conn.backlog() > MAX_BACKLOG:
+            raise InvalidInputError("the importer sends requests but does not read the replies")
         for message in _control.take_frames(conn.rbuf):
             if self.finished or conn.closed:
                 return

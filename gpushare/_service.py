@@ -114,6 +114,11 @@ class Connection:
                     self._writing = True
                     self.service.call_soon(self._want_write)
 
+    def backlog(self) -> int:
+        """Bytes queued and not yet taken by the peer."""
+        with self._wlock:
+            return sum(len(view) for view, _ in self._wq)
+
     def close_when_sent(self) -> None:
         """Close once the queued bytes are sent."""
         with self._wlock:

@@ -294,3 +294,34 @@ def test_an_open_that_timed_out_gives_its_late_lease_back(exporter):
         assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 1)
         assert _importer.get_importer().stats()["leases"] == 1
     assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
+
+
+def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
+    import json
+    import struct
+
+    from gpushare import _exporter
+
+    monkeypatch.setattr(_exporter, "MAX_BACKLOG", 64 << 10)
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    host, port = share.control[0]
+
+    def frame(message):
+        body = json.dumps(message).encode()
+        return struct.pack("!I", len(body)) + body
+
+    request = frame({"op": "open", "id": 1, "share": "0" * 32, "token": {"b": "00" * 32}, "path": "ucx-rma"})
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(frame({"op": "hello"}))
+        dropped = False
+        try:
+            # Refusals fill both sockets' buffers (megabytes on loopback), then
+            # pile up in the exporter, which hangs up.
+            for _ in range(5_000):
+                s.sendall(request * 64)
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+        assert dropped
+    with gs.open(share, exclude=["same-process"]) as view:  # and it serves others
+        assert view.path == "ucx-rma"
+    share.revoke()
