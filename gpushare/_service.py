@@ -84,11 +84,11 @@ class Connection:
         self._close_when_sent = False
 
     # -- any thread -------------------------------------------------------
-    def send(self, data: bytes, fds: Sequence[int] = (), *, close_fds: bool = True) -> None:
-        """Queue ``data`` (and ``fds`` on its first byte) and send what the
-        socket takes now; the rest goes as the peer reads.  With
-        ``close_fds`` the descriptors are closed once sent (or dropped)."""
-        owned = list(fds) if close_fds else [os.dup(fd) for fd in fds]
+    def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Queue ``data`` (and ``fds`` on its first bytes) and send what the
+        socket takes now; the rest goes as the peer reads.  The connection
+        owns ``fds``: they are closed once sent (or dropped)."""
+        owned = list(fds)
         view = memoryview(data)
         # At most MAX_FDS descriptors ride on one byte each; the rest of the
         # bytes follow.  (The peer has them all once it has the bytes.)
@@ -326,8 +326,9 @@ class Service:
         return conn
 
     def stats(self) -> dict[str, int]:
-        """Connections and listeners served now."""
-        return {"connections": len(self._conns), "listeners": len(self._listeners)}
+        """Connections, listeners and timers (not cancelled) pending now."""
+        return {"connections": len(self._conns), "listeners": len(self._listeners),
+                "timers": sum(not t.cancelled for _, _, t in list(self._timers))}
 
     # -- lifetime -----------------------------------------------------------
     def stop(self) -> None:
