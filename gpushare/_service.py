@@ -72,7 +72,8 @@ class Connection:
         self.sock = sock
         self.fileno = sock.fileno()
         self.protocol = protocol
-        self.deadline = deadline
+        self._deadline: float | None = None
+        self._queued: float | None = None  # the earliest of its entries in the service's heap
         self.rbuf = bytearray()
         self.closed = False
         self._wq: collections.deque[list] = collections.deque()  # [memoryview, fds] pairs
@@ -82,6 +83,19 @@ class Connection:
         self._flushing = False
         self._writing = False
         self._close_when_sent = False
+        self.deadline = deadline
+
+    @property
+    def deadline(self) -> float | None:
+        """When (``time.monotonic()``) the protocol's :meth:`~Protocol.deadline_passed` runs; None: never."""
+        return self._deadline
+
+    @deadline.setter
+    def deadline(self, when: float | None) -> None:
+        self._deadline = when
+        if when is not None and (self._queued is None or when < self._queued):
+            self._queued = when
+            self.service._at_deadline(self, when)
 
     # -- any thread -------------------------------------------------------
     def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
@@ -211,6 +225,7 @@ class Connection:
             for _, fds in self._wq:
                 _close_all(fds)
             self._wq.clear()
+        self.rbuf = bytearray()
         self.service._forget(self)
         try:
             self.sock.close()
@@ -246,6 +261,9 @@ class Service:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._calls: collections.deque[Callable[[], Any]] = collections.deque()
         self._timers: list[tuple[float, int, Timer]] = []
+        # Connection deadlines, earliest first; an entry whose connection
+        # changed its deadline since is skipped (at most a few per connection).
+        self._deadlines: list[tuple[float, int, Connection]] = []
         self._seq = itertools.count()
         self._conns: dict[int, Connection] = {}
         self._listeners: dict[int, tuple[socket.socket, Callable[[socket.socket], None]]] = {}
@@ -424,11 +442,17 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - one connection never stops the service
             conn.close(exc)
 
+    def _at_deadline(self, conn: Connection, when: float) -> None:
+        entry = (when, next(self._seq), conn)
+        if self.in_service_thread():
+            heapq.heappush(self._deadlines, entry)
+        else:
+            self.call_soon(lambda: heapq.heappush(self._deadlines, entry))
+
     def _next_timeout(self) -> float | None:
         if self._calls:
             return 0.0
-        when = [t[0] for t in self._timers[:1]]
-        when += [c.deadline for c in self._conns.values() if c.deadline is not None]
+        when = [entry[0] for heap in (self._timers, self._deadlines) for entry in heap[:1]]
         if not when:
             return None
         return max(min(when) - time.monotonic(), 0.0)
@@ -460,7 +484,16 @@ class Service:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        for conn in [c for c in self._conns.values() if c.deadline is not None and c.deadline <= now]:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            when, _, conn = heapq.heappop(self._deadlines)
+            if conn.closed or conn._queued != when:
+                continue  # gone, or an entry it no longer counts on
+            conn._queued = None
+            if conn.deadline is None:
+                continue
+            if conn.deadline > now:  # moved later since: wait for that
+                conn.deadline = conn.deadline
+                continue
             conn.deadline = None
             try:
                 conn.protocol.deadline_passed(conn)

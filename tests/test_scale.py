@@ -325,3 +325,39 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
     with gs.open(share, exclude=["same-process"]) as view:  # and it serves others
         assert view.path == "ucx-rma"
     share.revoke()
+
+
+def test_connection_deadlines_fire_once_at_their_latest_setting():
+    from gpushare._service import Protocol, get_service
+
+    service = get_service()
+    fired: list[tuple[str, float]] = []
+
+    class Mark(Protocol):
+        def __init__(self, name):
+            self.name = name
+
+        def deadline_passed(self, conn):
+            fired.append((self.name, time.monotonic()))
+            conn.close()
+
+    pairs = [socket.socketpair() for _ in range(3)]
+    t0 = time.monotonic()
+    later = service.connect(pairs[0][0], Mark("later"), t0 + 0.2)
+    never = service.connect(pairs[1][0], Mark("never"), t0 + 0.2)
+    earlier = service.connect(pairs[2][0], Mark("earlier"), t0 + 5.0)
+
+    def move():
+        later.deadline = t0 + 0.8
+        never.deadline = None
+        earlier.deadline = t0 + 0.4
+
+    service.run(move)
+    assert _wait_for(lambda: len(fired) == 2, 5)
+    time.sleep(0.5)
+    assert [name for name, _ in fired] == ["earlier", "later"]
+    assert fired[0][1] - t0 >= 0.4 and fired[1][1] - t0 >= 0.8
+    assert not never.closed
+    service.run(never.close)
+    for a, b in pairs:
+        b.close()
