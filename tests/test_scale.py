@@ -361,3 +361,24 @@ def test_connection_deadlines_fire_once_at_their_latest_setting():
     service.run(never.close)
     for a, b in pairs:
         b.close()
+
+
+def test_a_shares_ucx_agent_is_made_on_its_first_remote_open_and_closed_when_idle():
+    from gpushare._exporter import registered
+
+    share = gs.export(np.arange(4096, dtype=np.uint64).astype(np.uint8), lifetime="revoked")
+    export = registered(share)
+    assert export.agent is None  # exporting makes no agent
+    importer = Child(_share_peer.setup)
+    try:
+        assert importer.call("open", "a", share)["path"] == "ucx-rma"
+        assert export.agent is not None
+        assert importer.call("get", "a", 0, 4) == bytes(range(4))
+        importer.call("close", "a")
+        assert _wait_for(lambda: export.agent is None, AGENT_LINGER + 10)
+        assert importer.call("open", "b", share)["path"] == "ucx-rma"  # made again
+        assert importer.call("get", "b", 4, 4) == bytes(range(4, 8))
+        share.revoke()  # and closed when the share ends
+        assert export.agent is None
+    finally:
+        importer.close()
