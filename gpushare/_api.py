@@ -408,6 +408,8 @@ def open(share: Share, *, prefer: Any = None, exclude: Any = None, timeout: floa
     failures: list[str] = []
     if order[0] == "same-process":
         export = registered(share)
+        if export is None:  # it ended since the paths were chosen
+            raise ClosedError("cannot open share: its lifetime ended or it was revoked")
         with export.lock:
             refusal = export.refusal()
             target = export.target()
