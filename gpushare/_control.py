@@ -19,9 +19,12 @@ from typing import Any
 
 from ._errors import ExporterUnreachableError, InvalidInputError
 
-__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frames", "MAX_FRAME", "TIMEOUT"]
+__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frames", "MAX_FRAME", "PROTOCOL",
+           "TIMEOUT"]
 
 MAX_FRAME = 64 * 1024
+#: The control protocol both ends speak; a ``hello`` names it.
+PROTOCOL = 2
 #: Seconds one exchange on the control channel may take.
 TIMEOUT = 10.0
 _LEN = struct.Struct("!I")

@@ -383,13 +383,18 @@ class _Session(Protocol):
             if op != "hello":
                 self._refuse(conn, rid, "bad", "expected hello", close=True)
                 return
+            if msg.get("v") != _control.PROTOCOL:
+                self._refuse(conn, rid, "bad", f"control protocol {msg.get('v')!r:.20}; this exporter "
+                             f"speaks {_control.PROTOCOL} (run the same gpushare version on both sides)",
+                             close=True)
+                return
             why = self.authenticate(conn, msg)
             if why is not None:
                 self._refuse(conn, rid, "denied", why, close=True)
                 return
             self.ready = True
             self._idle(conn)
-            conn.send(_control.pack({"op": "hello", "ok": True, "pid": os.getpid()}))
+            conn.send(_control.pack({"op": "hello", "ok": True, "v": _control.PROTOCOL, "pid": os.getpid()}))
         elif op == "open":
             self._open(conn, rid, msg)
         elif op in ("close", "failed"):

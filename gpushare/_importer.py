@@ -321,11 +321,13 @@ def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:
     place for a mutual challenge before anything else is sent."""
     from ._share import node_key
 
-    _control.send(sock, {"op": "hello", "pid": os.getpid(), "node": node_key()})
+    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key()})
     reply = _control.recv(sock, _left(deadline))
-    if not reply.get("ok") or reply.get("op") != "hello":
+    if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:
+        why = reply.get("message") or f"it speaks control protocol {reply.get('v')!r:.20}, not {_control.PROTOCOL}"
         raise ExporterUnreachableError(
-            f"exporter pid {exporter_pid} refused the connection: {str(reply.get('message'))[:200]}"
+            f"exporter pid {exporter_pid} refused the connection: {str(why)[:200]} "
+            "(run the same gpushare version on both sides)"
         )
 
 

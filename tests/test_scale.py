@@ -312,7 +312,7 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
 
     request = frame({"op": "open", "id": 1, "share": "0" * 32, "token": {"b": "00" * 32}, "path": "ucx-rma"})
     with socket.create_connection((host, port), timeout=10) as s:
-        s.sendall(frame({"op": "hello"}))
+        s.sendall(frame({"op": "hello", "v": 2}))
         dropped = False
         try:
             # Refusals fill both sockets' buffers (megabytes on loopback), then
@@ -382,3 +382,19 @@ def test_a_shares_ucx_agent_is_made_on_its_first_remote_open_and_closed_when_idl
         assert export.agent is None
     finally:
         importer.close()
+
+
+def test_a_hello_of_another_protocol_is_refused_clearly():
+    import json
+    import struct
+
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    host, port = share.control[0]
+    with socket.create_connection((host, port), timeout=10) as s:
+        body = json.dumps({"op": "hello", "v": 1}).encode()
+        s.sendall(struct.pack("!I", len(body)) + body)
+        n = struct.unpack("!I", s.recv(4))[0]
+        reply = json.loads(s.recv(n))
+        assert s.recv(16) == b""  # and hung up
+    assert reply["ok"] is False and "control protocol 1; this exporter speaks 2" in reply["message"]
+    share.revoke()

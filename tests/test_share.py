@@ -546,7 +546,7 @@ def test_control_channel_survives_garbage(payload):
             n = struct.unpack("!I", s.recv(4))[0]
             return json.loads(s.recv(n))
 
-        assert ask({"op": "hello"})["ok"] is True
+        assert ask({"op": "hello", "v": 2})["ok"] is True
         reply = ask({"op": "open", "id": 7, "share": share.share_id, "token": {"b": "00" * 32},
                      "path": "ucx-rma"})
         assert reply["code"] == "denied" and reply["id"] == 7
