@@ -241,7 +241,7 @@ class Importer:
         key = (share.exporter_pid, share.node, share.control)
         with self._lock:
             link = self._links.get(key)
-        if link is not None:
+        if link is not None and link.dead is None:
             return link
         if self.service.in_service_thread():
             raise InvalidInputError("gpushare.open cannot be called from gpushare's service thread")
@@ -257,6 +257,8 @@ class Importer:
         link.conn = self.service.connect(sock, link)
         with self._lock:
             other = self._links.get(key)
+            if other is not None and other.dead is not None:
+                other = None  # closing: replaced
             if other is None:
                 self._links[key] = link
         if other is not None:  # another thread connected first: use that one

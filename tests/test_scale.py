@@ -398,3 +398,35 @@ def test_a_hello_of_another_protocol_is_refused_clearly():
         assert s.recv(16) == b""  # and hung up
     assert reply["ok"] is False and "control protocol 1; this exporter speaks 2" in reply["message"]
     share.revoke()
+
+
+def test_threads_opening_at_once_share_one_connection(exporter):
+    import threading
+
+    shares = [exporter.call("export", "host", 4096, {"lifetime": "revoked"}) for _ in range(4)]
+    views, errors = [], []
+
+    def opener(i):
+        try:
+            for k in range(25):
+                view = gs.open(shares[(i + k) % len(shares)])
+                out = bytearray(4)
+                view.get(out)
+                assert out == bytes(range(4))
+                views.append(view)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=opener, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(views) == 200
+    stats = exporter.call("stats")["exporter"]
+    assert stats["leases"] == 200
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["sessions"] == 1)  # a racing extra one went
+    assert _importer.get_importer().stats() == {"connections": 1, "leases": 200}
+    for view in views:
+        view.close()
+    assert _wait_for(lambda: exporter.call("stats")["exporter"]["leases"] == 0)
