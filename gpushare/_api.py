@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -16,7 +15,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-from . import _buffers, _control, _types
+from . import _buffers, _types
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -450,6 +449,8 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     failures: list[str] = []
     if order[0] == "same-process":
         export = registered(share)
+        if export is None:  # it ended since the paths were chosen
+            raise ClosedError("cannot open share: its lifetime ended or it was revoked")
         with export.lock:
             refusal = export.refusal()
             target = export.target()
@@ -470,36 +471,36 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             )
         return remaining
 
+    from ._importer import get_importer
+
+    importer = get_importer()
+    addresses = _addresses_for(share)
     try:
-        sock = _control.connect(_addresses_for(share), left())
-    except ExporterUnreachableError as exc:
-        raise ExporterUnreachableError(_unreachable(share, str(exc))) from None
-    try:
-        _control.send(sock, {"op": "hello", "share": share.share_id, "token": share.token,
-                             "pid": os.getpid(), "node": node_key()})
-        reply = _control.recv(sock, left())
-        if not reply.get("ok"):
-            _raise_refusal(reply)
         for path in order:
-            _control.send(sock, {"op": "open", "path": path})
-            reply = _control.recv(sock, left())
-            if not reply.get("ok"):
+            request = {"op": "open", "share": share.share_id, "token": share.token, "path": path}
+            try:
+                reply, lease, fds = importer.open(share, addresses, request, deadline)
+            except ExporterUnreachableError as exc:
+                raise ExporterUnreachableError(_unreachable(share, str(exc))) from None
+            if lease is None:
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
                     log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), left(), device)
+                view = _import(share, path, reply.get("payload"), left(), fds, device)
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
                 log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
-                _control.send(sock, {"op": "failed"})
+                lease.failed()
                 continue
+            except BaseException:
+                lease.failed()
+                raise
             why = _explain(path, share, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
-            view._attach_lease(sock, why)
-            sock = None
+            view._attach_lease(lease, why)
             if failures and natural and natural.index(path) > 0:
                 try:
                     warnings.warn(SlowPathWarning(f"gpushare fell back to {path}: {'; '.join(failures)}"),
@@ -512,9 +513,6 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         raise
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(_unreachable(share, f"it stopped answering: {exc}")) from None
-    finally:
-        if sock is not None:
-            sock.close()
     raise GpuShareError("every path failed: " + "; ".join(failures))
 
 
@@ -586,7 +584,23 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
     return "; ".join(parts)
 
 
-def _import(share: Share, path: str, payload: Any, timeout: float, device: int | None = None) -> View:
+def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
+            device: int | None = None) -> View:
+    """Turn an exporter's offer into a view; ``fds`` (owned, closed here)
+    came with the offer over a same-node control connection."""
+    if fds and path != "host-fd":
+        for fd in fds:
+            os.close(fd)
+        raise InvalidInputError(f"exporter sent file descriptors with a {path} offer")
+    try:
+        return _import_offer(share, path, payload, timeout, fds, device)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
+                  device: int | None) -> View:
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
     if path == "ucx-rma":
@@ -611,8 +625,17 @@ def _import(share: Share, path: str, payload: Any, timeout: float, device: int |
     desc = _rebuild(*fields)
     if getattr(desc, "size", None) != share.nbytes:
         raise InvalidInputError(f"descriptor is {getattr(desc, 'size', '?')} bytes; the share says {share.nbytes}")
-    cuda = share.device != "host"
-    mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda)
+    if fds:
+        from ._paths import host_fd
+
+        if not isinstance(desc, host_fd.PosixFdBufferDescriptor) or desc.device != "host":
+            raise InvalidInputError("exporter sent file descriptors with an offer that is not host memory")
+        given = list(fds)
+        fds.clear()  # import_host owns them now
+        mapped = host_fd.import_host(desc, fds=given)
+    else:
+        cuda = share.device != "host"
+        mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda)
     return View._make(share, path, "", mapped=mapped)
 
 
@@ -658,11 +681,8 @@ class _Pin:
 
 
 def _end_lease(endpoint: Any, lease: list) -> None:
-    for sock in lease:
-        try:
-            sock.close()
-        except OSError:
-            pass
+    for held in lease:
+        held.close()
     lease.clear()
     if endpoint is not None:
         try:
@@ -746,8 +766,8 @@ class View:
         self._finalizer = weakref.finalize(self, _release_view, self._use, endpoint, self._lease)
         return self
 
-    def _attach_lease(self, sock: socket.socket, why: str) -> None:
-        self._lease.append(sock)
+    def _attach_lease(self, lease: Any, why: str) -> None:
+        self._lease.append(lease)
         self.why = why
 
     # -- state -----------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The exporter's control channel: framing and plain-data encoding.
+"""The control channel: framing and plain-data encoding.
 
-One TCP connection per open.  Frames are a 4-byte big-endian length then
-UTF-8 JSON (never pickle: the peer is untrusted), at most 64 KiB.  Bytes are
+Frames are a 4-byte big-endian length then UTF-8 JSON (never pickle: the
+peer is untrusted), at most 64 KiB, nested at most 16 deep.  Bytes are
 encoded as ``{"b": "<hex>"}`` and tuples as lists; descriptors travel as
 their handle type and fields and are rebuilt through their validating
-constructor.
+constructor.  Every frame from a peer is parsed by :func:`parse` (the one
+place that bounds size and depth), whether it was read by the service
+thread (:func:`take_frames`) or by a blocking caller (:func:`recv`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from typing import Any
 
 from ._errors import ExporterUnreachableError, InvalidInputError
 
-__all__ = ["send", "recv", "encode", "decode", "MAX_FRAME", "TIMEOUT"]
+__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frames", "MAX_FRAME", "PROTOCOL",
+           "TIMEOUT"]
 
 MAX_FRAME = 64 * 1024
+#: The control protocol both ends speak; a ``hello`` names it.
+PROTOCOL = 2
 #: Seconds one exchange on the control channel may take.
 TIMEOUT = 10.0
 _LEN = struct.Struct("!I")
@@ -52,11 +57,45 @@ def decode(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def send(sock: socket.socket, message: dict) -> None:
+def pack(message: dict) -> bytes:
+    """One frame: the length, then the message as JSON."""
     data = json.dumps(encode(message), separators=(",", ":")).encode()
     if len(data) > MAX_FRAME:
         raise InvalidInputError(f"control message is {len(data)} bytes; at most {MAX_FRAME}")
-    sock.sendall(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
+
+
+def send(sock: socket.socket, message: dict) -> None:
+    sock.sendall(pack(message))
+
+
+def parse(body: bytes) -> dict:
+    """A frame's body as a message; anything but a bounded JSON object is refused."""
+    try:
+        message = json.loads(body.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InvalidInputError("control frame is not JSON") from None
+    if not isinstance(message, dict):
+        raise InvalidInputError("control frame is not an object")
+    return decode(message)
+
+
+def take_frames(buf: bytearray) -> list[dict]:
+    """Remove the complete frames at the start of ``buf`` and return their
+    messages; a partial frame stays for the next read."""
+    messages = []
+    start = 0
+    while len(buf) - start >= _LEN.size:
+        (length,) = _LEN.unpack_from(buf, start)
+        if length > MAX_FRAME:
+            raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
+        end = start + _LEN.size + length
+        if len(buf) < end:
+            break
+        messages.append(parse(bytes(buf[start + _LEN.size : end])))
+        start = end
+    del buf[:start]
+    return messages
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
@@ -83,14 +122,7 @@ def recv(sock: socket.socket, timeout: float | None = TIMEOUT) -> dict:
     (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if length > MAX_FRAME:
         raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
-    body = _recv_exact(sock, length, deadline)
-    try:
-        message = json.loads(body.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidInputError("control frame is not JSON") from None
-    if not isinstance(message, dict):
-        raise InvalidInputError("control frame is not an object")
-    return decode(message)
+    return parse(_recv_exact(sock, length, deadline))
 
 
 def connect(addresses: tuple[tuple[str, int], ...], timeout: float) -> socket.socket:

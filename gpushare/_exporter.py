@@ -1,30 +1,38 @@
 """The exporter's side of :func:`gpushare.export`: registry, control channel, lifetimes.
 
-Started on the first export (never on import of gpushare): a TCP listener and
-one daemon thread accepting importers, one thread per open importer session.
-An importer keeps its control connection open for as long as its view is
-open: that connection is its lease, and its end (a close, or the importer's
-death, which the kernel reports as the connection closing) counts as the
-import closing.  In a forked child the parent's exporter is never used: the
-child starts its own on its first export.
+Started on the first export (never on import of gpushare): a TCP listener
+served by the process's service thread (:mod:`gpushare._service`), like every
+control connection and every lease.  An importer keeps one control
+connection to this exporter for all its opens; each open it makes is a
+*lease*, a record on that connection, ended by a ``close`` message or by the
+connection ending (the importer closed it or died: the kernel reports it).
+An export whose lifetime ended (retired, revoked, its object gone) leaves the
+registry, and its fd registrations are withdrawn; a small bounded memory of
+ended shares lets a late open hear why.  In a forked child the parent's
+exporter is never used: the child starts its own on its first export.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import ipaddress
 import logging
 import os
 import secrets
 import socket
+import struct
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _control
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._process import PerProcess
+from ._service import Connection, Protocol, Timer, get_service
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -79,6 +87,10 @@ class Export:
     agent: Any = None
     mh: Any = None
     key: bytes | None = None
+    #: Closes the idle ucx-rma agent a while after the last remote view closed.
+    agent_timer: Timer | None = None
+    #: Set by the exporter's registry: called once when the share's lifetime ends.
+    on_end: Callable[[Export, str], None] | None = None
     # Re-entrant: releasing the last reference to the object (closing the
     # share's agent) can run the weak-reference callback in the same thread.
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -109,11 +121,31 @@ class Export:
             self.retire()
         elif self.policy == "none":
             self.close_remote()  # the UCX registration would keep the object alive
+        elif self.agent is not None and self.agent_timer is None:
+            # No remote view is open: the agent goes after a short linger
+            # (so that a quick reopen reuses it).  Closing it also closes the
+            # connections UCX kept to importers whose endpoints closed.
+            self.agent_timer = get_service().call_later(AGENT_LINGER, self._idle_agent)
+
+    def _idle_agent(self) -> None:
+        with self.lock:
+            self.agent_timer = None
+            if self.opens == 0:
+                self.close_remote()
 
     def close_remote(self) -> None:
+        timer, self.agent_timer = self.agent_timer, None
+        if timer is not None:
+            timer.cancel()
         agent, self.agent, self.mh, self.key = self.agent, None, None, None
         if agent is not None:
             agent.close()  # every remote endpoint to it dies: remote access stops
+
+    def end(self, reason: str) -> None:
+        """The share's lifetime ended: leave the registry (lock held)."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(self, reason)
 
     def close_mapped(self) -> None:
         """Stop handing out this share's fds: a descriptor given out before is dead."""
@@ -130,10 +162,15 @@ class Export:
         self.close_remote()
         self.close_mapped()
         self.obj = None
+        self.end("retired")
 
     # -- ucx-rma --------------------------------------------------------
     def rma_offer(self) -> tuple[bytes, bytes]:
-        """Agent address and serialized key for this export (lock held)."""
+        """Agent address and serialized key for this export (lock held); the
+        agent is made on the first ucx-rma open."""
+        timer, self.agent_timer = self.agent_timer, None
+        if timer is not None:
+            timer.cancel()
         if self.agent is None:
             from . import ucx
 
@@ -181,19 +218,48 @@ class Exporter:
                 f"GPUSHARE_CONTROL_HOST is {bind_host!r}; expected an IPv4 address of this host "
                 "(or 0.0.0.0 for every interface)"
             ) from None
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((bind_host, 0))
-        self._listener.listen(128)
-        self.addresses = advertised_addresses(self._listener.getsockname()[1], bind_host)
         self._lock = threading.Lock()
         self._exports: dict[str, Export] = {}
+        # Ended shares, newest last: share id -> (token, why), so that a late
+        # open hears "revoked" rather than "no such share".  Bounded.
+        self._ended: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
+        self._sessions: set[_Session] = set()
+        self.messages = 0  # control messages served, for tests and benchmarks
         self._stopped = False
-        self._thread = threading.Thread(target=self._accept_loop, name="gpushare-exporter", daemon=True)
-        self._thread.start()
+        self._service = get_service()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((bind_host, 0))
+            self._listener.listen(1024)
+            port = self._listener.getsockname()[1]
+            self.addresses = advertised_addresses(port, bind_host)
+            self._service.listen(self._listener, self._accept)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._local = self._listen_local(port)
+
+    def _listen_local(self, port: int) -> socket.socket | None:
+        """The control channel for importers on this node: a Unix socket at
+        an address importers derive from the share (pid and port), over which
+        host-fd opens get their fds with the reply.  None if the address is
+        taken (importers then use TCP and the broker)."""
+        from ._paths.broker import control_address
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(control_address(self.pid, port))
+            sock.listen(1024)
+            self._service.listen(sock, self._accept_local)
+        except OSError:
+            sock.close()
+            return None
+        return sock
 
     # -- registry -------------------------------------------------------
     def add(self, export: Export) -> None:
+        export.on_end = self._forget
         with self._lock:
             self._exports[export.share_id] = export
 
@@ -201,105 +267,202 @@ class Exporter:
         with self._lock:
             return self._exports.get(share_id)
 
+    def _forget(self, export: Export, reason: str) -> None:
+        with self._lock:
+            if self._exports.get(export.share_id) is export:
+                del self._exports[export.share_id]
+            self._ended[export.share_id] = (export.token, reason)
+            while len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
+
+    def ended(self, share_id: str) -> tuple[bytes, str] | None:
+        with self._lock:
+            return self._ended.get(share_id)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes of the registry and the sessions (for tests and benchmarks)."""
+        with self._lock:
+            return {"exports": len(self._exports), "ended": len(self._ended),
+                    "sessions": len(self._sessions), "messages": self.messages,
+                    "local_sessions": sum(s.local for s in self._sessions),
+                    "leases": sum(len(s.leases) for s in self._sessions)}
+
     def stop(self) -> None:
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             exports = list(self._exports.values())
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        self._service.unlisten(self._listener)
+        if self._local is not None:
+            self._service.unlisten(self._local)
         for exp in exports:
             with exp.lock:
                 exp.close_remote()
 
     def abandon(self) -> None:
-        """In a forked child: drop the inherited socket, touch nothing else."""
+        """In a forked child: forget everything; the service closes the
+        inherited sockets without touching the parent's."""
         self._stopped = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        self._exports = {}
+        self._sessions = set()
+        self._lock = threading.Lock()
 
-    # -- serving --------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stopped:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # An importer on a node that vanishes without closing (power loss,
-            # partition) ends its lease within about a minute.
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-            threading.Thread(target=self._session, args=(conn,), name="gpushare-lease", daemon=True).start()
+    # -- serving (in the service thread) ----------------------------------
+    def _accept(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # An importer on a node that vanishes without closing (power loss,
+        # partition) ends its leases within about a minute.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        self._serve(sock, _Session(self))
 
-    def _session(self, conn: socket.socket) -> None:
-        export: Export | None = None
-        leased = False
-        try:
-            hello = _control.recv(conn)
-            if hello.get("op") != "hello":
-                _control.send(conn, {"ok": False, "code": "bad", "message": "expected hello"})
-                return
-            share_id, token = hello.get("share"), hello.get("token")
-            export = self.get(share_id) if isinstance(share_id, str) else None
-            if export is None:
-                _control.send(conn, {"ok": False, "code": "unknown",
-                                     "message": "the exporter has no such share (closed, or never exported here)"})
-                return
-            if not isinstance(token, bytes) or not hmac.compare_digest(token, export.token):
-                log.warning("refused an open of share %s from %s: wrong token", export.share_id[:8],
-                            _peer(conn))
-                _control.send(conn, {"ok": False, "code": "denied", "message": "wrong token for this share"})
-                return
-            _control.send(conn, {"ok": True})
-            while True:
-                msg = _control.recv(conn, timeout=None if leased else _control.TIMEOUT)
-                op = msg.get("op")
-                if op == "open" and not leased:
-                    leased = self._open(conn, export, msg.get("path"))
-                elif op == "failed" and leased:
-                    log.debug("share %s: the importer at %s could not use its path", export.share_id[:8],
-                              _peer(conn))
-                    with export.lock:
-                        export.opens -= 1
-                        export.total -= 1
-                        export.after_close()
-                    leased = False
-                elif op == "close":
-                    return
-                else:
-                    _control.send(conn, {"ok": False, "code": "bad", "message": f"unexpected {op!r:.20}"})
-                    return
-        except (EOFError, OSError, TimeoutError, InvalidInputError):
-            return  # the importer closed, died or misbehaved: its lease ends
-        finally:
-            if leased and export is not None:
-                log.info("share %s: lease of %s ended", export.share_id[:8], _peer(conn))
-                with export.lock:
-                    export.opens -= 1
-                    export.after_close()
-            try:
-                conn.close()
-            except OSError:
-                pass
+    def _accept_local(self, sock: socket.socket) -> None:
+        from ._paths.broker import may_share
 
-    def _open(self, conn: socket.socket, export: Export, path: Any) -> bool:
+        # Checked before a byte is read, as the fd broker does.
+        if not may_share(sock):
+            sock.close()
+            return
+        self._serve(sock, _Session(self, local=True))
+
+    def _serve(self, sock: socket.socket, session: _Session) -> None:
+        with self._lock:
+            self._sessions.add(session)
+        self._service.connect(sock, session, time.monotonic() + _control.TIMEOUT)
+
+
+#: Leases one control connection may hold at once.
+MAX_LEASES = 1 << 20
+#: Ended shares remembered (to say why a late open is refused).
+MAX_ENDED = 4096
+#: Seconds a control connection with no lease may stay idle.
+IDLE_TIMEOUT = 120.0
+#: Bytes of replies a connection may leave unread before it is dropped.
+MAX_BACKLOG = 4 << 20
+#: Seconds a share's ucx-rma agent outlives its last remote view.
+AGENT_LINGER = 2.0
+
+
+class _Session(Protocol):
+    """One importer's control connection: its hello, then its opens, each a lease.
+
+    Every frame is parsed by :func:`gpushare._control.take_frames` (bounded
+    size and depth).  Nothing but ``hello`` is accepted before the hello,
+    which is where a peer authenticates (:meth:`authenticate`).
+    """
+
+    def __init__(self, exporter: Exporter, *, local: bool = False) -> None:
+        self.exporter = exporter
+        self.local = local  # a Unix socket from this user on this node: fds may go with replies
+        self.ready = False
+        self.finished = False  # refused for good: nothing more is read
+        self.leases: dict[int, Export] = {}
+        self._next_lease = 1
+
+    # -- protocol ---------------------------------------------------------
+    def data_received(self, conn: Connection, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)  # importers send none
+        if self.finished:
+            conn.rbuf.clear()
+            return
+        if conn.backlog() > MAX_BACKLOG:
+            raise InvalidInputError("the importer sends requests but does not read the replies")
+        for message in _control.take_frames(conn.rbuf):
+            if self.finished or conn.closed:
+                return
+            self.exporter.messages += 1
+            self._handle(conn, message)
+
+    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        leases, self.leases = self.leases, {}
+        with self.exporter._lock:
+            self.exporter._sessions.discard(self)
+        for export in leases.values():  # the importer closed, died or misbehaved
+            with export.lock:
+                export.opens -= 1
+                export.after_close()
+
+    # -- messages ---------------------------------------------------------
+    def authenticate(self, conn: Connection, hello: dict) -> str | None:
+        """Why this peer may not go on, or None.  The place for a challenge
+        (an HMAC on a shared key) before any other message is read."""
+        return None
+
+    def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
+        conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
+        if close:
+            self.finished = True
+            conn.close_when_sent()
+
+    def _handle(self, conn: Connection, msg: dict) -> None:
+        op = msg.get("op")
+        rid = msg.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63):
+            self._refuse(conn, None, "bad", "request ids are non-negative ints", close=True)
+            return
+        if not self.ready:
+            if op != "hello":
+                self._refuse(conn, rid, "bad", "expected hello", close=True)
+                return
+            if msg.get("v") != _control.PROTOCOL:
+                self._refuse(conn, rid, "bad", f"control protocol {msg.get('v')!r:.20}; this exporter "
+                             f"speaks {_control.PROTOCOL} (run the same gpushare version on both sides)",
+                             close=True)
+                return
+            why = self.authenticate(conn, msg)
+            if why is not None:
+                self._refuse(conn, rid, "denied", why, close=True)
+                return
+            self.ready = True
+            self._idle(conn)
+            conn.send(_control.pack({"op": "hello", "ok": True, "v": _control.PROTOCOL, "pid": os.getpid()}))
+        elif op == "open":
+            self._open(conn, rid, msg)
+        elif op in ("close", "failed"):
+            self._end(conn, msg.get("lease"), failed=op == "failed")
+        else:
+            self._refuse(conn, rid, "bad", f"unexpected {op!r:.20}", close=True)
+
+    def _idle(self, conn: Connection) -> None:
+        conn.deadline = None if self.leases else time.monotonic() + IDLE_TIMEOUT
+
+    def _lookup(self, msg: dict) -> tuple[Export | None, str | None]:
+        """The export an open names, or the refusal code."""
+        share_id, token = msg.get("share"), msg.get("token")
+        if not isinstance(share_id, str) or not isinstance(token, bytes):
+            return None, "bad"
+        export = self.exporter.get(share_id)
+        if export is not None:
+            return (export, None) if hmac.compare_digest(token, export.token) else (None, "denied")
+        ended = self.exporter.ended(share_id)
+        if ended is None:
+            return None, "unknown"
+        return (None, ended[1]) if hmac.compare_digest(token, ended[0]) else (None, "denied")
+
+    def _open(self, conn: Connection, rid: Any, msg: dict) -> None:
+        export, code = self._lookup(msg)
+        if export is None:
+            if code == "denied":
+                log.warning("refused an open of share %.8s: wrong token", msg.get("share"))
+            self._refuse(conn, rid, code or "unknown", _REFUSALS[code or "unknown"])
+            return
+        if len(self.leases) >= MAX_LEASES:
+            self._refuse(conn, rid, "limit", f"this connection holds {MAX_LEASES} leases already")
+            return
+        path = msg.get("path")
         with export.lock:
             refusal = export.refusal()
             if refusal is not None:
-                _control.send(conn, {"ok": False, "code": refusal, "message": _REFUSALS[refusal]})
-                return False
+                self._refuse(conn, rid, refusal, _REFUSALS[refusal])
+                return
             if path not in export.offers or path == "same-process":
-                _control.send(conn, {"ok": False, "code": "path", "message": f"path {path!r:.20} is not offered"})
-                return False
+                self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
+                return
+            fds: list[int] = []
             try:
                 if path == "ucx-rma":
                     address, key = export.rma_offer()
@@ -307,33 +470,72 @@ class Exporter:
                 else:
                     desc = export.descriptors[path]
                     payload = {"descriptor": [desc.handle_type, *desc._fields()]}
+                    if self.local and path == "host-fd":
+                        fds = _local_fds(desc)
+                lease = self._next_lease
+                reply = {"id": rid, "ok": True, "lease": lease, "payload": payload}
+                if fds:
+                    reply["fds"] = len(fds)
+                frame = _control.pack(reply)
             except GpuShareError as exc:
-                _control.send(conn, {"ok": False, "code": "path", "message": f"exporter cannot serve {path}: {exc}"})
-                return False
+                for fd in fds:
+                    os.close(fd)
+                self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
+                return
             export.opens += 1
             export.total += 1
+        self._next_lease += 1
+        self.leases[lease] = export
+        conn.deadline = None
+        conn.send(frame, fds)
         log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
-        _control.send(conn, {"ok": True, "payload": payload})
-        return True
+
+    def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
+        """A lease ends: the view closed, or the importer could not use the
+        offer (``failed``: the open does not count)."""
+        export = self.leases.pop(lease, None) if isinstance(lease, int) else None
+        if export is None:
+            return  # already ended: nothing to do
+        log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
+                 " (the importer could not use the path)" if failed else "")
+        with export.lock:
+            export.opens -= 1
+            if failed:
+                export.total -= 1
+            export.after_close()
+        self._idle(conn)
+
+
+def _local_fds(desc: Any) -> list[int]:
+    """The fds a host-fd descriptor names, for an importer on this node's
+    control socket (the broker's registration and token, checked as the
+    broker checks them); none if the registration was withdrawn (the
+    importer then asks the broker, and hears why)."""
+    from ._paths.broker import grant
+
+    return grant(desc.export_id, desc.token) or []
 
 
 _REFUSALS = {
+    "unknown": "the exporter has no such share (closed, or never exported here)",
+    "denied": "wrong token for this share",
+    "bad": "malformed open request",
     "revoked": "the share was revoked by its exporter",
     "retired": "the share is no longer available: its lifetime ended (every importer closed it, or the object is gone)",
     "exhausted": "the share was opened as many times as its lifetime allows",
 }
 
-_service: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, abandon=Exporter.abandon)
+_instance: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, abandon=Exporter.abandon)
 
 
 def get_exporter() -> Exporter:
     """This process's exporter, started on first use (and again after fork)."""
-    return _service.get()
+    return _instance.get()
 
 
 def registered(share: Any) -> Export | None:
     """The export behind ``share`` if this very process made it."""
-    exp = _service.current()
+    exp = _instance.current()
     if exp is None or share.exporter_pid != os.getpid():
         return None
     export = exp.get(share.share_id)
@@ -354,11 +556,17 @@ def revoke(share: Any) -> None:
         export.close_remote()
         export.close_mapped()
         export.obj = None
+        export.end("revoked")
 
 
-def _peer(conn: socket.socket) -> str:
+def _peer(conn: Any) -> str:
+    """Who is at the other end of a control connection, for the log."""
+    sock = getattr(conn, "sock", conn)
     try:
-        host, port = conn.getpeername()[:2]
+        if sock.family == socket.AF_UNIX:
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            return f"pid {pid} on this node"
+        host, port = sock.getpeername()[:2]
     except OSError:
         return "a closed connection"
     return f"{host}:{port}"
@@ -370,18 +578,17 @@ def new_ids() -> tuple[str, bytes]:
 
 def weak_or_none(obj: Any, export: Export) -> Any:
     """A weak reference to ``obj`` that retires ``export`` when ``obj`` goes."""
+    service = get_service()
+
     def retire() -> None:
         with export.lock:
             export.retire()
 
     def gone(_: Any) -> None:
         # Weak-reference callbacks run wherever the last reference went,
-        # possibly under locks of their own: retire from a thread of its own.
+        # possibly under locks of their own: retire in the service thread.
         export.retired = True
-        try:
-            threading.Thread(target=retire, name="gpushare-retire", daemon=True).start()
-        except RuntimeError:
-            pass  # interpreter shutdown: the exporter's exit hook closes everything
+        service.call_soon(retire)
 
     try:
         return weakref.ref(obj, gone)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -97,3 +98,11 @@ def in_thread(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
     if errors:
         raise errors[0]
     return result[0]
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll ``cond()`` until it is true or ``timeout`` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

@@ -147,6 +147,108 @@ def _die(state: dict) -> None:
     os._exit(4)
 
 
+def sockets(pid: int | str = "self") -> int:
+    """Sockets (of any kind) the process holds open."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _stats(state: dict) -> dict:
+    """Threads, fds and gpushare's own tables in this process."""
+    import threading
+
+    from gpushare import _exporter, _importer
+    from gpushare._paths import broker
+
+    exporter = _exporter._instance.current()
+    importer = _importer._instance.current()
+    b = broker._service.current()
+    return {
+        "threads": threading.active_count(),
+        "tasks": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "sockets": sockets(),
+        "exporter": exporter.stats() if exporter else None,
+        "importer": importer.stats() if importer else None,
+        "broker": len(b) if b else 0,
+        "cpu_s": sum(os.times()[:2]),
+    }
+
+
+def _open_many(state: dict, name: str, shares: list, count: int, kwargs: dict | None = None) -> list[str]:
+    """Open ``count`` views of each share (kept under ``name``); their paths."""
+    import gpushare as gs
+
+    views = state["views"].setdefault(name, [])
+    paths = []
+    for share in shares:
+        for _ in range(count):
+            view = gs.open(share, **(kwargs or {}))
+            views.append(view)
+            paths.append(view.path)
+    return sorted(set(paths))
+
+
+def _close_many(state: dict, name: str) -> None:
+    for view in state["views"].pop(name, []):
+        view.close()
+
+
+def _cycle(state: dict, share: Any, count: int, kwargs: dict | None = None) -> str:
+    """Open, read one byte, close; ``count`` times."""
+    import gpushare as gs
+
+    path = ""
+    for _ in range(count):
+        with gs.open(share, **(kwargs or {})) as view:
+            view.get(bytearray(1))
+            path = view.path
+    return path
+
+
+def _fill_fds(state: dict, above: int) -> int:
+    """Raise RLIMIT_NOFILE and hold fds up to number ``above``, so that every
+    socket made from now on has a number above it; the highest held."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = above + 512
+    if hard != resource.RLIM_INFINITY and hard < want:
+        raise RuntimeError(f"RLIMIT_NOFILE hard limit {hard} is below {want}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    null = os.open(os.devnull, os.O_RDONLY)
+    held = state.setdefault("held_fds", [null])
+    while max(held) < above:
+        held.append(os.dup(null))
+    return max(held)
+
+
+def _export_desc(state: dict, size: int) -> Any:
+    """A host buffer's descriptor from gpushare.export_buffer (served by the broker)."""
+    import gpushare as gs
+
+    buf = gs.allocate(size, device="host")
+    buf.memoryview()[:4] = b"desc"
+    state.setdefault("exported", []).append(buf)
+    return gs.export_buffer(buf)
+
+
+def _drop_exports(state: dict) -> None:
+    for obj in state.pop("exported", []):
+        if hasattr(obj, "close"):
+            obj.close()
+
+
+def _revoke_all(state: dict, shares: list) -> None:
+    for share in shares:
+        share.revoke()
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -164,4 +266,12 @@ HANDLERS = {
     "stop_broker": _stop_broker,
     "export": _export,
     "die": _die,
+    "stats": _stats,
+    "open_many": _open_many,
+    "close_many": _close_many,
+    "cycle": _cycle,
+    "fill_fds": _fill_fds,
+    "drop_exports": _drop_exports,
+    "export_desc": _export_desc,
+    "revoke_all": _revoke_all,
 }

@@ -17,7 +17,7 @@ import pytest
 import gpushare as gs
 from gpushare._exporter import registered
 
-from _procs import Child
+from _procs import Child, wait_for as _wait_for
 import _share_peer
 
 MiB = 1 << 20
@@ -39,15 +39,6 @@ class Box:
     @property
     def __array_interface__(self):
         return self.a.__array_interface__
-
-
-def _wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # ---------------------------------------------------------------- plain data
@@ -269,10 +260,11 @@ def test_lifetime_n_imports(peer):
     peer.call("open", "n2", share)
     with pytest.raises(Exception, match="as many times as its lifetime allows"):
         peer.call("open", "n3", share)
+    export = registered(share)
     peer.call("close", "n1")
     peer.call("close", "n2")
-    export = registered(share)
     assert _wait_for(lambda: export.retired)
+    assert _wait_for(lambda: registered(share) is None)  # the registry forgot it
 
 
 def test_lifetime_none_keeps_nothing_alive(peer):
@@ -548,12 +540,18 @@ def test_control_channel_survives_garbage(payload):
                 pass  # the exporter answers or just closes; it must close
         except (ConnectionResetError, socket.timeout) as exc:
             assert not isinstance(exc, socket.timeout), "the exporter kept a garbage connection open"
-    # A hello with a forged token after garbage: refused cleanly.
+    # An open with a forged token after garbage: refused cleanly.
     with socket.create_connection((host, port), timeout=5) as s:
-        body = json.dumps({"op": "hello", "share": share.share_id, "token": {"b": "00" * 32}}).encode()
-        s.sendall(struct.pack("!I", len(body)) + body)
-        n = struct.unpack("!I", s.recv(4))[0]
-        assert json.loads(s.recv(n))["code"] == "denied"
+        def ask(message):
+            body = json.dumps(message).encode()
+            s.sendall(struct.pack("!I", len(body)) + body)
+            n = struct.unpack("!I", s.recv(4))[0]
+            return json.loads(s.recv(n))
+
+        assert ask({"op": "hello", "v": 2})["ok"] is True
+        reply = ask({"op": "open", "id": 7, "share": share.share_id, "token": {"b": "00" * 32},
+                     "path": "ucx-rma"})
+        assert reply["code"] == "denied" and reply["id"] == 7
     # The exporter still serves real importers.
     child = Child(_share_peer.setup)
     try:

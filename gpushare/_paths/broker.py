@@ -2,7 +2,8 @@
 descriptors behind an export to a peer that presents the export's token.
 
 One broker per process, started on the first export (never on import of
-gpushare), served by one daemon thread, stopped at interpreter exit.  A forked
+gpushare), served by the process's service thread (``gpushare._service``,
+epoll: no limit on descriptor numbers), stopped at interpreter exit.  A forked
 child never uses its parent's broker: it drops the inherited socket and starts
 its own on its first export.
 
@@ -28,19 +29,19 @@ import functools
 import hmac
 import os
 import secrets
-import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._descriptors import POSIX_FD_FORMAT, PosixFdBufferDescriptor
 from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputError
 from .._process import PerProcess
 
-__all__ = ["Broker", "fetch_fds", "get_broker", "node_identity", "publish"]
+__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish"]
 
 _MAGIC = b"GSFD"
 _PROTOCOL = 1
@@ -83,6 +84,8 @@ class Broker:
     """Serves the exports of this process.  Use :func:`get_broker`."""
 
     def __init__(self) -> None:
+        from .._service import get_service
+
         self.pid = os.getpid()
         self.address = f"\0gpushare-{self.pid}-{secrets.token_hex(8)}"
         self._lock = threading.Lock()
@@ -92,13 +95,12 @@ class Broker:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self._listener.bind(self.address)
-            self._listener.listen(64)
-            self._wake_r, self._wake_w = socket.socketpair()
+            self._listener.listen(128)
+            self._service = get_service()
+            self._service.listen(self._listener, self._accept)
         except BaseException:
             self._listener.close()
             raise
-        self._thread = threading.Thread(target=self._serve, name="gpushare-broker", daemon=True)
-        self._thread.start()
 
     # -- registry -------------------------------------------------------
     def register(self, fds: Sequence[int]) -> tuple[int, bytes]:
@@ -112,13 +114,39 @@ class Broker:
         return export_id, token
 
     def revoke(self, export_id: int) -> None:
-        """Stop serving an export; returns once no hand-over still uses its fds."""
+        """Stop serving an export; returns once no hand-over still uses its fds
+        (a hand-over duplicates them under the lock)."""
         with self._lock:
             self._exports.pop(export_id, None)
 
     def serves(self, export_id: int) -> bool:
         with self._lock:
             return export_id in self._exports
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._exports)
+
+    def grant(self, export_id: int, token: bytes) -> tuple[int, list[int] | str]:
+        """Duplicates of export ``export_id``'s fds if ``token`` is its token
+        (the caller owns them), else a status and why not."""
+        with self._lock:
+            entry = self._exports.get(export_id)
+            expected = entry.token if entry is not None else bytes(32)
+            granted = hmac.compare_digest(expected, token) and entry is not None
+            if entry is None:
+                return _UNKNOWN, f"export {export_id} is not served: the exporter closed it"
+            if not granted:
+                return _DENIED, f"wrong token for export {export_id}"
+            dups: list[int] = []
+            try:
+                for fd in entry.fds:
+                    dups.append(os.dup(fd))
+            except BaseException:
+                for fd in dups:
+                    os.close(fd)
+                raise
+            return _OK, dups
 
     # -- lifetime -------------------------------------------------------
     def stop(self) -> None:
@@ -128,132 +156,71 @@ class Broker:
                 return
             self._stopped = True
             self._exports.clear()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._thread.join(timeout=TIMEOUT + 1.0)
-        for s in (self._listener, self._wake_r, self._wake_w):
-            s.close()
+        self._service.unlisten(self._listener)
 
     def _abandon(self) -> None:
-        """In a forked child: close the inherited sockets without touching the
-        parent's broker (no shutdown, no wake-up), forget the exports."""
+        """In a forked child: forget the exports; the service closes the
+        inherited socket without touching the parent's broker."""
         self._stopped = True
         self._exports = {}
         self._lock = threading.Lock()
-        for s in (self._listener, self._wake_r, self._wake_w):
-            s.close()
 
-    # -- serving --------------------------------------------------------
-    def _serve(self) -> None:
-        """Accept connections and read their requests without blocking on any
-        one peer: a connection that sends nothing is dropped at its deadline
-        while others are served."""
-        pending: dict[socket.socket, tuple[float, bytearray]] = {}
+    # -- serving (in the service thread) ----------------------------------
+    def _accept(self, conn: socket.socket) -> None:
+        """Check the peer before reading a byte; its request must arrive by
+        its deadline, or the connection is dropped while others are served."""
         try:
-            while True:
-                wait = None
-                if pending:
-                    wait = max(min(d for d, _ in pending.values()) - time.monotonic(), 0.0)
-                try:
-                    ready, _, _ = select.select([self._listener, self._wake_r, *pending], [], [], wait)
-                except (OSError, ValueError):
-                    return
-                if self._wake_r in ready or self._stopped:
-                    return
-                if self._listener in ready:
-                    self._accept(pending)
-                now = time.monotonic()
-                for conn in list(pending):
-                    deadline, data = pending[conn]
-                    if conn in ready:
-                        self._read(conn, deadline, data, pending)
-                    elif deadline <= now:
-                        del pending[conn]
-                        conn.close()
-        finally:
-            for conn in pending:
-                conn.close()
-
-    def _accept(self, pending: dict[socket.socket, tuple[float, bytearray]]) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        try:
-            conn.setblocking(False)
             _, uid, _ = _peer_credentials(conn)
-            if _uid_may_share(uid):
-                entry = pending[conn] = (time.monotonic() + TIMEOUT, bytearray())
-                self._read(conn, *entry, pending)  # the request has usually arrived
-                return
-            _reply(conn, _DENIED, f"user id {uid} may not import memory of user id {os.getuid()}")
         except OSError:
-            pass
-        conn.close()
-
-    def _read(
-        self,
-        conn: socket.socket,
-        deadline: float,
-        data: bytearray,
-        pending: dict[socket.socket, tuple[float, bytearray]],
-    ) -> None:
-        try:
-            chunk = conn.recv(_REQUEST.size - len(data))
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        data += chunk
-        if chunk and len(data) < _REQUEST.size:
-            return
-        del pending[conn]
-        try:
-            if chunk:
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                self._handle(conn, bytes(data), deadline)
-        except Exception:  # noqa: BLE001, S110 - no peer may stop the broker
-            pass  # the peer went away or misbehaved; its problem, not ours
-        finally:
             conn.close()
+            return
+        c = self._service.connect(conn, _BrokerSession(self), time.monotonic() + TIMEOUT)
+        if not _uid_may_share(uid):
+            c.send(_reply_bytes(_DENIED, f"user id {uid} may not import memory of user id {os.getuid()}"))
+            c.close_when_sent()
 
-    def _handle(self, conn: socket.socket, request: bytes, deadline: float) -> None:
+
+class _BrokerSession:
+    """One request, one reply, per connection."""
+
+    wants_fds = False
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.done = False
+
+    def data_received(self, conn: Any, fds: list[int]) -> None:
+        if self.done or len(conn.rbuf) < _REQUEST.size:
+            return
+        self.done = True
+        request = bytes(conn.rbuf[: _REQUEST.size])
+        conn.rbuf.clear()
         magic, protocol, export_id, token = _REQUEST.unpack(request)
         if magic != _MAGIC or protocol != _PROTOCOL:
-            _reply(conn, _BAD_REQUEST, f"not a gpushare request of protocol {_PROTOCOL}")
-            return
-        dups: list[int] = []
-        try:
-            with self._lock:
-                entry = self._exports.get(export_id)
-                expected = entry.token if entry is not None else bytes(32)
-                granted = hmac.compare_digest(expected, token) and entry is not None
-                if granted and entry is not None:
-                    for fd in entry.fds:
-                        dups.append(os.dup(fd))
-            if entry is None:
-                _reply(conn, _UNKNOWN, f"export {export_id} is not served: the exporter closed it")
-                return
-            if not granted:
-                _reply(conn, _DENIED, f"wrong token for export {export_id}")
-                return
-            # The reply carries the first fds (one wake-up of the importer
-            # for most buffers); any more follow on one byte each.
-            header = _REPLY.pack(_MAGIC, _PROTOCOL, _OK, 0, len(dups))
-            for start in range(0, len(dups), _FDS_PER_MESSAGE):
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                data = header if start == 0 else b"F"
-                socket.send_fds(conn, [data], dups[start : start + _FDS_PER_MESSAGE])
-        finally:
-            for fd in dups:
-                os.close(fd)
+            conn.send(_reply_bytes(_BAD_REQUEST, f"not a gpushare request of protocol {_PROTOCOL}"))
+        else:
+            status, granted = self.broker.grant(export_id, token)
+            if status != _OK:
+                conn.send(_reply_bytes(status, str(granted)))
+            else:
+                # The reply carries the first fds (one wake-up of the importer
+                # for most buffers); any more follow on one byte each.
+                dups = list(granted)
+                header = _REPLY.pack(_MAGIC, _PROTOCOL, _OK, 0, len(dups))
+                for start in range(0, max(len(dups), 1), _FDS_PER_MESSAGE):
+                    conn.send(header if start == 0 else b"F", dups[start : start + _FDS_PER_MESSAGE])
+        conn.close_when_sent()
+
+    def connection_lost(self, conn: Any, exc: BaseException | None) -> None:
+        pass
+
+    def deadline_passed(self, conn: Any) -> None:
+        conn.close()
 
 
-def _reply(conn: socket.socket, status: int, message: str, count: int = 0) -> None:
+def _reply_bytes(status: int, message: str, count: int = 0) -> bytes:
     text = message.encode()[:1024]
-    conn.sendall(_REPLY.pack(_MAGIC, _PROTOCOL, status, len(text), count) + text)
+    return _REPLY.pack(_MAGIC, _PROTOCOL, status, len(text), count) + text
 
 
 _service: PerProcess[Broker] = PerProcess(Broker, stop=Broker.stop, abandon=Broker._abandon)
@@ -262,6 +229,41 @@ _service: PerProcess[Broker] = PerProcess(Broker, stop=Broker.stop, abandon=Brok
 def get_broker() -> Broker:
     """This process's broker, started on first use (and again after a fork)."""
     return _service.get()
+
+
+def grant(export_id: int, token: bytes) -> list[int] | None:
+    """Duplicates of a registration's fds (the caller owns them), or None
+    when this process's broker does not serve it with that token."""
+    broker = _service.current()
+    if broker is None:
+        return None
+    status, granted = broker.grant(export_id, token)
+    return list(granted) if status == _OK else None
+
+
+def control_address(pid: int, port: int) -> str:
+    """The Unix-socket address of the control channel of exporter ``pid``
+    whose TCP control port is ``port`` (abstract, in its network namespace)."""
+    return f"\0gpushare-control-{pid}-{port}"
+
+
+def check_peer(sock: socket.socket, pid: int, what: str) -> None:
+    """Refuse a Unix-socket peer that is not process ``pid`` of this user (or root)."""
+    peer_pid, peer_uid, _ = _peer_credentials(sock)
+    if peer_pid != pid:
+        raise AccessDeniedError(f"{what} is process {peer_pid}, not exporter pid {pid}; "
+                                "refusing memory from an impostor")
+    if not _uid_may_share(peer_uid):
+        raise AccessDeniedError(f"{what} runs as user id {peer_uid}; this process is user id {os.getuid()}")
+
+
+def may_share(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this user or root."""
+    try:
+        _, uid, _ = _peer_credentials(sock)
+    except OSError:
+        return False
+    return _uid_may_share(uid)
 
 
 def publish(
@@ -335,16 +337,7 @@ def fetch_fds(
                 sock.sendall(_REQUEST.pack(_MAGIC, _PROTOCOL, export_id, token))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # a broker that refuses us answers before reading; read its answer
-            peer_pid, peer_uid, _ = _peer_credentials(sock)
-            if peer_pid != pid:
-                raise AccessDeniedError(
-                    f"the broker at {address!r} is process {peer_pid}, not exporter pid {pid}; "
-                    "refusing memory from an impostor"
-                )
-            if not _uid_may_share(peer_uid):
-                raise AccessDeniedError(
-                    f"the broker runs as user id {peer_uid}; this process is user id {os.getuid()}"
-                )
+            check_peer(sock, pid, f"the broker at {address!r}")
             data = _recv_with_fds(sock, _REPLY.size, fds, deadline)
             magic, protocol, status, length, n = _REPLY.unpack(data)
             if magic != _MAGIC or protocol != _PROTOCOL:

@@ -312,23 +312,35 @@ def check_same_node(desc: PosixFdBufferDescriptor) -> None:
         )
 
 
-def import_host(desc: PosixFdBufferDescriptor, *, timeout: float = _broker.TIMEOUT) -> HostBuffer:
-    """Fetch the memfds behind ``desc`` from its exporter and map them."""
-    check_same_node(desc)
-    for i, size in enumerate(desc.sizes):
-        if size % PAGE:
-            raise InvalidInputError(
-                f"allocation size {i} is {size}; host allocations are multiples of the page size {PAGE}"
-            )
-    fds = _broker.fetch_fds(
-        desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid, timeout=timeout
-    )
+def import_host(
+    desc: PosixFdBufferDescriptor, *, timeout: float = _broker.TIMEOUT, fds: list[int] | None = None
+) -> HostBuffer:
+    """Fetch the memfds behind ``desc`` from its exporter and map them.
+
+    ``fds``: the memfds, already received from the exporter (over its
+    same-node control socket); they are checked the same way, and closed
+    here whatever happens.
+    """
     try:
+        check_same_node(desc)
+        for i, size in enumerate(desc.sizes):
+            if size % PAGE:
+                raise InvalidInputError(
+                    f"allocation size {i} is {size}; host allocations are multiples of the page size {PAGE}"
+                )
+        if fds is None:
+            fds = _broker.fetch_fds(
+                desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid, timeout=timeout
+            )
+        elif len(fds) != len(desc.sizes):
+            raise InvalidInputError(
+                f"exporter pid {desc.pid} sent {len(fds)} file descriptors; the descriptor names {len(desc.sizes)}"
+            )
         for i, (fd, size) in enumerate(zip(fds, desc.sizes, strict=True)):
             _check_memfd(fd, i, size)
         region, ptr = _map_contiguously(fds, desc.sizes)
     finally:
-        for fd in fds:
+        for fd in fds or ():
             os.close(fd)  # the mappings keep the memory; the fds are not needed
     return HostBuffer._create(region, ptr, desc.size, desc.sizes, [])
 

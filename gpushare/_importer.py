@@ -1,0 +1,341 @@
+"""The importer's side of the control channel: this process's connections to exporters.
+
+One control connection per exporter, reused by every open of its shares:
+the first open connects and says hello (where a peer would authenticate),
+every further open is one request and one reply, matched by request id.
+Each open the exporter grants is a *lease* on that connection, ended by
+closing the view (a ``close`` message) or by the connection closing.  A
+connection with no lease and no request in flight is closed after a short
+linger, so none outlives its use and a quick reopen reuses it.
+
+Replies are read by the process's service thread (:mod:`gpushare._service`);
+the thread that opens waits for its reply.  In a forked child the parent's
+connections are closed at fork (by the service) and never used: a lease
+inherited from the parent does nothing there, and the child connects anew.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from . import _control
+from ._errors import ExporterUnreachableError, GpuShareError, InvalidInputError
+from ._process import PerProcess
+from ._service import Connection, Protocol, Timer, get_service
+
+__all__ = ["Lease", "get_importer"]
+
+#: Seconds a connection with no open view is kept for a reopen.
+IDLE_LINGER = 2.0
+
+
+class _Lost(Exception):
+    """The connection ended before the reply came (maybe reusable: retry once)."""
+
+
+class _Waiter:
+    __slots__ = ("event", "fds", "reply")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: dict | None = None
+        self.fds: list[int] = []
+
+
+class _Link(Protocol):
+    """One control connection to one exporter."""
+
+    def __init__(self, importer: Importer, key: tuple, pid: int, *, local: bool = False) -> None:
+        #: A Unix socket to an exporter on this node: fds come with replies.
+        self.wants_fds = local
+        self._fds: list[int] = []  # received, not yet claimed by a reply
+        self.importer = importer
+        self.key = key
+        self.exporter_pid = pid
+        # Re-entrant: a view's finalizer (run by the garbage collector at any
+        # allocation) may end a lease while this thread holds the lock.
+        self.lock = threading.RLock()
+        self.conn: Connection | None = None
+        self.pending: dict[int, _Waiter] = {}
+        self.leases: set[int] = set()
+        self.dead: str | None = None
+        self.answered = False
+        self._abandoned: set[int] = set()  # requests whose caller gave up waiting
+        self._linger: Timer | None = None
+
+    # -- any thread ---------------------------------------------------------
+    def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
+        """Send one request and wait for its reply, and the fds that came with it."""
+        rid = next(self.importer.ids)
+        waiter = _Waiter()
+        with self.lock:
+            if self.dead is not None:
+                raise _Lost(self.dead)
+            self._stop_linger()
+            self.pending[rid] = waiter
+            conn = self.conn
+        conn.send(_control.pack({**message, "id": rid}))
+        if not waiter.event.wait(timeout):
+            with self.lock:
+                if self.pending.pop(rid, None) is not None:
+                    self._abandoned.add(rid)
+                    self._maybe_linger()
+            if waiter.reply is None:
+                raise TimeoutError(f"no answer from exporter pid {self.exporter_pid} within {timeout:.3g} s")
+        if waiter.reply is None:
+            raise _Lost(self.dead or "the connection closed")
+        return waiter.reply, waiter.fds
+
+    def end_lease(self, lease: int, op: str) -> None:
+        """Tell the exporter a lease ended (``close``) or was not used (``failed``)."""
+        with self.lock:
+            if lease not in self.leases:
+                return
+            self.leases.discard(lease)
+            conn = None if self.dead is not None else self.conn
+            self._maybe_linger()
+        if conn is not None:
+            conn.send(_control.pack({"op": op, "lease": lease}))
+
+    def _stop_linger(self) -> None:
+        timer, self._linger = self._linger, None
+        if timer is not None:
+            timer.cancel()
+
+    def _maybe_linger(self) -> None:
+        """Close the connection a while after its last lease and request (lock held)."""
+        if self.leases or self.pending or self.dead is not None or self._linger is not None:
+            return
+        self._linger = self.importer.service.call_later(IDLE_LINGER, self._idle)
+
+    # -- service thread -------------------------------------------------------
+    def _idle(self) -> None:
+        with self.lock:
+            if self.leases or self.pending or self.dead is not None:
+                return
+            self._linger = None
+            self.dead = "closed after being idle"
+        self.importer._drop(self)
+        if self.conn is not None:
+            self.conn.close()
+
+    def data_received(self, conn: Connection, fds: list[int]) -> None:
+        self._fds.extend(fds)
+        for message in _control.take_frames(conn.rbuf):
+            rid, lease = message.get("id"), message.get("lease")
+            granted = message.get("ok") is True and isinstance(lease, int) and not isinstance(lease, bool)
+            count = message.get("fds", 0)
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self._fds):
+                raise InvalidInputError(f"exporter pid {self.exporter_pid} announced fds it did not send")
+            got, self._fds = self._fds[:count], self._fds[count:]
+            with self.lock:
+                waiter = self.pending.pop(rid, None)  # type: ignore[arg-type]
+                late = waiter is None and rid in self._abandoned
+                if waiter is None and not late:
+                    _close_all(got)
+                    raise InvalidInputError(f"exporter pid {self.exporter_pid} answered a request never made")
+                self._abandoned.discard(rid)  # type: ignore[arg-type]
+                self.answered = True
+                if granted:
+                    self.leases.add(lease)
+                self._maybe_linger()
+            if late:
+                _close_all(got)
+                if granted:  # nobody waits for this open any more: give it back
+                    self.end_lease(lease, "failed")
+                continue
+            waiter.fds = got
+            waiter.reply = message
+            waiter.event.set()
+        if self._fds and not conn.rbuf:
+            raise InvalidInputError(f"exporter pid {self.exporter_pid} sent fds with no reply")
+
+    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        fds, self._fds = self._fds, []
+        _close_all(fds)
+        with self.lock:
+            if self.dead is None:
+                self.dead = f"the connection closed ({exc})" if exc else "the exporter closed the connection"
+            waiters, self.pending = list(self.pending.values()), {}
+            self.leases.clear()  # the exporter ended them with the connection
+            self._stop_linger()
+        self.importer._drop(self)
+        for waiter in waiters:
+            waiter.event.set()
+
+    def deadline_passed(self, conn: Connection) -> None:
+        pass  # no deadline is set: requests time out in their callers
+
+
+class Lease:
+    """One open granted by an exporter; :meth:`close` ends it (idempotent,
+    and a no-op in a forked child)."""
+
+    __slots__ = ("_link", "_pid", "id")
+
+    def __init__(self, link: _Link, lease_id: int) -> None:
+        self._link = link
+        self._pid = os.getpid()
+        self.id = lease_id
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            self._link.end_lease(self.id, "close")
+
+    def failed(self) -> None:
+        """The offer could not be used: the open does not count."""
+        if self._pid == os.getpid():
+            self._link.end_lease(self.id, "failed")
+
+
+class Importer:
+    """This process's connections to exporters; use :func:`get_importer`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.service = get_service()
+        self.ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._links: dict[tuple, _Link] = {}
+
+    def stats(self) -> dict[str, int]:
+        """Connections held and leases on them (for tests and benchmarks)."""
+        with self._lock:
+            links = list(self._links.values())
+        return {"connections": len(links), "leases": sum(len(link.leases) for link in links)}
+
+    def open(self, share: Any, addresses: tuple, message: dict,
+             deadline: float) -> tuple[dict, Lease | None, list[int]]:
+        """Send an open request for ``share``: the reply, its lease if granted,
+        and the fds that came with it (the caller owns them).
+
+        A connection that closed under a request it had reused (the exporter
+        dropped it as idle) is replaced once.
+        """
+        link = self._link(share, addresses, deadline)
+        try:
+            reply, fds = link.request(message, _left(deadline))
+        except _Lost as exc:
+            if not link.answered:
+                raise _unreachable(share, exc) from None
+            link = self._link(share, addresses, deadline)
+            try:
+                reply, fds = link.request(message, _left(deadline))
+            except _Lost as exc2:
+                raise _unreachable(share, exc2) from None
+        if not reply.get("ok"):
+            _close_all(fds)
+            return reply, None, []
+        lease = reply.get("lease")
+        if isinstance(lease, bool) or not isinstance(lease, int):
+            _close_all(fds)
+            raise InvalidInputError(f"exporter pid {share.exporter_pid} granted a malformed lease")
+        return reply, Lease(link, lease), fds
+
+    def _link(self, share: Any, addresses: tuple, deadline: float) -> _Link:
+        key = (share.exporter_pid, share.node, share.control)
+        with self._lock:
+            link = self._links.get(key)
+        if link is not None and link.dead is None:
+            return link
+        if self.service.in_service_thread():
+            raise InvalidInputError("gpushare.open cannot be called from gpushare's service thread")
+        sock = _connect_local(share, deadline)
+        link = _Link(self, key, share.exporter_pid, local=sock is not None)
+        if sock is None:
+            sock = _control.connect(addresses, _left(deadline))
+            try:
+                _hello(sock, share.exporter_pid, deadline)
+            except BaseException:
+                sock.close()
+                raise
+        link.conn = self.service.connect(sock, link)
+        with self._lock:
+            other = self._links.get(key)
+            if other is not None and other.dead is not None:
+                other = None  # closing: replaced
+            if other is None:
+                self._links[key] = link
+        if other is not None:  # another thread connected first: use that one
+            link.dead = "not needed"
+            self.service.call_soon(link.conn.close)
+            return other
+        return link
+
+    def _drop(self, link: _Link) -> None:
+        with self._lock:
+            if self._links.get(link.key) is link:
+                del self._links[link.key]
+
+    def abandon(self) -> None:
+        """In a forked child: the service closed the inherited connections; forget them."""
+        self._links = {}
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        """At exit: the service closes the connections."""
+
+
+def _unreachable(share: Any, exc: BaseException) -> ExporterUnreachableError:
+    return ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}")
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the open ran out of time")
+    return left
+
+
+def _connect_local(share: Any, deadline: float) -> socket.socket | None:
+    """A control connection over the exporter's Unix socket, when it is on
+    this node and answers as the exporter, of this user or root; else None
+    (and the caller uses TCP)."""
+    from ._paths.broker import check_peer, control_address
+    from ._share import node_key
+
+    if share.node != node_key():
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(_left(deadline))
+        sock.connect(control_address(share.exporter_pid, share.control[0][1]))
+        check_peer(sock, share.exporter_pid, "the control socket")
+        _hello(sock, share.exporter_pid, deadline)
+    except (OSError, EOFError, GpuShareError):
+        sock.close()
+        return None
+    return sock
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:
+    """Say hello on a new control connection and check the answer.  The
+    place for a mutual challenge before anything else is sent."""
+    from ._share import node_key
+
+    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key()})
+    reply = _control.recv(sock, _left(deadline))
+    if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:
+        why = reply.get("message") or f"it speaks control protocol {reply.get('v')!r:.20}, not {_control.PROTOCOL}"
+        raise ExporterUnreachableError(
+            f"exporter pid {exporter_pid} refused the connection: {str(why)[:200]} "
+            "(run the same gpushare version on both sides)"
+        )
+
+
+_instance: PerProcess[Importer] = PerProcess(Importer, stop=Importer.stop, abandon=Importer.abandon)
+
+
+def get_importer() -> Importer:
+    """This process's importer, made on first use (and again after fork)."""
+    return _instance.get()

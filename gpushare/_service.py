@@ -1,0 +1,555 @@
+"""The one service thread of a process: every socket gpushare serves or keeps.
+
+One daemon thread waits on an ``epoll`` selector (no ``select()`` limit on
+file descriptor numbers) for the exporter's control listeners, every control
+connection (the exporter's, each with its leases, and the importer's), and
+the fd broker.  No thread per lease, per connection or per peer.
+
+Every socket is non-blocking and every connection has its own read buffer,
+write queue and deadline: a silent or slow peer is dropped at its deadline
+and never delays another.  What a connection does with its bytes is its
+:class:`Protocol`'s business; protocol callbacks run in the service thread
+and must not block on the network.
+
+The service starts on first use (an export, an open, a broker registration;
+never on ``import gpushare``), stops at interpreter exit, and is made anew in
+a forked child, which closes every socket it inherited without touching the
+parent's (no ``epoll_ctl``, no ``shutdown``: the epoll instance and the
+connections are shared with the parent until the child closes its copies).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._process import PerProcess
+
+__all__ = ["Connection", "Protocol", "Service", "Timer", "get_service"]
+
+_READ_CHUNK = 256 * 1024
+#: Most file descriptors one received message may carry.
+MAX_FDS = 250
+
+
+class Protocol:
+    """What a :class:`Connection` does with its bytes (callbacks run in the service thread)."""
+
+    #: Receive file descriptors (``SCM_RIGHTS``) with the bytes; Unix sockets only.
+    wants_fds = False
+
+    def data_received(self, conn: Connection, fds: list[int]) -> None:
+        """New bytes are in ``conn.rbuf`` (and ``fds`` arrived with them: the
+        protocol owns and must close them).  Raise to drop the connection."""
+
+    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        """The connection closed (by either side, a deadline, or an error); called once."""
+
+    def deadline_passed(self, conn: Connection) -> None:
+        """``conn.deadline`` passed; by default the connection is dropped."""
+        conn.close()
+
+
+class Connection:
+    """A non-blocking socket served by the service thread.
+
+    :meth:`send` may be called from any thread; everything else from the
+    service thread (or a protocol callback).
+    """
+
+    def __init__(self, service: Service, sock: socket.socket, protocol: Protocol,
+                 deadline: float | None = None) -> None:
+        sock.setblocking(False)
+        self.service = service
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self.protocol = protocol
+        self._deadline: float | None = None
+        self._queued: float | None = None  # the earliest of its entries in the service's heap
+        self.rbuf = bytearray()
+        self.closed = False
+        self._wq: collections.deque[list] = collections.deque()  # [memoryview, fds] pairs
+        # Re-entrant: a view's finalizer (run by the garbage collector at any
+        # allocation) may send while this thread is inside send or a flush.
+        self._wlock = threading.RLock()
+        self._flushing = False
+        self._writing = False
+        self._close_when_sent = False
+        self.deadline = deadline
+
+    @property
+    def deadline(self) -> float | None:
+        """When (``time.monotonic()``) the protocol's :meth:`~Protocol.deadline_passed` runs; None: never."""
+        return self._deadline
+
+    @deadline.setter
+    def deadline(self, when: float | None) -> None:
+        self._deadline = when
+        if when is not None and (self._queued is None or when < self._queued):
+            self._queued = when
+            self.service._at_deadline(self, when)
+
+    # -- any thread -------------------------------------------------------
+    def send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        """Queue ``data`` (and ``fds`` on its first bytes) and send what the
+        socket takes now; the rest goes as the peer reads.  The connection
+        owns ``fds``: they are closed once sent (or dropped)."""
+        owned = list(fds)
+        view = memoryview(data)
+        # At most MAX_FDS descriptors ride on one byte each; the rest of the
+        # bytes follow.  (The peer has them all once it has the bytes.)
+        chunks = [[view[i : i + 1], owned[j : j + MAX_FDS]]
+                  for i, j in enumerate(range(0, len(owned), MAX_FDS))]
+        if len(chunks) > len(view):
+            _close_all(owned)
+            raise ValueError(f"{len(owned)} fds need more than {len(view)} bytes to ride on")
+        chunks.append([view[len(chunks):], []])
+        with self._wlock:
+            if self.closed:
+                _close_all(owned)
+                return
+            self._wq.extend(chunk for chunk in chunks if len(chunk[0]))
+            if self._flushing:  # re-entered mid-flush: the service thread sends it
+                if not self._writing:
+                    self._writing = True
+                    self.service.call_soon(self._want_write)
+                return
+            if not self._writing:
+                self._flush_locked()
+                if self._wq and not self._writing:
+                    self._writing = True
+                    self.service.call_soon(self._want_write)
+
+    def backlog(self) -> int:
+        """Bytes queued and not yet taken by the peer."""
+        with self._wlock:
+            return sum(len(view) for view, _ in self._wq)
+
+    def close_when_sent(self) -> None:
+        """Close once the queued bytes are sent."""
+        with self._wlock:
+            self._close_when_sent = True
+            empty = not self._wq
+        if empty:
+            if self.service.in_service_thread():
+                self.close()
+            else:
+                self.service.call_soon(self.close)
+
+    # -- service thread ----------------------------------------------------
+    def _flush_locked(self) -> None:
+        """Send queued bytes until the socket would block (lock held)."""
+        self._flushing = True
+        try:
+            self._flush_queue()
+        finally:
+            self._flushing = False
+
+    def _flush_queue(self) -> None:
+        while self._wq:
+            entry = self._wq[0]
+            view, fds = entry
+            try:
+                if fds:
+                    sent = self.sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                       _fd_array(fds))])
+                    _close_all(fds)
+                    entry[1] = []
+                else:
+                    sent = self.sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # The peer is gone: reading reports it and closes the connection.
+                for _, queued in self._wq:
+                    _close_all(queued)
+                self._wq.clear()
+                return
+            if sent < len(view):
+                entry[0] = view[sent:]
+                return
+            self._wq.popleft()
+
+    def _want_write(self) -> None:
+        if not self.closed:
+            self.service._modify(self, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _on_writable(self) -> None:
+        with self._wlock:
+            self._flush_locked()
+            done = not self._wq
+            if done:
+                self._writing = False
+            close = done and self._close_when_sent
+        if done and not self.closed:
+            self.service._modify(self, selectors.EVENT_READ)
+        if close:
+            self.close()
+
+    def _on_readable(self) -> None:
+        fds: list[int] = []
+        try:
+            if self.protocol.wants_fds:
+                data, fds = _recv_fds(self.sock)
+            else:
+                data = self.sock.recv(_READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.close(exc)
+            return
+        if not data:
+            _close_all(fds)
+            self.close()
+            return
+        self.rbuf += data
+        try:
+            self.protocol.data_received(self, fds)
+        except Exception as exc:  # noqa: BLE001 - a peer's bytes never stop the service
+            self.close(exc)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Drop the connection now (idempotent); the protocol hears of it once."""
+        if self.closed:
+            return
+        with self._wlock:
+            self.closed = True
+            for _, fds in self._wq:
+                _close_all(fds)
+            self._wq.clear()
+        self.rbuf = bytearray()
+        self.service._forget(self)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.protocol.connection_lost(self, exc)
+        except Exception:  # noqa: BLE001, S110 - cleanup of one peer never stops the service
+            pass
+
+
+class Timer:
+    """A call the service thread makes later, unless cancelled first."""
+
+    __slots__ = ("cancelled", "fn", "when")
+
+    def __init__(self, when: float, fn: Callable[[], Any]) -> None:
+        self.when, self.fn, self.cancelled = when, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Service:
+    """This process's service thread; use :func:`get_service`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._calls: collections.deque[Callable[[], Any]] = collections.deque()
+        self._timers: list[tuple[float, int, Timer]] = []
+        # Connection deadlines, earliest first; an entry whose connection
+        # changed its deadline since is skipped (at most a few per connection).
+        self._deadlines: list[tuple[float, int, Connection]] = []
+        self._seq = itertools.count()
+        self._conns: dict[int, Connection] = {}
+        self._listeners: dict[int, tuple[socket.socket, Callable[[socket.socket], None]]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="gpushare-service", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------
+    def in_service_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` in the service thread (safe from any thread, signal
+        handlers and weak-reference callbacks included: it never blocks)."""
+        self._calls.append(fn)
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake (the pipe is full), or stopped
+
+    def call_later(self, delay: float, fn: Callable[[], Any]) -> Timer:
+        """Run ``fn()`` in the service thread after ``delay`` seconds."""
+        timer = Timer(time.monotonic() + delay, fn)
+        self.call_soon(lambda: heapq.heappush(self._timers, (timer.when, next(self._seq), timer)))
+        return timer
+
+    def run(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn()`` in the service thread and return its result."""
+        if self.in_service_thread():
+            return fn()
+        done = threading.Event()
+        box: list = [None, None]
+
+        def call() -> None:
+            try:
+                box[0] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box[1] = exc
+            done.set()
+
+        self.call_soon(call)
+        if not done.wait(timeout):
+            raise TimeoutError(f"the gpushare service thread did not answer within {timeout} s")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    def listen(self, sock: socket.socket, on_accept: Callable[[socket.socket], None]) -> None:
+        """Serve a listening socket: ``on_accept(conn)`` runs in the service
+        thread for each accepted connection."""
+        sock.setblocking(False)
+
+        def add() -> None:
+            self._listeners[sock.fileno()] = (sock, on_accept)
+            self._selector.register(sock, selectors.EVENT_READ, sock.fileno())
+
+        self.run(add)
+
+    def unlisten(self, sock: socket.socket) -> None:
+        """Stop serving ``sock`` and close it."""
+        def remove() -> None:
+            if self._listeners.pop(sock.fileno(), None) is not None:
+                self._selector.unregister(sock)
+            sock.close()
+
+        if not self._stopping:
+            try:
+                self.run(remove)
+                return
+            except TimeoutError:
+                pass
+        sock.close()
+
+    def connect(self, sock: socket.socket, protocol: Protocol, deadline: float | None = None) -> Connection:
+        """Serve an open socket with ``protocol``; returns its connection."""
+        conn = Connection(self, sock, protocol, deadline)
+        self.call_soon(lambda: self._add(conn))
+        return conn
+
+    def stats(self) -> dict[str, int]:
+        """Connections, listeners and timers (not cancelled) pending now."""
+        return {"connections": len(self._conns), "listeners": len(self._listeners),
+                "timers": sum(not t.cancelled for _, _, t in list(self._timers))}
+
+    # -- lifetime -----------------------------------------------------------
+    def stop(self) -> None:
+        """Close every socket and end the thread (at exit, in the process that started it)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.call_soon(lambda: None)
+        if not self.in_service_thread():
+            self._thread.join(timeout=5.0)
+        for conn in list(self._conns.values()):
+            conn.close()
+        for sock, _ in list(self._listeners.values()):
+            sock.close()
+        self._listeners.clear()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        self._selector.close()
+
+    def abandon(self) -> None:
+        """In a forked child: close every inherited socket, touching nothing
+        the parent still uses (no unregistering, no shutdown)."""
+        self._stopping = True
+        for conn in self._conns.values():
+            conn.closed = True
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        for sock, _ in self._listeners.values():
+            sock.close()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        try:
+            os.close(self._selector.fileno())
+        except OSError:
+            pass
+        self._conns, self._listeners, self._calls = {}, {}, collections.deque()
+
+    # -- service thread -----------------------------------------------------
+    def _add(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        if self._stopping:
+            conn.close()
+            return
+        self._conns[conn.fileno] = conn
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn._writing else 0)
+        self._selector.register(conn.sock, events, conn.fileno)
+        conn._on_readable()  # bytes may have arrived before it was registered
+
+    def _forget(self, conn: Connection) -> None:
+        if self._conns.get(conn.fileno) is conn:
+            del self._conns[conn.fileno]
+            try:
+                self._selector.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _modify(self, conn: Connection, events: int) -> None:
+        if self._conns.get(conn.fileno) is conn:
+            self._selector.modify(conn.sock, events, conn.fileno)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            timeout = self._next_timeout()
+            try:
+                ready = self._selector.select(timeout)
+            except (OSError, ValueError):
+                return
+            for key, events in ready:
+                fd = key.data
+                if fd is None:
+                    self._drain_wake()
+                    continue
+                listener = self._listeners.get(fd)
+                if listener is not None:
+                    self._accept(*listener)
+                    continue
+                conn = self._conns.get(fd)
+                if conn is not None:
+                    self._serve(conn, events)
+            self._run_calls()
+            self._run_timers()
+            self._check_deadlines()
+
+    def _serve(self, conn: Connection, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE:
+                conn._on_writable()
+            if events & selectors.EVENT_READ and not conn.closed:
+                conn._on_readable()
+        except Exception as exc:  # noqa: BLE001 - one connection never stops the service
+            conn.close(exc)
+
+    def _at_deadline(self, conn: Connection, when: float) -> None:
+        entry = (when, next(self._seq), conn)
+        if self.in_service_thread():
+            heapq.heappush(self._deadlines, entry)
+        else:
+            self.call_soon(lambda: heapq.heappush(self._deadlines, entry))
+
+    def _next_timeout(self) -> float | None:
+        if self._calls:
+            return 0.0
+        when = [entry[0] for heap in (self._timers, self._deadlines) for entry in heap[:1]]
+        if not when:
+            return None
+        return max(min(when) - time.monotonic(), 0.0)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_calls(self) -> None:
+        for _ in range(len(self._calls)):
+            fn = self._calls.popleft()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001, S110 - one failing callback never stops the service
+                pass
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                try:
+                    timer.fn()
+                except Exception:  # noqa: BLE001, S110
+                    pass
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            when, _, conn = heapq.heappop(self._deadlines)
+            if conn.closed or conn._queued != when:
+                continue  # gone, or an entry it no longer counts on
+            conn._queued = None
+            if conn.deadline is None:
+                continue
+            if conn.deadline > now:  # moved later since: wait for that
+                conn.deadline = conn.deadline
+                continue
+            conn.deadline = None
+            try:
+                conn.protocol.deadline_passed(conn)
+            except Exception as exc:  # noqa: BLE001
+                conn.close(exc)
+
+    def _accept(self, sock: socket.socket, on_accept: Callable[[socket.socket], None]) -> None:
+        for _ in range(64):  # a burst, without starving the other sockets
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # out of fds, or the peer gave up: try again on the next wake-up
+            try:
+                on_accept(conn)
+            except Exception:  # noqa: BLE001 - one peer never stops the service
+                conn.close()
+
+
+def _fd_array(fds: Sequence[int]) -> bytes:
+    import array
+
+    return array.array("i", fds).tobytes()
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """Bytes and any file descriptors that came with them; a message whose
+    descriptors were cut short is an error (after closing those that came)."""
+    import array
+
+    cmsg_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    data, ancdata, flags, _ = sock.recvmsg(_READ_CHUNK, cmsg_space)
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    if flags & socket.MSG_CTRUNC:
+        _close_all(fds)
+        raise OSError("file descriptors were cut short in transit (RLIMIT_NOFILE?)")
+    return data, fds
+
+
+_instance: PerProcess[Service] = PerProcess(Service, stop=Service.stop, abandon=Service.abandon)
+
+
+def get_service() -> Service:
+    """This process's service thread, started on first use (and again after fork)."""
+    return _instance.get()
