@@ -497,10 +497,76 @@ class MemoryHandle:
         return f"<gpushare.ucx.MemoryHandle {self._memory_type} base=0x{self._native.base_address:x} size={self._native.size}>"
 
 
-class Endpoint:
+class _Connection:
+    """What :class:`Endpoint` and the region server's ``Peer`` share: a native
+    endpoint, the requests in flight (whose buffers stay referenced), close."""
+
+    __slots__ = ("_native", "_inflight", "_closed", "_lock", "__weakref__")
+
+    def _init(self, native_ep: Any) -> None:
+        self._native = native_ep
+        self._inflight: deque[Request] = deque()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _check_open(self) -> Any:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is up (false once closed or the peer failed)."""
+        return not self._closed and self._native.alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def transport_info(self) -> str:
+        """UCX's description of the lanes and transports this connection uses."""
+        n = self._check_open()
+        with native_errors():
+            return n.info()
+
+    def _track(self, req: Request) -> Request:
+        """Keep ``req`` (and its buffer) referenced until it completes."""
+        if self._inflight:
+            self._prune()
+        if not req._native.done():
+            with self._lock:
+                self._inflight.append(req)
+        return req
+
+    def _prune(self) -> None:
+        with self._lock:
+            while self._inflight and self._inflight[0]._native.done():
+                self._inflight.popleft()._buffer = None
+
+    def _shutdown(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with native_errors():
+                self._native.close(timeout)
+        except GpuShareError:
+            pass  # the peer is gone already: nothing left to disconnect
+        with self._lock:
+            self._inflight.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class Endpoint(_Connection):
     """A connection to one peer agent; made by :meth:`Agent.connect`."""
 
-    __slots__ = ("_native", "_agent", "_inflight", "_closed", "_lock", "__weakref__")
+    __slots__ = ("_agent",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Endpoint objects are made by Agent.connect")
@@ -508,11 +574,8 @@ class Endpoint:
     @classmethod
     def _make(cls, agent: Agent, nep: Any) -> Endpoint:
         self = object.__new__(cls)
-        self._native = nep
+        self._init(nep)
         self._agent = agent
-        self._inflight: deque[Request] = deque()
-        self._closed = False
-        self._lock = threading.Lock()
         return self
 
     def _check_open(self) -> Any:
@@ -520,17 +583,6 @@ class Endpoint:
             raise ClosedError("endpoint is closed")
         self._agent._check_usable()
         return self._native
-
-    @property
-    def alive(self) -> bool:
-        """Whether the connection is up (false once closed or the peer failed)."""
-        return not self._closed and self._native.alive()
-
-    def transport_info(self) -> str:
-        """UCX's description of the lanes and transports this endpoint uses."""
-        n = self._check_open()
-        with native_errors():
-            return n.info()
 
     def unpack_remote_key(self, blob: bytes) -> RemoteKey:
         """Turn a peer's serialized key into a key usable on this endpoint.
@@ -605,11 +657,6 @@ class Endpoint:
                 self._inflight.append(req)
         return req
 
-    def _prune(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0]._native.done():
-                self._inflight.popleft()._buffer = None
-
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
                 callback_data: Any = None, *, nbytes: int | None = None) -> Request:
@@ -683,28 +730,6 @@ class Endpoint:
         if self._agent._usable():
             self._shutdown(5.0 if t is None else t)
         self._closed = True
-
-    def _shutdown(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with native_errors():
-                self._native.close(timeout)
-        except GpuShareError:
-            pass  # the peer is gone already: nothing left to disconnect
-        with self._lock:
-            self._inflight.clear()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> Endpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<gpushare.ucx.Endpoint {'closed' if self._closed else 'open'}>"
