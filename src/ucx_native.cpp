@@ -570,7 +570,8 @@ class Agent {
   bool errorHandling;
   bool polling;
 
-  Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_)
+  Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+        int wakeTimeoutMs)
     : errorHandling(errorHandling_), polling(polling_)
   {
     ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -579,7 +580,9 @@ class Agent {
                   .configMap(cfg)
                   .build();
       worker = context->workerBuilder().build();
-      worker->startProgressThread(polling, /* epollTimeout ms */ 1);
+      // -1: sleep until an event (every transport wakes the worker); else
+      // the bound on how late a shared-memory arrival is noticed.
+      worker->startProgressThread(polling, wakeTimeoutMs);
       return 0;
     });
   }
@@ -833,7 +836,8 @@ class Node {
 
   std::atomic<uint64_t> served{0}, refused{0};
 
-  Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_)
+  Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+       int wakeTimeoutMs)
     : errorHandling(errorHandling_), polling(polling_)
   {
     ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -843,9 +847,9 @@ class Node {
       wh      = worker->getHandle();
       setHandler(kAmRequest, &Node::onRequest);
       setHandler(kAmReply, &Node::onReply);
-      // Blocking mode sleeps in epoll_wait with no timeout: every transport
-      // used wakes the worker's event fd, and stopping signals it.
-      worker->startProgressThread(polling, polling ? 0 : -1);
+      // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
+      // transport wakes the worker's event fd; stopping signals it.
+      worker->startProgressThread(polling, wakeTimeoutMs);
       return 0;
     });
   }
@@ -1513,8 +1517,8 @@ NB_MODULE(_native, m)
     .def("close", &Endpoint::close, "timeout"_a);
 
   nb::class_<Agent>(m, "Agent")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool>(),
-         "config"_a, "polling"_a, "error_handling"_a)
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
     .def("address", &Agent::address)
     .def("info", &Agent::info)
     .def("connect", &Agent::connect, "peer_address"_a)
@@ -1523,8 +1527,8 @@ NB_MODULE(_native, m)
     .def_prop_ro("closed", &Agent::closed);
 
   nb::class_<Node>(m, "Node")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool>(),
-         "config"_a, "polling"_a, "error_handling"_a)
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
     .def("address", &Node::address)
     .def("info", &Node::info)
     .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)

@@ -17,9 +17,10 @@ def _counts() -> dict:
 def setup_exporter() -> dict:
     from gpushare import _ucx
 
+    before = _counts()
     srv = _ucx.server()
     state: dict[str, Any] = {"server": srv, "regions": {}, "arrays": {}, "_handlers": HANDLERS}
-    state["_reply"] = {"address": srv.address, "pid": os.getpid(), "counts": _counts()}
+    state["_reply"] = {"address": srv.address, "pid": os.getpid(), "before": before, "counts": _counts()}
     return state
 
 

@@ -48,6 +48,28 @@ _MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
 _MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
 
 
+# Transports whose interfaces wake a worker's event fd for every completion
+# and arrival: a blocking progress thread may sleep without a timeout on them.
+_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc"})
+
+
+def default_transports() -> str:
+    """``UCX_TLS`` for a worker with error handling: TCP, plus ``cuda_copy``
+    (GPU memory staging) where an NVIDIA driver is present."""
+    return "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"
+
+
+def wake_timeout_ms(tls: str | None) -> int:
+    """epoll timeout of a blocking progress thread for transport list ``tls``.
+
+    -1 (sleep until an event) when every transport wakes the worker; 1 ms
+    otherwise: shared-memory transports deliver without waking a sleeper.
+    """
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
+        return -1
+    return 1
+
+
 def _native_error_type() -> type[Exception]:
     return native().NativeError
 
@@ -751,7 +773,11 @@ class Agent:
         allow it on one node, at the price of no failure detection.
     transports : str, optional
         UCX transport list (``UCX_TLS``), for example ``"tcp"`` or
-        ``"sm,self"``; UCX chooses when omitted.
+        ``"sm,self"``.  When omitted (and ``UCX_TLS`` is not set): with
+        error handling, TCP (and ``cuda_copy`` on a machine with an NVIDIA
+        driver), since error handling rules out the shared-memory
+        transports and opening them only costs time, memory and file
+        descriptors; without it, UCX chooses.
     config : mapping, optional
         Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
         environment variables apply as usual.
@@ -778,6 +804,8 @@ class Agent:
             if not isinstance(transports, str) or not transports:
                 raise InvalidInputError("transports must be a non-empty str such as 'tcp'")
             cfg["TLS"] = transports
+        elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
+            cfg["TLS"] = default_transports()
         self._progress = progress
         self._error_handling = error_handling
         self._pid = os.getpid()
@@ -786,7 +814,8 @@ class Agent:
         self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         with native_errors():
-            self._native = native().Agent(cfg, progress == "polling", error_handling)
+            self._native = native().Agent(cfg, progress == "polling", error_handling,
+                                          wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
         self._address = None
         self._finalizer = weakref.finalize(
             self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,

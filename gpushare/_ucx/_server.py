@@ -40,6 +40,8 @@ from ._agent import (
     _check_timeout,
     _pack,
     _unpack,
+    default_transports,
+    wake_timeout_ms,
 )
 from ._loader import native
 
@@ -59,16 +61,18 @@ class _Node:
 
     def __init__(self) -> None:
         cfg: dict[str, str] = {}
-        # TCP alone unless the environment chooses: TCP wakes a sleeping
-        # progress thread and works with error handling on, and the worker
-        # opens nothing it cannot use (no shared-memory segments, no CMA).
+        # TCP alone (with cuda_copy to stage GPU memory where a driver is)
+        # unless UCX_TLS chooses: these wake a sleeping progress thread and
+        # work with error handling on, and the worker opens nothing it
+        # cannot use (no shared-memory segments, no CMA).
         if "UCX_TLS" not in os.environ:
-            cfg["TLS"] = "tcp"
+            cfg["TLS"] = default_transports()
         progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
         if progress not in ("blocking", "polling"):
             raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
         with native_errors():
-            self.native = native().Node(cfg, progress == "polling", True)
+            self.native = native().Node(cfg, progress == "polling", True,
+                                        wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.held: list[Any] = []  # buffers of regions whose transfers did not drain
