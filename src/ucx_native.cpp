@@ -714,6 +714,10 @@ constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
 constexpr uint64_t kTrailerMin  = 64 * 1024;
 constexpr size_t kMaxTombstones = 4096;
+// Payloads up to this size go eagerly (one message) rather than by
+// rendezvous (three legs across the network, each a thread wake-up on a
+// sleeping peer); above it rendezvous saves the receiver a copy.
+constexpr uint64_t kEagerMax    = 256 * 1024;
 
 struct RequestHeader {
   uint32_t magic;
@@ -1096,7 +1100,8 @@ class Node {
     if (h.op == kOpGet) {
       ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
       p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags   = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
+      p.flags   = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+                (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
       p.cb.send = &Node::onGetSent;
       ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
       if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
@@ -1315,7 +1320,8 @@ class Node {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
+      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+                (opCode == kOpPut && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
       p.memory_type = static_cast<ucs_memory_type_t>(it.memoryType);
