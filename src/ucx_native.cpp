@@ -291,6 +291,9 @@ class Request {
   std::shared_ptr<Completion> completion;
   std::shared_ptr<ucxx::Request> request;
   std::string kind;
+  // The worker whose progress completes this request, when the waiting
+  // thread may drive it itself (the region server's requests).
+  ucp_worker_h progressWorker{nullptr};
 
   Request(std::shared_ptr<Completion> c, std::string k)
     : completion(std::move(c)), kind(std::move(k))
@@ -316,8 +319,12 @@ class Request {
       std::chrono::steady_clock::now() +
       std::chrono::microseconds(timeout < 0 ? kSpinMicros
                                             : std::min<int64_t>(kSpinMicros, static_cast<int64_t>(timeout * 1e6)));
-    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil)
-      std::this_thread::yield();
+    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+      if (progressWorker != nullptr)
+        ucp_worker_progress(progressWorker);  // complete it here, not in a thread to be woken
+      else
+        std::this_thread::yield();
+    }
     std::unique_lock<std::mutex> lock(c->mutex);
     // A callback waiting on its own request: the status is final already.
     auto ready = [&] {
@@ -1279,6 +1286,7 @@ class Node {
     b->completion = c;
     b->left       = items.size();
     Request r(c, kind);
+    r.progressWorker = polling ? nullptr : wh;
     if (items.empty()) {
       c->complete(UCS_OK);
       return r;

@@ -84,6 +84,18 @@ def test_get_async_and_await(exporter, peer, big):
     assert np.array_equal(data, back)
 
 
+def test_a_wait_that_times_out_leaves_the_transfer_running(exporter, peer, big):
+    out = np.zeros(BIG, np.uint8)
+    with pytest.raises(gpushare.WaitTimeoutError, match="did not complete within 0"):
+        peer.get(*big, 0, out, timeout=0)
+    # The buffer stays referenced by the peer until the transfer ends; the
+    # peer goes on serving.
+    assert any(r._buffer is not None for r in peer._inflight)
+    small = bytearray(16)
+    peer.get(*big, 0, small, timeout=60)
+    assert bytes(small) == exporter.call("read", "big", 0, 16)
+
+
 # -------------------------------------------------------------- access checks
 
 

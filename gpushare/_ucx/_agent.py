@@ -59,6 +59,17 @@ def default_transports() -> str:
     return "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"
 
 
+def mt_config() -> dict[str, str]:
+    """Settings for a worker that several threads call into.
+
+    UCX guards such a worker with a spinlock by default; with the progress
+    thread and callers contending on a busy machine a preempted holder makes
+    the other spin for a whole time slice (milliseconds per small request).
+    A mutex sleeps instead.  ``UCX_USE_MT_MUTEX`` in the environment wins.
+    """
+    return {} if "UCX_USE_MT_MUTEX" in os.environ else {"USE_MT_MUTEX": "y"}
+
+
 def wake_timeout_ms(tls: str | None) -> int:
     """epoll timeout of a blocking progress thread for transport list ``tls``.
 
@@ -806,6 +817,8 @@ class Agent:
             cfg["TLS"] = transports
         elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
+        for key, value in mt_config().items():
+            cfg.setdefault(key, value)
         self._progress = progress
         self._error_handling = error_handling
         self._pid = os.getpid()

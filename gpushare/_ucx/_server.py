@@ -28,6 +28,7 @@ from .._errors import (
     UCXConnectionError,
     WaitTimeoutError,
     native_errors,
+    translate,
 )
 from .._process import PerProcess
 from ._agent import (
@@ -41,6 +42,7 @@ from ._agent import (
     _pack,
     _unpack,
     default_transports,
+    mt_config,
     wake_timeout_ms,
 )
 from ._loader import native
@@ -51,6 +53,7 @@ __all__ = ["Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"
 KEY_BYTES = 16
 _U64 = (1 << 64) - 1
 _CLOSE_TIMEOUT = 10.0
+_OK = ("UCS_OK", "GS_OK")
 
 
 # -- the process's node: one UCX context, one worker, one progress thread ------
@@ -67,6 +70,7 @@ class _Node:
         # cannot use (no shared-memory segments, no CMA).
         if "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
+        cfg.update(mt_config())
         progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
         if progress not in ("blocking", "polling"):
             raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
@@ -381,24 +385,41 @@ class Peer(_Connection):
             raise OutOfBoundsError("offset + nbytes runs past 2**64")
         return (region_id, key, offset, local.address, nbytes, _MEMORY_TYPE_CODES[local.memory_type])
 
-    def _post(self, op: str, items: list[tuple], locals_: list, kind: str) -> Request:
+    def _native_post(self, op: str, items: list[tuple], kind: str) -> Any:
         n = self._check_open()
-        with native_errors():
+        try:
             if len(items) == 1 and kind == op:
-                nreq = (n.get if op == "get" else n.put)(*items[0])
-            else:
-                nreq = n.post(1 if op == "get" else 2, items, kind)
+                return (n.get if op == "get" else n.put)(*items[0])
+            return n.post(1 if op == "get" else 2, items, kind)
+        except native().NativeError as exc:
+            raise translate(*exc.args) from None
+
+    def _post(self, op: str, items: list[tuple], locals_: list, kind: str) -> Request:
+        nreq = self._native_post(op, items, kind)
         return self._track(Request._from_native(nreq, locals_ or None, self))
 
-    def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any) -> Request:
+    def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any,
+             wait: float | None = -1.0) -> Request | None:
+        """Post one get or put.  With ``wait`` (seconds, None = forever) wait
+        for it here and return None: the synchronous calls skip the Request."""
         locals_: list = []
         try:
             item = self._item(op, region_id, key, offset, buffer, nbytes, locals_)
-            return self._post(op, [item], locals_, op)
+            if wait == -1.0:
+                return self._post(op, [item], locals_, op)
+            nreq = self._native_post(op, [item], op)
         except BaseException:
             for lb in locals_:
                 lb.release()
             raise
+        if nreq.wait(-1.0 if wait is None else wait):
+            status = nreq.status()
+            if status[0] not in _OK:
+                raise translate(status[0], f"{op} failed: {status[1]}")
+            return None
+        # Still in flight: its buffer stays referenced until it completes.
+        self._track(Request._from_native(nreq, locals_ or None, self))
+        raise WaitTimeoutError(f"{op} did not complete within {wait} s")
 
     def _batch(self, op: str, items: Iterable) -> Request:
         locals_: list = []
@@ -446,14 +467,12 @@ class Peer(_Connection):
         """:meth:`get_async` and wait (``timeout`` seconds; ``None`` waits until UCX
         completes or fails it).  Raises what the request failed with, or
         :class:`WaitTimeoutError` (the transfer stays in flight)."""
-        t = _check_timeout(timeout)
-        self._one("get", region_id, key, offset, dst, nbytes).wait(t)
+        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout))
 
     def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
             nbytes: int | None = None) -> None:
         """:meth:`put_async` and wait, as :meth:`get`."""
-        t = _check_timeout(timeout)
-        self._one("put", region_id, key, offset, src, nbytes).wait(t)
+        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout))
 
     def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
         """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.
