@@ -30,6 +30,11 @@ Settings measured:
   ping-pong round trip (2 x its one-way latency), and the message rate of
   8-byte gets with 64 in flight against perftest's 8-byte ``ucp_am_bw``.
 
+``--setup-cost`` prints instead what serving 100 regions costs an exporter
+(threads, file descriptors, RSS, CPU while idle) with one agent per region,
+as the sharing API does today, with and without the shared-memory
+transports, and with one region server.
+
 Unit: MiB/s (2**20 bytes per second) for every bandwidth, as perftest
 reports it; microseconds for latencies; operations per second for rates.
 """
@@ -309,6 +314,58 @@ def run(settings, sizes, trials: int, quick: bool) -> None:
             print(f"   setting failed: {exc}\n")
 
 
+# -- what a worker costs to have -----------------------------------------------------
+
+
+def _usage() -> tuple[int, int, float, float]:
+    """(threads, fds, RSS MiB, CPU seconds) of this process."""
+    rss = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmRSS")) / 1024
+    t = os.times()
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), rss, t.user + t.system
+
+
+def _setup_cost_child(conn, kind: str, count: int) -> None:
+    import numpy as np
+
+    from gpushare import ucx
+    from gpushare._ucx._loader import native
+
+    native()
+    if kind == "server":
+        from gpushare import _ucx
+
+        b = _usage()
+        t0 = time.perf_counter()
+        srv = _ucx.server()
+        arrays = [np.ones(4096, np.uint8) for _ in range(count)]
+        regions = [srv.add_region(a) for a in arrays]
+        for r in regions:
+            r.grant()
+    else:
+        tls = {"agent, shared memory too": "tcp,sm,self"}.get(kind)
+        ucx.Agent(transports=tls).close()  # load the transports once
+        b = _usage()
+        t0 = time.perf_counter()
+        agents = [ucx.Agent(transports=tls) for _ in range(count)]
+        handles = [a.create_memory_handle(4096) for a in agents]
+    dt = time.perf_counter() - t0
+    a = _usage()
+    time.sleep(5.0)
+    idle = _usage()[3] - a[3]
+    conn.send((dt, a[0] - b[0], a[1] - b[1], a[2] - b[2], idle))
+    conn.recv()
+
+
+def run_setup_cost(count: int = 100) -> None:
+    print(f"== what serving {count} regions costs the exporter (added threads, fds, RSS; CPU over 5 s idle)")
+    for kind in ("agent, shared memory too", "agent, TCP only (default now)", "server"):
+        what = "one region each on its own agent" if kind != "server" else "one server, one region each"
+        with spawned(_setup_cost_child, kind, count) as (dt, threads, fds, rss, idle):
+            print(f"   {kind:<30} {what}: {dt * 1e3 / count:6.2f} ms per region, +{threads} threads, "
+                  f"+{fds} fds, +{rss:.1f} MiB RSS, idle CPU {idle * 1e3:.1f} ms in 5 s")
+    print()
+
+
 def _fmt(size: int) -> str:
     return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
 
@@ -318,7 +375,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations and trials")
     p.add_argument("--setting", choices=[s[0] for s in SETTINGS], action="append",
                    help="only these settings (repeatable)")
+    p.add_argument("--setup-cost", action="store_true",
+                   help="only what 100 regions cost: per-share agents against one server")
     args = p.parse_args()
+    if args.setup_cost:
+        run_setup_cost()
+        return 0
     settings = [s for s in SETTINGS if not args.setting or s[0] in args.setting]
     run(settings, SIZES, trials=1 if args.quick else 3, quick=args.quick)
     return 0

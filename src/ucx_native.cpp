@@ -1026,16 +1026,30 @@ class Node {
     (void)sp;  // NULL, an error (the importer is gone), or freed on completion
   }
 
+  // Whether a failed transfer left the connection usable for an answer; on
+  // a failed connection the importer learns of it from its own endpoint.
+  static bool connectionAlive(ucs_status_t s)
+  {
+    return !UCS_IS_LINK_ERROR(s) && !UCS_IS_ENDPOINT_ERROR(s) && s != UCS_ERR_CONNECTION_RESET &&
+           s != UCS_ERR_CANCELED && s != UCS_ERR_UNREACHABLE && s != UCS_ERR_NOT_CONNECTED;
+  }
+
   static void finishGet(ServerOp* op, ucs_status_t status)
   {
     Node* n = op->node;
-    if (op->length >= kTrailerMin && status == UCS_OK) {
-      bool closed;
-      {
-        std::shared_lock<std::shared_mutex> lock(n->tableMutex);
-        closed = op->region->closed;
+    if (status == UCS_OK) {
+      if (op->length >= kTrailerMin) {
+        bool closed;
+        {
+          std::shared_lock<std::shared_mutex> lock(n->tableMutex);
+          closed = op->region->closed;
+        }
+        n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyTrailer);
       }
-      n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyTrailer);
+    } else if (connectionAlive(status)) {
+      // The importer may have the reply header already: a trailer (large
+      // gets) or a second reply (ignored if so) carries the failure.
+      n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData);
     }
     op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
     delete op;
@@ -1057,8 +1071,9 @@ class Node {
         closed = op->region->closed;
       }
       n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyData);
+    } else if (connectionAlive(status)) {
+      n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
     }
-    // On failure the importer's side of the connection has failed too.
     op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
     delete op;
   }

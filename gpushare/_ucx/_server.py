@@ -105,9 +105,9 @@ _leaked: list[Any] = []  # a parent's native objects, never destroyed in a forke
 
 
 def _abandon(node: _Node) -> None:
+    # No lock: a thread of the parent may have held it when the process forked.
     _leaked.append(node.native)
-    with node.lock:
-        _leaked.extend(p._native for p in node.peers.values())
+    _leaked.extend(p._native for p in list(node.peers.values()))
 
 
 _NODE: PerProcess[_Node] = PerProcess(_Node, stop=_Node.stop, abandon=_abandon)
@@ -124,7 +124,7 @@ class Region:
     unregisters the memory.
     """
 
-    __slots__ = ("_node", "_id", "_local", "_readonly", "_keys", "_closed", "_finalizer", "__weakref__")
+    __slots__ = ("_node", "_id", "_local", "_readonly", "_finalizer", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Region objects are made by Server.add_region")
@@ -136,8 +136,6 @@ class Region:
         self._id = region_id
         self._local = local
         self._readonly = readonly
-        self._keys: set[bytes] = set()
-        self._closed = False
         self._finalizer = weakref.finalize(self, _close_region, node, region_id, local, _CLOSE_TIMEOUT)
         return self
 
@@ -182,7 +180,6 @@ class Region:
         key = secrets.token_bytes(KEY_BYTES)
         with native_errors():
             n.grant(self._id, key)
-        self._keys.add(key)
         return self._id, key
 
     def revoke(self, key: bytes) -> bool:
@@ -196,9 +193,7 @@ class Region:
         n = self._check_open()
         key = _check_key(key)
         with native_errors():
-            found = n.revoke(self._id, key)
-        self._keys.discard(key)
-        return found
+            return n.revoke(self._id, key)
 
     def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
         """Revoke every key, fail what is in flight, unregister the memory (idempotent).
@@ -215,7 +210,6 @@ class Region:
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
-        self._keys.clear()
         _close_region(self._node, self._id, self._local, _CLOSE_TIMEOUT if t is None else t)
 
     def __enter__(self) -> Region:
