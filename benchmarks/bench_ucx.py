@@ -20,11 +20,29 @@ Settings measured:
 * ``shared memory, polling``: the same with ``progress="polling"`` on both
   sides: shared-memory transports cannot wake a sleeping progress thread, so
   the default blocking mode pays up to a millisecond per round trip there.
+  Its perftest references are taken before the polling agents start, so
+  that perftest never shares the cores with spinning progress threads.
+* ``server``: the per-process region server (``gpushare._ucx.server()``),
+  TCP, error handling, blocking progress, against perftest's active-message
+  tests in the same mode (``ucp_am_bw``, ``ucp_am_lat``, ``-e -E sleep``):
+  bandwidth of get and put with 64 requests in flight, a batch of 64 x 64 KiB
+  as one ``get_batch``, the round trip of an 8-byte get against perftest's
+  ping-pong round trip (2 x its one-way latency), and the message rate of
+  8-byte gets with 64 in flight against perftest's 8-byte ``ucp_am_bw``.
+
+``--setup-cost`` prints instead what serving 100 regions costs an exporter
+(threads, file descriptors, RSS, CPU while idle) with one agent per region,
+as the sharing API does today, with and without the shared-memory
+transports, and with one region server.
+
+Unit: MiB/s (2**20 bytes per second) for every bandwidth, as perftest
+reports it; microseconds for latencies; operations per second for rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -40,6 +58,7 @@ SETTINGS = [
     ("tcp, no error handling", "tcp", False),
     ("shared memory", "sm,self", False),
     ("shared memory, polling", "sm,self", False),
+    ("server", "tcp", True),
 ]
 
 
@@ -58,12 +77,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool) -> tuple[float, float]:
-    """Run ucx_perftest; return (overall bandwidth MB/s, average overhead usec)."""
+def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
+             wait: str | None = None) -> tuple[float, float, float]:
+    """Run ucx_perftest; return (overall bandwidth MiB/s, average overhead usec, overall msg/s).
+
+    ``wait="sleep"`` makes both perftest sides sleep on the worker's event fd
+    (``-E sleep``), as gpushare's blocking progress thread does.
+    """
     exe, env = _perftest_paths()
     env["UCX_TLS"] = tls
     port = _free_port()
-    flags = ["-e"] if error_handling else []
+    flags = (["-e"] if error_handling else []) + (["-E", wait] if wait else [])
     server = subprocess.Popen([exe, "-p", str(port), *flags], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -77,7 +101,7 @@ def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool) -
             raise RuntimeError(f"ucx_perftest {test} failed: {out.stdout[-400:]} {out.stderr[-400:]}")
         fields = line.split()
         # Final: iters  lat50  lat_avg  lat_overall  bw_avg  bw_overall  rate_avg rate_overall
-        return float(fields[6]), float(fields[3])
+        return float(fields[6]), float(fields[3]), float(fields[8])
     finally:
         server.kill()
         server.wait(10)
@@ -106,7 +130,7 @@ def gpushare_bw(ep, rk, op: str, size: int, iters: int, window: int = 512) -> fl
     for r in inflight:
         r.wait(120)
     ep.flush().wait(120)
-    return size * iters / (time.perf_counter() - t0) / 1e6
+    return size * iters / (time.perf_counter() - t0) / MiB
 
 
 def gpushare_lat(ep, rk, iters: int) -> float:
@@ -122,48 +146,224 @@ def _iters(size: int, quick: bool) -> int:
     return max(4, min(20000, budget // size))
 
 
+# -- the region server ---------------------------------------------------------------
+
+WINDOW = 64
+BATCH, BATCH_SIZE = 64, 64 * KiB
+
+
+@contextlib.contextmanager
+def spawned(target, *args):
+    """Run ``target(conn, *args)`` in a spawned process; yield what it sends first.
+
+    On exit the process is told ``"done"`` and reaped (killed if it hangs).
+    """
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        yield parent.recv()
+    finally:
+        parent.send("done")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _server_exporter(conn, size: int) -> None:
+    import numpy as np
+
+    from gpushare import _ucx
+
+    srv = _ucx.server()
+    buf = np.ones(size, np.uint8)
+    region = srv.add_region(buf)
+    conn.send((srv.address, region.grant()))
+    conn.recv()
+    region.close()
+
+
+def server_bw(peer, cap, op: str, size: int, iters: int, window: int = WINDOW) -> float:
+    import numpy as np
+
+    buf = np.ones(size, np.uint8)
+    fn = peer.get_async if op == "get" else peer.put_async
+    inflight = []
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        inflight.append(fn(*cap, 0, buf))
+        if len(inflight) >= window:
+            inflight.pop(0).wait(120)
+    for r in inflight:
+        r.wait(120)
+    return size * iters / (time.perf_counter() - t0) / MiB
+
+
+def server_batch_bw(peer, cap, iters: int) -> float:
+    import numpy as np
+
+    bufs = [np.ones(BATCH_SIZE, np.uint8) for _ in range(BATCH)]
+    items = [(*cap, i * BATCH_SIZE, b) for i, b in enumerate(bufs)]
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        peer.get_batch(items).wait(120)
+    return BATCH * BATCH_SIZE * iters / (time.perf_counter() - t0) / MiB
+
+
+def server_rtt(peer, cap, iters: int) -> float:
+    buf = bytearray(8)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        peer.get(*cap, 0, buf)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def server_rate(peer, cap, iters: int) -> float:
+    return server_bw(peer, cap, "get", 8, iters) * MiB / 8
+
+
+def run_server(sizes, trials: int, quick: bool) -> None:
+    from gpushare import _ucx
+
+    name, tls, eh = "server", "tcp", True
+    print(f"== region server (UCX_TLS={tls}, error handling on, blocking progress; "
+          "perftest: active messages, -e -E sleep)")
+    # perftest first, with no gpushare process alive.
+    refs = {}
+    for size in sizes:
+        n = _iters(size, quick)
+        refs[size] = max(perftest("ucp_am_bw", size, n, tls, eh, "sleep")[0] for _ in range(trials))
+    li = 2000 if quick else 10000
+    lat = min(perftest("ucp_am_lat", 8, li, tls, eh, "sleep")[1] for _ in range(trials))
+    rate = max(perftest("ucp_am_bw", 8, 20 * li, tls, eh, "sleep")[2] for _ in range(trials))
+    batch_ref = max(perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep")[0]
+                    for _ in range(trials))
+    with spawned(_server_exporter, max(max(sizes), BATCH * BATCH_SIZE)) as (address, cap):
+        peer = _ucx.client().connect(address, timeout=30)
+        lane = next((ln.strip("# ").strip() for ln in peer.transport_info().splitlines() if "lane[0]" in ln), "?")
+        print(f"   gpushare peer: {lane}")
+        print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>15} {'perftest MiB/s':>15} {'ratio':>6}")
+        for size in sizes:
+            n = _iters(size, quick)
+            for op in ("get", "put"):
+                got = max(server_bw(peer, cap, op, size, n) for _ in range(trials))
+                print(f"   {_fmt(size):>8} {op:>4} {got:15.0f} {refs[size]:15.0f} {got / refs[size]:6.2f}")
+        nb = max(4, _iters(BATCH * BATCH_SIZE, quick))
+        got = max(server_batch_bw(peer, cap, nb) for _ in range(trials))
+        print(f"   {BATCH} x {BATCH_SIZE // KiB} KiB get_batch: {got:.0f} MiB/s, perftest {BATCH_SIZE // KiB} KiB "
+              f"am_bw {batch_ref:.0f} MiB/s, ratio {got / batch_ref:.2f}")
+        rtt = min(server_rtt(peer, cap, li) for _ in range(trials))
+        print(f"   8 B get round trip: gpushare {rtt:.1f} us, perftest ping-pong {2 * lat:.1f} us, "
+              f"ratio {rtt / (2 * lat):.2f} (lower is better)")
+        got_rate = max(server_rate(peer, cap, 10 * li) for _ in range(trials))
+        print(f"   8 B get rate, {WINDOW} in flight: gpushare {got_rate:.0f}/s, perftest 8 B am_bw {rate:.0f}/s, "
+              f"ratio {got_rate / rate:.2f}\n")
+        peer.close()
+
+
 def run(settings, sizes, trials: int, quick: bool) -> None:
     from gpushare import ucx
 
-    ctx = mp.get_context("spawn")
-    print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; best of {trials} trials\n")
+    print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; best of {trials} trials; "
+          "MiB/s throughout\n")
     for name, tls, eh in settings:
+        if name == "server":
+            try:
+                run_server(sizes, trials, quick)
+            except Exception as exc:  # noqa: BLE001
+                print(f"   setting failed: {exc}\n")
+            continue
         print(f"== {name} (UCX_TLS={tls}, error handling {'on' if eh else 'off'})")
-        parent, child = ctx.Pipe()
         progress = "polling" if "polling" in name else "blocking"
-        proc = ctx.Process(target=_exporter, args=(child, tls, eh, max(sizes), progress), daemon=True)
-        proc.start()
+        # perftest first: never beside spinning progress threads.
+        refs = {}
+        for size in sizes:
+            n = _iters(size, quick)
+            for op, test in (("put", "ucp_put_bw"), ("get", "ucp_get")):
+                try:
+                    refs[(op, size)] = max(perftest(test, size, n, tls, eh)[0] for _ in range(trials))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    refs[(op, size)] = exc
+        li = 2000 if quick else 10000
         try:
-            address, key = parent.recv()
-            with ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
-                ep = agent.connect(address)
-                rk = ep.unpack_remote_key(key)
-                lane = next((ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[0]" in ln), "?")
-                print(f"   gpushare endpoint: {lane}")
-                print(f"   {'size':>8} {'op':>4} {'gpushare MB/s':>14} {'perftest MB/s':>14} {'ratio':>6}")
-                for size in sizes:
-                    n = _iters(size, quick)
-                    for op, test in (("put", "ucp_put_bw"), ("get", "ucp_get")):
-                        try:
-                            ref = max(perftest(test, size, n, tls, eh)[0] for _ in range(trials))
-                        except Exception as exc:  # noqa: BLE001 - report and go on
-                            print(f"   {size:>8} {op:>4} perftest failed: {exc}")
-                            continue
-                        got = max(gpushare_bw(ep, rk, op, size, n) for _ in range(trials))
-                        print(f"   {_fmt(size):>8} {op:>4} {got:14.0f} {ref:14.0f} {got / ref:6.2f}")
-                li = 2000 if quick else 10000
-                ref_lat = min(perftest("ucp_get", 8, li, tls, eh)[1] for _ in range(trials))
-                got_lat = min(gpushare_lat(ep, rk, li) for _ in range(trials))
-                print(f"   8 B get latency: gpushare {got_lat:.1f} us, perftest {ref_lat:.1f} us, "
-                      f"ratio {got_lat / ref_lat:.2f} (lower is better)\n")
-                ep.close()
+            ref_lat = min(perftest("ucp_get", 8, li, tls, eh)[1] for _ in range(trials))
+        except Exception:  # noqa: BLE001 - the latency line says so
+            ref_lat = float("nan")
+        try:
+            with spawned(_exporter, tls, eh, max(sizes), progress) as (address, key):
+                with ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
+                    ep = agent.connect(address)
+                    rk = ep.unpack_remote_key(key)
+                    lane = next((ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[0]" in ln), "?")
+                    print(f"   gpushare endpoint: {lane}")
+                    print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>15} {'perftest MiB/s':>15} {'ratio':>6}")
+                    for size in sizes:
+                        n = _iters(size, quick)
+                        for op in ("put", "get"):
+                            ref = refs[(op, size)]
+                            if isinstance(ref, Exception):
+                                print(f"   {size:>8} {op:>4} perftest failed: {ref}")
+                                continue
+                            got = max(gpushare_bw(ep, rk, op, size, n) for _ in range(trials))
+                            print(f"   {_fmt(size):>8} {op:>4} {got:15.0f} {ref:15.0f} {got / ref:6.2f}")
+                    got_lat = min(gpushare_lat(ep, rk, li) for _ in range(trials))
+                    print(f"   8 B get latency: gpushare {got_lat:.1f} us, perftest {ref_lat:.1f} us, "
+                          f"ratio {got_lat / ref_lat:.2f} (lower is better)\n")
+                    ep.close()
         except Exception as exc:  # noqa: BLE001
             print(f"   setting failed: {exc}\n")
-        finally:
-            parent.send("done")
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+
+
+# -- what a worker costs to have -----------------------------------------------------
+
+
+def _usage() -> tuple[int, int, float, float]:
+    """(threads, fds, RSS MiB, CPU seconds) of this process."""
+    rss = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmRSS")) / 1024
+    t = os.times()
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), rss, t.user + t.system
+
+
+def _setup_cost_child(conn, kind: str, count: int) -> None:
+    import numpy as np
+
+    from gpushare import ucx
+    from gpushare._ucx._loader import native
+
+    native()
+    if kind == "server":
+        from gpushare import _ucx
+
+        b = _usage()
+        t0 = time.perf_counter()
+        srv = _ucx.server()
+        arrays = [np.ones(4096, np.uint8) for _ in range(count)]
+        regions = [srv.add_region(a) for a in arrays]
+        for r in regions:
+            r.grant()
+    else:
+        tls = {"agent, shared memory too": "tcp,sm,self"}.get(kind)
+        ucx.Agent(transports=tls).close()  # load the transports once
+        b = _usage()
+        t0 = time.perf_counter()
+        agents = [ucx.Agent(transports=tls) for _ in range(count)]
+        handles = [a.create_memory_handle(4096) for a in agents]
+    dt = time.perf_counter() - t0
+    a = _usage()
+    time.sleep(5.0)
+    idle = _usage()[3] - a[3]
+    conn.send((dt, a[0] - b[0], a[1] - b[1], a[2] - b[2], idle))
+    conn.recv()
+
+
+def run_setup_cost(count: int = 100) -> None:
+    print(f"== what serving {count} regions costs the exporter (added threads, fds, RSS; CPU over 5 s idle)")
+    for kind in ("agent, shared memory too", "agent, TCP only (default now)", "server"):
+        what = "one region each on its own agent" if kind != "server" else "one server, one region each"
+        with spawned(_setup_cost_child, kind, count) as (dt, threads, fds, rss, idle):
+            print(f"   {kind:<30} {what}: {dt * 1e3 / count:6.2f} ms per region, +{threads} threads, "
+                  f"+{fds} fds, +{rss:.1f} MiB RSS, idle CPU {idle * 1e3:.1f} ms in 5 s")
+    print()
 
 
 def _fmt(size: int) -> str:
@@ -175,7 +375,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations and trials")
     p.add_argument("--setting", choices=[s[0] for s in SETTINGS], action="append",
                    help="only these settings (repeatable)")
+    p.add_argument("--setup-cost", action="store_true",
+                   help="only what 100 regions cost: per-share agents against one server")
     args = p.parse_args()
+    if args.setup_cost:
+        run_setup_cost()
+        return 0
     settings = [s for s in SETTINGS if not args.setting or s[0] in args.setting]
     run(settings, SIZES, trials=1 if args.quick else 3, quick=args.quick)
     return 0

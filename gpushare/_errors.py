@@ -115,8 +115,20 @@ _BY_STATUS: dict[str, type[UCXError]] = {
 }
 
 
-def translate(status: str, message: str) -> UCXError:
-    """Return the :class:`UCXError` subclass instance for a UCX status name."""
+def translate(status: str, message: str) -> GpuShareError:
+    """Return the error for a native status name.
+
+    UCX statuses (``UCS_*``) become :class:`UCXError` subclasses.  Refusals
+    of a region server (``GS_ERR_*``, see ``gpushare._ucx.server``) become
+    :class:`AccessDeniedError`, :class:`OutOfBoundsError`,
+    :class:`ClosedError` or :class:`InvalidInputError`; they carry the
+    status name too.
+    """
+    gs = _BY_GS_STATUS.get(status)
+    if gs is not None:
+        exc = gs(message)
+        exc.status = status
+        return exc
     return _BY_STATUS.get(status, UCXError)(status, message)
 
 
@@ -160,6 +172,17 @@ class CUDAError(GpuShareError):
         super().__init__(f"{message} [{status}]")
         self.status = status
         self.message = message
+
+
+# Refusals and protocol failures of the region server (gpushare._ucx._server).
+_BY_GS_STATUS: dict[str, type[GpuShareError]] = {
+    "GS_ERR_ACCESS_DENIED": AccessDeniedError,
+    "GS_ERR_READ_ONLY": AccessDeniedError,
+    "GS_ERR_OUT_OF_BOUNDS": OutOfBoundsError,
+    "GS_ERR_CLOSED": ClosedError,
+    "GS_ERR_BAD_REQUEST": InvalidInputError,
+    "GS_ERR_BAD_REPLY": InvalidInputError,
+}
 
 
 class SlowPathWarning(UserWarning):

@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unordered_map.h>
+#include <nanobind/stl/vector.h>
 
 #include <sys/mman.h>
 
@@ -20,11 +21,15 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <unordered_set>
 #include <thread>
 #include <stdexcept>
 #include <string>
@@ -88,6 +93,48 @@ const char* statusName(ucs_status_t s)
       if (UCS_IS_LINK_ERROR(s)) return "UCS_ERR_LINK_FAILURE";
       if (UCS_IS_ENDPOINT_ERROR(s)) return "UCS_ERR_ENDPOINT_FAILURE";
       return "UCS_ERR_UNKNOWN";
+  }
+}
+
+// Outcomes of a request to a region server, carried in its reply header.
+enum GsStatus : uint32_t {
+  GS_OK             = 0,
+  GS_ACCESS_DENIED  = 1,  // no such region, or the key is not granted on it
+  GS_OUT_OF_BOUNDS  = 2,  // offset/length outside the region
+  GS_READ_ONLY      = 3,  // a put to a read-only region
+  GS_CLOSED         = 4,  // the region was closed
+  GS_BAD_REQUEST    = 5,  // a malformed request header
+  GS_BAD_REPLY      = 6,  // the server answered something this client did not ask for
+  GS_TRANSFER       = 7,  // the data transfer failed on the server
+  GS_LAST           = 7,
+};
+
+const char* gsStatusName(uint32_t s)
+{
+  switch (s) {
+    case GS_OK: return "GS_OK";
+    case GS_ACCESS_DENIED: return "GS_ERR_ACCESS_DENIED";
+    case GS_OUT_OF_BOUNDS: return "GS_ERR_OUT_OF_BOUNDS";
+    case GS_READ_ONLY: return "GS_ERR_READ_ONLY";
+    case GS_CLOSED: return "GS_ERR_CLOSED";
+    case GS_BAD_REQUEST: return "GS_ERR_BAD_REQUEST";
+    case GS_BAD_REPLY: return "GS_ERR_BAD_REPLY";
+    case GS_TRANSFER: return "GS_ERR_TRANSFER";
+    default: return "GS_ERR_BAD_REPLY";
+  }
+}
+
+const char* gsStatusMessage(uint32_t s)
+{
+  switch (s) {
+    case GS_ACCESS_DENIED: return "the exporter refused access: no such region, or the key is not (or no longer) granted on it";
+    case GS_OUT_OF_BOUNDS: return "the exporter refused a range outside the region";
+    case GS_READ_ONLY: return "the exporter refused a put: the region is read-only";
+    case GS_CLOSED: return "the region was closed by its exporter";
+    case GS_BAD_REQUEST: return "the exporter could not parse the request";
+    case GS_BAD_REPLY: return "the exporter sent a reply that does not match the request";
+    case GS_TRANSFER: return "the exporter could not complete the data transfer";
+    default: return "the exporter sent an unknown status";
   }
 }
 
@@ -170,6 +217,9 @@ struct Completion {
   bool settled{false};  // callbacks have run: waiters wake now
   std::thread::id callbackThread{};
   ucs_status_t status{UCS_INPROGRESS};
+  // A refusal or protocol failure of the region server (GS_* codes), with
+  // its message; 0 for UCX outcomes.
+  uint32_t gsStatus{0};
   // Python callables to run on completion; touched only with the GIL held
   // (appended under `mutex`, taken out under `mutex`).
   std::vector<PyObject*> callbacks;
@@ -183,11 +233,15 @@ struct Completion {
       Py_DECREF(cb);
   }
 
+  // `settled`, readable without the mutex (for the spin before a wait).
+  std::atomic<bool> settledFlag{false};
+
   void settle()
   {
     {
       std::lock_guard<std::mutex> lock(mutex);
       settled = true;
+      settledFlag.store(true, std::memory_order_release);
     }
     cv.notify_all();
   }
@@ -196,13 +250,14 @@ struct Completion {
   // thread (which has released the GIL) when the request completes
   // immediately.  Callbacks run before waiters wake, so that a wait() that
   // returns has seen every callback registered before completion run.
-  void complete(ucs_status_t s)
+  void complete(ucs_status_t s, uint32_t gs = 0)
   {
     bool runCallbacks;
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (done) return;
       status         = s;
+      gsStatus       = gs;
       done           = true;
       callbackThread = std::this_thread::get_id();
       runCallbacks   = !callbacks.empty();
@@ -231,11 +286,17 @@ struct Completion {
   }
 };
 
+// How long Request::wait spins before it sleeps.
+constexpr int64_t kSpinMicros = 100;
+
 class Request {
  public:
   std::shared_ptr<Completion> completion;
   std::shared_ptr<ucxx::Request> request;
   std::string kind;
+  // The worker whose progress completes this request, when the waiting
+  // thread may drive it itself (the region server's requests).
+  ucp_worker_h progressWorker{nullptr};
 
   Request(std::shared_ptr<Completion> c, std::string k)
     : completion(std::move(c)), kind(std::move(k))
@@ -254,6 +315,19 @@ class Request {
   {
     nb::gil_scoped_release release;
     auto c = completion;
+    // Small transfers complete within tens of microseconds: spin (yielding
+    // the core) that long before sleeping on the condition variable, whose
+    // wake-up costs more than the transfer itself.
+    const auto spinUntil =
+      std::chrono::steady_clock::now() +
+      std::chrono::microseconds(timeout < 0 ? kSpinMicros
+                                            : std::min<int64_t>(kSpinMicros, static_cast<int64_t>(timeout * 1e6)));
+    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+      if (progressWorker != nullptr)
+        ucp_worker_progress(progressWorker);  // complete it here, not in a thread to be woken
+      else
+        std::this_thread::yield();
+    }
     std::unique_lock<std::mutex> lock(c->mutex);
     // A callback waiting on its own request: the status is final already.
     auto ready = [&] {
@@ -270,11 +344,14 @@ class Request {
   nb::object status()
   {
     ucs_status_t s;
+    uint32_t gs;
     {
       std::lock_guard<std::mutex> lock(completion->mutex);
       if (!completion->done) return nb::none();
-      s = completion->status;
+      s  = completion->status;
+      gs = completion->gsStatus;
     }
+    if (gs != 0) return nb::make_tuple(gsStatusName(gs), gsStatusMessage(gs));
     return nb::make_tuple(statusName(s), ucs_status_string(s));
   }
 
@@ -530,7 +607,8 @@ class Agent {
   bool errorHandling;
   bool polling;
 
-  Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_)
+  Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+        int wakeTimeoutMs)
     : errorHandling(errorHandling_), polling(polling_)
   {
     logToStderr();
@@ -540,7 +618,9 @@ class Agent {
                   .configMap(cfg)
                   .build();
       worker = context->workerBuilder().build();
-      worker->startProgressThread(polling, /* epollTimeout ms */ 1);
+      // -1: sleep until an event (every transport wakes the worker); else
+      // the bound on how late a shared-memory arrival is noticed.
+      worker->startProgressThread(polling, wakeTimeoutMs);
       return 0;
     });
   }
@@ -645,6 +725,783 @@ class PinnedBuffer {
   bool readonly() const { return view.readonly != 0; }
 };
 
+// ---------------------------------------------------------------------------
+// The region server and its client: one UCX worker per process.
+//
+// Transfers are active messages (UCP AM).  An importer sends a request header
+// (region id, 128-bit key, offset, length); the exporter's handler looks the
+// region and key up in `regions`, checks the range and, for puts, that the
+// region is writable, before any byte moves.  Data travels as the AM payload:
+// eager messages are copied, rendezvous ones land in (or are read from) the
+// region's registered memory with ucp_am_recv_data_nbx / ucp_am_send_nbx.
+// Handlers run in the progress thread and never take the GIL.
+//
+// Wire format (little-endian, both headers fixed size):
+//   request  (importer -> exporter, AM id kAmRequest, payload: put data)
+//   reply    (exporter -> importer, AM id kAmReply, payload: get data)
+//   trailer  (exporter -> importer, kAmReply, kind kTrailer): after the data
+//            of a get of kTrailerMin bytes or more, saying whether the region
+//            was still open when the data had left.
+
+constexpr unsigned kAmRequest   = 0x4753;  // "GS"
+constexpr unsigned kAmReply     = 0x4754;
+constexpr uint32_t kWireMagic   = 0x31585347;  // "GSX1"
+constexpr uint8_t kOpGet        = 1;
+constexpr uint8_t kOpPut        = 2;
+constexpr uint32_t kReplyData   = 1;
+constexpr uint32_t kReplyTrailer = 2;
+constexpr uint64_t kTrailerMin  = 64 * 1024;
+constexpr size_t kMaxTombstones = 4096;
+// Payloads up to this size go eagerly (one message) rather than by
+// rendezvous (three legs across the network, each a thread wake-up on a
+// sleeping peer); above it rendezvous saves the receiver a copy.
+constexpr uint64_t kEagerMax    = 256 * 1024;
+
+struct RequestHeader {
+  uint32_t magic;
+  uint8_t op;
+  uint8_t reserved[3];
+  uint64_t requestId;
+  uint64_t regionId;
+  uint64_t key[2];
+  uint64_t offset;
+  uint64_t length;
+};
+
+struct ReplyHeader {
+  uint32_t magic;
+  uint32_t status;
+  uint64_t requestId;
+  uint64_t length;
+  uint32_t kind;
+  uint32_t reserved;
+};
+
+struct Key128 {
+  uint64_t lo, hi;
+  bool operator==(const Key128& o) const { return lo == o.lo && hi == o.hi; }
+};
+struct Key128Hash {
+  size_t operator()(const Key128& k) const { return std::hash<uint64_t>{}(k.lo ^ (k.hi * 0x9E3779B97F4A7C15ull)); }
+};
+
+Key128 keyFromBytes(const std::string& b)
+{
+  if (b.size() != 16) throw NativeError("UCS_ERR_INVALID_PARAM", "a region key is 16 bytes");
+  Key128 k;
+  std::memcpy(&k.lo, b.data(), 8);
+  std::memcpy(&k.hi, b.data() + 8, 8);
+  return k;
+}
+
+struct Region {
+  uint64_t id;
+  uintptr_t base;
+  uint64_t length;
+  bool readonly;
+  ucs_memory_type_t memoryType;
+  std::shared_ptr<ucxx::MemoryHandle> memh;  // reset once closed and drained
+  ucp_mem_h ucpMemh{nullptr};
+  bool closed{false};                         // under Node::tableMutex
+  std::unordered_set<Key128, Key128Hash> keys;  // under Node::tableMutex
+  std::atomic<int64_t> inflight{0};
+};
+
+class Node;
+
+// One transfer the exporter carries out: a get's data send or a put's receive.
+struct ServerOp {
+  Node* node;
+  std::shared_ptr<Region> region;
+  ucp_ep_h replyEp;
+  uint64_t requestId;
+  uint64_t length;
+};
+
+// Parts of a client operation still awaited.
+constexpr uint32_t kWaitSend    = 1;  // our request message left (UCX local completion)
+constexpr uint32_t kWaitReply   = 2;  // the exporter's reply arrived
+constexpr uint32_t kWaitRecv    = 4;  // a rendezvous receive of get data completed
+constexpr uint32_t kWaitTrailer = 8;  // the trailer of a large get arrived
+
+struct Batch {
+  std::shared_ptr<Completion> completion;
+  size_t left;
+  ucs_status_t status{UCS_OK};
+  uint32_t gs{GS_OK};
+};
+
+struct ClientOp {
+  uint64_t id;
+  uint64_t peerId;
+  ucp_ep_h ep;
+  uint8_t op;
+  void* buffer;
+  uint64_t length;
+  ucs_memory_type_t memoryType;
+  uint32_t waiting;
+  ucs_status_t status{UCS_OK};
+  uint32_t gs{GS_OK};
+  std::shared_ptr<Batch> batch;
+
+  void fail(ucs_status_t s, uint32_t g)
+  {
+    if (status == UCS_OK && gs == GS_OK) {
+      status = s;
+      gs     = g;
+    }
+  }
+};
+
+void freeRequest(void* request, ucs_status_t, void*)
+{
+  ucp_request_free(request);
+}
+
+class Node {
+ public:
+  std::shared_ptr<ucxx::Context> context;
+  std::shared_ptr<ucxx::Worker> worker;
+  ucp_worker_h wh{nullptr};
+  bool errorHandling;
+  bool polling;
+
+  std::shared_mutex tableMutex;
+  std::unordered_map<uint64_t, std::shared_ptr<Region>> regions;
+  std::deque<uint64_t> tombstones;
+  uint64_t nextRegion{1};
+
+  std::mutex opsMutex;
+  std::unordered_map<uint64_t, std::unique_ptr<ClientOp>> ops;
+  uint64_t nextOp{1};
+  uint64_t nextPeer{1};
+
+  std::atomic<uint64_t> served{0}, refused{0};
+
+  Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+       int wakeTimeoutMs)
+    : errorHandling(errorHandling_), polling(polling_)
+  {
+    ucxx::ConfigMap cfg(config.begin(), config.end());
+    call("ucp_init", [&] {
+      context = ucxx::contextBuilder(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP).configMap(cfg).build();
+      worker  = context->workerBuilder().build();
+      wh      = worker->getHandle();
+      setHandler(kAmRequest, &Node::onRequest);
+      setHandler(kAmReply, &Node::onReply);
+      // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
+      // transport wakes the worker's event fd; stopping signals it.
+      worker->startProgressThread(polling, wakeTimeoutMs);
+      return 0;
+    });
+  }
+  ~Node() { shutdown(); }
+
+  void setHandler(unsigned id, ucp_am_recv_callback_t cb)
+  {
+    ucp_am_handler_param_t p{};
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    p.id    = id;
+    p.cb    = cb;
+    p.arg   = this;
+    p.flags = UCP_AM_FLAG_PERSISTENT_DATA;
+    ucs_status_t s = ucp_worker_set_am_recv_handler(wh, &p);
+    if (s != UCS_OK) throw NativeError(statusName(s), "ucp_worker_set_am_recv_handler failed");
+  }
+
+  void checkOpen()
+  {
+    if (!worker) throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node is closed");
+  }
+
+  nb::bytes address()
+  {
+    checkOpen();
+    auto w    = worker;
+    auto addr = call("ucp_worker_get_address", [&] {
+      std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(w).build();
+      return std::string(a->getStringView());
+    });
+    return nb::bytes(addr.data(), addr.size());
+  }
+
+  std::string info()
+  {
+    checkOpen();
+    auto w = worker;
+    return call("ucp_worker_print_info", [&] { return w->getInfo(); });
+  }
+
+  // ---- exporter side -------------------------------------------------------
+
+  uint64_t addRegion(uintptr_t base, uint64_t length, bool readonly, int memoryType)
+  {
+    checkOpen();
+    if (base == 0 || length == 0) throw NativeError("UCS_ERR_INVALID_PARAM", "a region needs memory");
+    auto r        = std::make_shared<Region>();
+    r->base       = base;
+    r->length     = length;
+    r->readonly   = readonly;
+    r->memoryType = static_cast<ucs_memory_type_t>(memoryType);
+    auto ctx      = context;
+    r->memh       = call("ucp_mem_map", [&]() -> std::shared_ptr<ucxx::MemoryHandle> {
+      return ctx->memoryHandleBuilder(length)
+        .buffer(reinterpret_cast<void*>(base))
+        .memoryType(r->memoryType)
+        .build();
+    });
+    r->ucpMemh = r->memh->getHandle();
+    std::unique_lock<std::shared_mutex> lock(tableMutex);
+    r->id = nextRegion++;
+    regions.emplace(r->id, r);
+    return r->id;
+  }
+
+  std::shared_ptr<Region> findOpen(uint64_t id)
+  {
+    auto it = regions.find(id);
+    if (it == regions.end() || it->second->closed)
+      throw NativeError("UCS_ERR_INVALID_PARAM", "no open region " + std::to_string(id));
+    return it->second;
+  }
+
+  void grant(uint64_t id, nb::bytes key)
+  {
+    Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
+    std::unique_lock<std::shared_mutex> lock(tableMutex);
+    findOpen(id)->keys.insert(k);
+  }
+
+  // Whether the key was granted.  Requests checked after this returns are refused.
+  bool revoke(uint64_t id, nb::bytes key)
+  {
+    Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
+    std::unique_lock<std::shared_mutex> lock(tableMutex);
+    auto it = regions.find(id);
+    if (it == regions.end() || it->second->closed) return false;
+    return it->second->keys.erase(k) > 0;
+  }
+
+  // Refuse new requests, wait (at most `timeout` s) for transfers under way,
+  // then unregister.  Returns whether the memory is free of UCX; on false it
+  // stays registered and the caller must keep it alive.
+  bool closeRegion(uint64_t id, double timeout)
+  {
+    std::shared_ptr<Region> r;
+    {
+      std::unique_lock<std::shared_mutex> lock(tableMutex);
+      auto it = regions.find(id);
+      if (it == regions.end()) return true;
+      r = it->second;
+      if (!r->closed) {
+        r->closed = true;
+        tombstones.push_back(id);
+        while (tombstones.size() > kMaxTombstones) {
+          regions.erase(tombstones.front());
+          tombstones.pop_front();
+        }
+      }
+    }
+    {
+      nb::gil_scoped_release release;
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+      while (r->inflight.load(std::memory_order_acquire) > 0) {
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      r->ucpMemh = nullptr;
+      r->memh.reset();
+    }
+    return true;
+  }
+
+  // (open regions, granted keys, refused requests, served requests)
+  std::tuple<size_t, size_t, uint64_t, uint64_t> stats()
+  {
+    std::shared_lock<std::shared_mutex> lock(tableMutex);
+    size_t open = 0, keys = 0;
+    for (auto& [id, r] : regions)
+      if (!r->closed) {
+        ++open;
+        keys += r->keys.size();
+      }
+    return {open, keys, refused.load(), served.load()};
+  }
+
+  // The access check: every request passes here before any byte moves.
+  uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out)
+  {
+    std::shared_lock<std::shared_mutex> lock(tableMutex);
+    auto it = regions.find(h.regionId);
+    if (it == regions.end()) return GS_ACCESS_DENIED;
+    Region& r = *it->second;
+    if (r.keys.find(Key128{h.key[0], h.key[1]}) == r.keys.end()) return GS_ACCESS_DENIED;
+    if (r.closed) return GS_CLOSED;
+    if (h.op == kOpPut && r.readonly) return GS_READ_ONLY;
+    if (h.length == 0 || h.offset > r.length || h.length > r.length - h.offset) return GS_OUT_OF_BOUNDS;
+    if (h.op == kOpPut ? dataLength != h.length : dataLength != 0) return GS_BAD_REQUEST;
+    r.inflight.fetch_add(1, std::memory_order_acq_rel);
+    out = it->second;
+    return GS_OK;
+  }
+
+  void reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind)
+  {
+    ReplyHeader rh{kWireMagic, status, requestId, 0, kind, 0};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
+    p.flags        = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
+    p.cb.send      = freeRequest;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), nullptr, 0, &p);
+    (void)sp;  // NULL, an error (the importer is gone), or freed on completion
+  }
+
+  // Whether a failed transfer left the connection usable for an answer; on
+  // a failed connection the importer learns of it from its own endpoint.
+  static bool connectionAlive(ucs_status_t s)
+  {
+    return !UCS_IS_LINK_ERROR(s) && !UCS_IS_ENDPOINT_ERROR(s) && s != UCS_ERR_CONNECTION_RESET &&
+           s != UCS_ERR_CANCELED && s != UCS_ERR_UNREACHABLE && s != UCS_ERR_NOT_CONNECTED;
+  }
+
+  static void finishGet(ServerOp* op, ucs_status_t status)
+  {
+    Node* n = op->node;
+    if (status == UCS_OK) {
+      if (op->length >= kTrailerMin) {
+        bool closed;
+        {
+          std::shared_lock<std::shared_mutex> lock(n->tableMutex);
+          closed = op->region->closed;
+        }
+        n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyTrailer);
+      }
+    } else if (connectionAlive(status)) {
+      // The importer may have the reply header already: a trailer (large
+      // gets) or a second reply (ignored if so) carries the failure.
+      n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData);
+    }
+    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    delete op;
+  }
+
+  static void onGetSent(void* request, ucs_status_t status, void* user)
+  {
+    ucp_request_free(request);
+    finishGet(static_cast<ServerOp*>(user), status);
+  }
+
+  static void finishPut(ServerOp* op, ucs_status_t status)
+  {
+    Node* n = op->node;
+    if (status == UCS_OK) {
+      bool closed;
+      {
+        std::shared_lock<std::shared_mutex> lock(n->tableMutex);
+        closed = op->region->closed;
+      }
+      n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyData);
+    } else if (connectionAlive(status)) {
+      n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
+    }
+    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    delete op;
+  }
+
+  static void onPutReceived(void* request, ucs_status_t status, size_t, void* user)
+  {
+    ucp_request_free(request);
+    finishPut(static_cast<ServerOp*>(user), status);
+  }
+
+  static ucs_status_t onRequest(void* arg, const void* header, size_t headerLength, void* data,
+                                size_t length, const ucp_am_recv_param_t* param)
+  {
+    Node* n = static_cast<Node*>(arg);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
+      return UCS_OK;  // nobody to answer: drop
+    ucp_ep_h ep = param->reply_ep;
+    RequestHeader h;
+    if (headerLength != sizeof(h)) {
+      n->refused.fetch_add(1, std::memory_order_relaxed);
+      n->reply(ep, 0, GS_BAD_REQUEST, kReplyData);
+      return UCS_OK;
+    }
+    std::memcpy(&h, header, sizeof(h));
+    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut)) {
+      n->refused.fetch_add(1, std::memory_order_relaxed);
+      n->reply(ep, h.requestId, GS_BAD_REQUEST, kReplyData);
+      return UCS_OK;
+    }
+    std::shared_ptr<Region> region;
+    uint32_t verdict = n->admit(h, length, region);
+    if (verdict != GS_OK) {
+      n->refused.fetch_add(1, std::memory_order_relaxed);
+      n->reply(ep, h.requestId, verdict, kReplyData);
+      return UCS_OK;  // a rendezvous payload is dropped unread
+    }
+    n->served.fetch_add(1, std::memory_order_relaxed);
+    void* at = reinterpret_cast<void*>(region->base + h.offset);
+    auto* op = new ServerOp{n, region, ep, h.requestId, h.length};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
+    p.user_data   = op;
+    p.memory_type = region->memoryType;
+    p.memh        = region->ucpMemh;
+    if (h.op == kOpGet) {
+      ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags   = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+                (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      p.cb.send = &Node::onGetSent;
+      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
+      if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
+      return UCS_OK;
+    }
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (!rndv && region->memoryType == UCS_MEMORY_TYPE_HOST) {
+      std::memcpy(at, data, length);
+      finishPut(op, UCS_OK);
+      return UCS_OK;
+    }
+    p.cb.recv_am        = &Node::onPutReceived;
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(n->wh, data, at, length, &p);
+    if (!UCS_PTR_IS_PTR(sp)) finishPut(op, UCS_PTR_STATUS(sp));
+    return UCS_INPROGRESS;  // UCX owns the descriptor now
+  }
+
+  // ---- importer side -------------------------------------------------------
+
+  // Clear `parts` of op `id`; complete it (and its batch) when nothing is
+  // awaited.  Called with opsMutex held; completions to run are appended to
+  // `done` and run after the lock is dropped.
+  void clearParts(ClientOp* op, uint32_t parts, std::vector<std::shared_ptr<Batch>>& done)
+  {
+    op->waiting &= ~parts;
+    if (op->waiting != 0) return;
+    auto b = op->batch;
+    if (b->status == UCS_OK && b->gs == GS_OK) {
+      b->status = op->status;
+      b->gs     = op->gs;
+    }
+    ops.erase(op->id);  // frees op
+    if (--b->left == 0) done.push_back(std::move(b));
+  }
+
+  static void runDone(std::vector<std::shared_ptr<Batch>>& done)
+  {
+    for (auto& b : done)
+      b->completion->complete(b->status, b->gs);
+  }
+
+  void partDone(uint64_t id, uint32_t parts, ucs_status_t status)
+  {
+    std::vector<std::shared_ptr<Batch>> done;
+    {
+      std::lock_guard<std::mutex> lock(opsMutex);
+      auto it = ops.find(id);
+      if (it == ops.end()) return;
+      ClientOp* op = it->second.get();
+      if (status != UCS_OK) {
+        op->fail(status, GS_OK);
+        // The request never reached the exporter: no answer will come.
+        if (parts & kWaitSend) parts |= kWaitReply | kWaitTrailer;
+      }
+      clearParts(op, parts, done);
+    }
+    runDone(done);
+  }
+
+  static void onRequestSent(void* request, ucs_status_t status, void* user)
+  {
+    ucp_request_free(request);
+    // user_data is the op id; the node is reachable through the op table only.
+    auto* ctx = static_cast<std::pair<Node*, uint64_t>*>(user);
+    ctx->first->partDone(ctx->second, kWaitSend, status);
+    delete ctx;
+  }
+
+  static void onGetReceived(void* request, ucs_status_t status, size_t, void* user)
+  {
+    ucp_request_free(request);
+    auto* ctx = static_cast<std::pair<Node*, uint64_t>*>(user);
+    ctx->first->partDone(ctx->second, kWaitRecv, status);
+    delete ctx;
+  }
+
+  static ucs_status_t onReply(void* arg, const void* header, size_t headerLength, void* data,
+                              size_t length, const ucp_am_recv_param_t* param)
+  {
+    Node* n = static_cast<Node*>(arg);
+    ReplyHeader rh;
+    if (headerLength != sizeof(rh)) return UCS_OK;
+    std::memcpy(&rh, header, sizeof(rh));
+    if (rh.magic != kWireMagic) return UCS_OK;
+    ucp_ep_h from = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+    std::vector<std::shared_ptr<Batch>> done;
+    std::unique_lock<std::mutex> lock(n->opsMutex);
+    auto it = n->ops.find(rh.requestId);
+    // Unknown (already failed) or from another exporter than asked: ignore.
+    if (it == n->ops.end() || it->second->ep != from) return UCS_OK;
+    ClientOp* op = it->second.get();
+    if (rh.kind == kReplyTrailer) {
+      if (!(op->waiting & kWaitTrailer)) return UCS_OK;
+      if (rh.status != GS_OK) op->fail(UCS_OK, rh.status > GS_LAST ? GS_BAD_REPLY : rh.status);
+      n->clearParts(op, kWaitTrailer, done);
+      lock.unlock();
+      runDone(done);
+      return UCS_OK;
+    }
+    if (rh.kind != kReplyData || !(op->waiting & kWaitReply)) return UCS_OK;
+    uint32_t parts = kWaitReply;
+    if (rh.status != GS_OK || op->op == kOpPut || length != op->length || rh.length != op->length) {
+      if (rh.status != GS_OK)
+        op->fail(UCS_OK, rh.status > GS_LAST ? GS_BAD_REPLY : rh.status);
+      else if (op->op == kOpPut ? length != 0 : true)
+        op->fail(UCS_OK, GS_BAD_REPLY);
+      parts |= kWaitTrailer;  // no trailer follows a refusal
+      if (op->op == kOpPut && rh.status == GS_OK && length == 0) parts = kWaitReply;
+      n->clearParts(op, parts, done);
+      lock.unlock();
+      runDone(done);
+      return UCS_OK;  // any payload is dropped
+    }
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (!rndv && op->memoryType == UCS_MEMORY_TYPE_HOST) {
+      std::memcpy(op->buffer, data, length);
+      n->clearParts(op, kWaitReply, done);
+      lock.unlock();
+      runDone(done);
+      return UCS_OK;
+    }
+    // Receive into the caller's buffer; the op stays until this completes.
+    op->waiting = (op->waiting & ~kWaitReply) | kWaitRecv;
+    void* buffer = op->buffer;
+    ucs_memory_type_t mt = op->memoryType;
+    uint64_t id = op->id;
+    lock.unlock();
+    auto* ctx = new std::pair<Node*, uint64_t>(n, id);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p.cb.recv_am   = &Node::onGetReceived;
+    p.user_data    = ctx;
+    p.memory_type  = mt;
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(n->wh, data, buffer, length, &p);
+    if (!UCS_PTR_IS_PTR(sp)) {
+      delete ctx;
+      n->partDone(id, kWaitRecv, UCS_PTR_STATUS(sp));
+    }
+    return UCS_INPROGRESS;
+  }
+
+  // Every op toward a failed or closed peer stops waiting for its answers.
+  void failPeer(uint64_t peerId, ucs_status_t status)
+  {
+    std::vector<std::shared_ptr<Batch>> done;
+    {
+      std::lock_guard<std::mutex> lock(opsMutex);
+      std::vector<ClientOp*> hit;
+      for (auto& [id, op] : ops)
+        if (op->peerId == peerId) hit.push_back(op.get());
+      for (auto* op : hit) {
+        op->fail(status, GS_OK);
+        clearParts(op, kWaitReply | kWaitTrailer, done);
+      }
+    }
+    runDone(done);
+  }
+
+  struct Item {
+    uint64_t regionId;
+    Key128 key;
+    uint64_t offset;
+    uintptr_t buffer;
+    uint64_t length;
+    int memoryType;
+  };
+
+  // Post one op per item; the request completes once all have.
+  Request post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& items,
+               const std::string& kind)
+  {
+    checkOpen();
+    auto c     = std::make_shared<Completion>();
+    auto b     = std::make_shared<Batch>();
+    b->completion = c;
+    b->left       = items.size();
+    Request r(c, kind);
+    r.progressWorker = polling ? nullptr : wh;
+    if (items.empty()) {
+      c->complete(UCS_OK);
+      return r;
+    }
+    std::vector<uint64_t> ids;
+    ids.reserve(items.size());
+    {
+      std::lock_guard<std::mutex> lock(opsMutex);
+      for (auto& it : items) {
+        auto op        = std::make_unique<ClientOp>();
+        op->id         = nextOp++;
+        op->peerId     = peerId;
+        op->ep         = ep;
+        op->op         = opCode;
+        op->buffer     = reinterpret_cast<void*>(it.buffer);
+        op->length     = it.length;
+        op->memoryType = static_cast<ucs_memory_type_t>(it.memoryType);
+        op->waiting    = kWaitSend | kWaitReply |
+                      (opCode == kOpGet && it.length >= kTrailerMin ? kWaitTrailer : 0);
+        op->batch      = b;
+        ids.push_back(op->id);
+        ops.emplace(op->id, std::move(op));
+      }
+    }
+    nb::gil_scoped_release release;
+    bool signal = false;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      RequestHeader h{};
+      h.magic     = kWireMagic;
+      h.op        = opCode;
+      h.requestId = ids[i];
+      h.regionId  = it.regionId;
+      h.key[0]    = it.key.lo;
+      h.key[1]    = it.key.hi;
+      h.offset    = it.offset;
+      h.length    = it.length;
+      auto* ctx   = new std::pair<Node*, uint64_t>(this, ids[i]);
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+                (opCode == kOpPut && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      p.cb.send     = &Node::onRequestSent;
+      p.user_data   = ctx;
+      p.memory_type = static_cast<ucs_memory_type_t>(it.memoryType);
+      const void* payload = opCode == kOpPut ? reinterpret_cast<const void*>(it.buffer) : nullptr;
+      size_t count        = opCode == kOpPut ? it.length : 0;
+      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, &h, sizeof(h), payload, count, &p);
+      if (UCS_PTR_IS_PTR(sp)) {
+        signal = true;
+      } else {
+        delete ctx;
+        partDone(ids[i], kWaitSend, UCS_PTR_STATUS(sp));
+      }
+    }
+    // A request UCX queued is finished by the progress thread: wake it.
+    if (signal && !polling) ucp_worker_signal(wh);
+    return r;
+  }
+
+  void shutdown()
+  {
+    if (!worker) return;
+    auto w = worker;
+    if (pyFinalizing() || !PyGILState_Check()) {
+      w->stopProgressThread();
+    } else {
+      nb::gil_scoped_release release;
+      w->stopProgressThread();
+    }
+    {
+      std::unique_lock<std::shared_mutex> lock(tableMutex);
+      for (auto& [id, r] : regions) {
+        r->closed  = true;
+        r->ucpMemh = nullptr;
+        releaseNoGil(r->memh);
+      }
+    }
+    // Whatever is still awaited will not come.
+    std::vector<std::shared_ptr<Batch>> done;
+    {
+      std::lock_guard<std::mutex> lock(opsMutex);
+      std::vector<ClientOp*> all;
+      for (auto& [id, op] : ops) all.push_back(op.get());
+      for (auto* op : all) {
+        op->fail(UCS_ERR_CANCELED, GS_OK);
+        clearParts(op, ~0u, done);
+      }
+    }
+    if (!pyFinalizing()) runDone(done);
+    releaseNoGil(worker);
+    releaseNoGil(context);
+  }
+
+  bool closed() const { return !worker; }
+};
+
+// A connection from this process's node to another process's node.
+class Peer : public Endpoint {
+ public:
+  Node* node;
+  uint64_t id;
+  ucp_ep_h handle;
+
+  Peer(Node* n, std::shared_ptr<ucxx::Endpoint> e, uint64_t id_)
+    : Endpoint(std::move(e)), node(n), id(id_), handle(ep->getHandle())
+  {
+  }
+
+  static Peer* connect(Node& n, nb::bytes address)
+  {
+    n.checkOpen();
+    auto w = n.worker;
+    std::string s(address.c_str(), address.size());
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> lock(n.opsMutex);
+      id = n.nextPeer++;
+    }
+    Node* np = &n;
+    auto e = call("ucp_ep_create", [&]() -> std::shared_ptr<ucxx::Endpoint> {
+      std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(std::string_view(s)).build();
+      auto ep = ucxx::endpointBuilder(w, a).endpointErrorHandling(n.errorHandling).build();
+      ep->setCloseCallback(
+        [np, id](ucs_status_t status, std::shared_ptr<void>) {
+          np->failPeer(id, status == UCS_OK ? UCS_ERR_CONNECTION_RESET : status);
+        },
+        nullptr);
+      return ep;
+    });
+    return new Peer(np, std::move(e), id);
+  }
+
+  Request post(uint8_t opCode, const std::vector<std::tuple<uint64_t, nb::bytes, uint64_t, uintptr_t, uint64_t, int>>& items,
+               const std::string& kind)
+  {
+    get();
+    std::vector<Node::Item> v;
+    v.reserve(items.size());
+    for (auto& [region, key, offset, buffer, length, mt] : items)
+      v.push_back(Node::Item{region, keyFromBytes(std::string(key.c_str(), key.size())), offset, buffer,
+                             length, mt});
+    return node->post(id, handle, opCode, v, kind);
+  }
+
+  Request get1(uint64_t region, nb::bytes key, uint64_t offset, uintptr_t buffer, uint64_t length, int mt)
+  {
+    get();
+    std::vector<Node::Item> v{Node::Item{region, keyFromBytes(std::string(key.c_str(), key.size())), offset,
+                                         buffer, length, mt}};
+    return node->post(id, handle, kOpGet, v, "get");
+  }
+
+  Request put1(uint64_t region, nb::bytes key, uint64_t offset, uintptr_t buffer, uint64_t length, int mt)
+  {
+    get();
+    std::vector<Node::Item> v{Node::Item{region, keyFromBytes(std::string(key.c_str(), key.size())), offset,
+                                         buffer, length, mt}};
+    return node->post(id, handle, kOpPut, v, "put");
+  }
+
+  void closePeer(double timeout)
+  {
+    Endpoint::close(timeout);
+    node->failPeer(id, UCS_ERR_CANCELED);
+  }
+};
+
 }  // namespace
 
 NB_MODULE(_native, m)
@@ -720,12 +1577,32 @@ NB_MODULE(_native, m)
     .def("close", &Endpoint::close, "timeout"_a);
 
   nb::class_<Agent>(m, "Agent")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool>(),
-         "config"_a, "polling"_a, "error_handling"_a)
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
     .def("address", &Agent::address)
     .def("info", &Agent::info)
     .def("connect", &Agent::connect, "peer_address"_a)
     .def("create_memory_handle", &Agent::createMemoryHandle, "size"_a, "buffer"_a, "memory_type"_a)
     .def("close", &Agent::shutdown)
     .def_prop_ro("closed", &Agent::closed);
+
+  nb::class_<Node>(m, "Node")
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
+    .def("address", &Node::address)
+    .def("info", &Node::info)
+    .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)
+    .def("add_region", &Node::addRegion, "base"_a, "length"_a, "readonly"_a, "memory_type"_a)
+    .def("grant", &Node::grant, "region_id"_a, "key"_a)
+    .def("revoke", &Node::revoke, "region_id"_a, "key"_a)
+    .def("close_region", &Node::closeRegion, "region_id"_a, "timeout"_a)
+    .def("stats", &Node::stats)
+    .def("close", &Node::shutdown)
+    .def_prop_ro("closed", &Node::closed);
+
+  nb::class_<Peer, Endpoint>(m, "Peer")
+    .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
+    .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
+    .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a)
+    .def("close", &Peer::closePeer, "timeout"_a);
 }

@@ -2,6 +2,8 @@
 
     python _netns_node.py export SIZE        # prints one JSON line, then serves stdin
     python _netns_node.py import             # reads the exporter's JSON line on stdin
+    python _netns_node.py server-export SIZE # the same through the per-process region server
+    python _netns_node.py server-import
 """
 
 from __future__ import annotations
@@ -78,6 +80,44 @@ def share_open() -> None:
                           "put_digest": hashlib.sha256(reply).hexdigest()}), flush=True)
 
 
+def server_export(size: int) -> None:
+    from gpushare import _ucx
+
+    data = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+    region = _ucx.server().add_region(data)
+    rid, key = region.grant()
+    print(json.dumps({"address": _ucx.server().address.hex(), "region": rid, "key": key.hex(),
+                      "digest": hashlib.sha256(data).hexdigest()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "digest":
+            print(hashlib.sha256(data).hexdigest(), flush=True)
+        elif cmd == "exit":
+            region.close()
+            break
+
+
+def server_import() -> None:
+    import gpushare
+    from gpushare import _ucx
+
+    hello = json.loads(sys.stdin.readline())
+    size, rid, key = int(hello["size"]), int(hello["region"]), bytes.fromhex(hello["key"])
+    peer = _ucx.client().connect(bytes.fromhex(hello["address"]), timeout=30)
+    lane = next(ln for ln in peer.transport_info().splitlines() if "lane[0]" in ln)
+    out = np.empty(size, np.uint8)
+    peer.get(rid, key, 0, out, timeout=60)
+    try:
+        peer.put(rid, bytes(16), 0, np.zeros(size, np.uint8), timeout=60)
+        refused = False
+    except gpushare.AccessDeniedError:
+        refused = True
+    reply = np.random.default_rng(10).integers(0, 256, size, dtype=np.uint8)
+    peer.put(rid, key, 0, reply, timeout=60)
+    print(json.dumps({"lane": lane, "refused": refused, "get_digest": hashlib.sha256(out).hexdigest(),
+                      "put_digest": hashlib.sha256(reply).hexdigest()}), flush=True)
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "export":
@@ -86,5 +126,9 @@ if __name__ == "__main__":
         share_export(int(sys.argv[2]))
     elif role == "share-open":
         share_open()
+    elif role == "server-export":
+        server_export(int(sys.argv[2]))
+    elif role == "server-import":
+        server_import()
     else:
         import_()

@@ -85,6 +85,14 @@ def test_put_and_get_across_namespaces(two_nodes):
     assert "tcp" in result["lane"] and va in result["lane"], result["lane"]
 
 
+def test_region_server_across_namespaces_checks_keys(two_nodes):
+    a, b, va = two_nodes
+    _, result, _ = _cross(b, a, ("server-export", str(SIZE)), "server-import", {"size": SIZE})
+    assert "tcp" in result["lane"] and va in result["lane"], result["lane"]
+    # A forged key was refused on the way, and the exporter's bytes are the importer's put alone.
+    assert result["refused"] is True
+
+
 def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
     a, b, _ = two_nodes
     _, result, err = _cross(b, a, ("share-export", str(SIZE)), "share-open")

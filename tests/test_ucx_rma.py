@@ -51,6 +51,27 @@ def _pattern(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+def test_idle_agent_sleeps_without_a_timer(link, peer):
+    # The default agent uses TCP only, whose events wake the progress
+    # thread: it sleeps in the kernel with no periodic wake-up.
+    ep, _ = link
+    assert "tcp" in ep.transport_info()
+    cpu = peer.call("idle_cpu", 3.0, timeout=30)
+    assert cpu < 0.010, f"an idle agent used {cpu * 1000:.1f} ms of CPU in 3 s"
+
+
+def test_wake_timeout_follows_the_transports():
+    from gpushare._ucx._agent import default_transports, wake_timeout_ms
+
+    assert wake_timeout_ms("tcp") == -1
+    assert wake_timeout_ms("tcp,cuda_copy") == -1
+    assert wake_timeout_ms(default_transports()) == -1
+    # Shared memory does not wake a sleeping thread; an exclusion list or
+    # UCX's own choice may include it.
+    for tls in ("sm,self", "tcp,posix", "^cma", "", None):
+        assert wake_timeout_ms(tls) == 1
+
+
 def test_remote_key_reports_the_peer_region(link, peer):
     ep, rk = link
     assert rk.is_remote

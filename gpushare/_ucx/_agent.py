@@ -48,6 +48,39 @@ _MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
 _MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
 
 
+# Transports whose interfaces wake a worker's event fd for every completion
+# and arrival: a blocking progress thread may sleep without a timeout on them.
+_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc"})
+
+
+def default_transports() -> str:
+    """``UCX_TLS`` for a worker with error handling: TCP, plus ``cuda_copy``
+    (GPU memory staging) where an NVIDIA driver is present."""
+    return "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"
+
+
+def mt_config() -> dict[str, str]:
+    """Settings for a worker that several threads call into.
+
+    UCX guards such a worker with a spinlock by default; with the progress
+    thread and callers contending on a busy machine a preempted holder makes
+    the other spin for a whole time slice (milliseconds per small request).
+    A mutex sleeps instead.  ``UCX_USE_MT_MUTEX`` in the environment wins.
+    """
+    return {} if "UCX_USE_MT_MUTEX" in os.environ else {"USE_MT_MUTEX": "y"}
+
+
+def wake_timeout_ms(tls: str | None) -> int:
+    """epoll timeout of a blocking progress thread for transport list ``tls``.
+
+    -1 (sleep until an event) when every transport wakes the worker; 1 ms
+    otherwise: shared-memory transports deliver without waking a sleeper.
+    """
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
+        return -1
+    return 1
+
+
 def _native_error_type() -> type[Exception]:
     return native().NativeError
 
@@ -497,10 +530,76 @@ class MemoryHandle:
         return f"<gpushare.ucx.MemoryHandle {self._memory_type} base=0x{self._native.base_address:x} size={self._native.size}>"
 
 
-class Endpoint:
+class _Connection:
+    """What :class:`Endpoint` and the region server's ``Peer`` share: a native
+    endpoint, the requests in flight (whose buffers stay referenced), close."""
+
+    __slots__ = ("_native", "_inflight", "_closed", "_lock", "__weakref__")
+
+    def _init(self, native_ep: Any) -> None:
+        self._native = native_ep
+        self._inflight: deque[Request] = deque()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _check_open(self) -> Any:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is up (false once closed or the peer failed)."""
+        return not self._closed and self._native.alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def transport_info(self) -> str:
+        """UCX's description of the lanes and transports this connection uses."""
+        n = self._check_open()
+        with native_errors():
+            return n.info()
+
+    def _track(self, req: Request) -> Request:
+        """Keep ``req`` (and its buffer) referenced until it completes."""
+        if self._inflight:
+            self._prune()
+        if not req._native.done():
+            with self._lock:
+                self._inflight.append(req)
+        return req
+
+    def _prune(self) -> None:
+        with self._lock:
+            while self._inflight and self._inflight[0]._native.done():
+                self._inflight.popleft()._buffer = None
+
+    def _shutdown(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with native_errors():
+                self._native.close(timeout)
+        except GpuShareError:
+            pass  # the peer is gone already: nothing left to disconnect
+        with self._lock:
+            self._inflight.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class Endpoint(_Connection):
     """A connection to one peer agent; made by :meth:`Agent.connect`."""
 
-    __slots__ = ("_native", "_agent", "_inflight", "_closed", "_lock", "__weakref__")
+    __slots__ = ("_agent",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Endpoint objects are made by Agent.connect")
@@ -508,11 +607,8 @@ class Endpoint:
     @classmethod
     def _make(cls, agent: Agent, nep: Any) -> Endpoint:
         self = object.__new__(cls)
-        self._native = nep
+        self._init(nep)
         self._agent = agent
-        self._inflight: deque[Request] = deque()
-        self._closed = False
-        self._lock = threading.Lock()
         return self
 
     def _check_open(self) -> Any:
@@ -520,17 +616,6 @@ class Endpoint:
             raise ClosedError("endpoint is closed")
         self._agent._check_usable()
         return self._native
-
-    @property
-    def alive(self) -> bool:
-        """Whether the connection is up (false once closed or the peer failed)."""
-        return not self._closed and self._native.alive()
-
-    def transport_info(self) -> str:
-        """UCX's description of the lanes and transports this endpoint uses."""
-        n = self._check_open()
-        with native_errors():
-            return n.info()
 
     def unpack_remote_key(self, blob: bytes) -> RemoteKey:
         """Turn a peer's serialized key into a key usable on this endpoint.
@@ -604,11 +689,6 @@ class Endpoint:
             with self._lock:
                 self._inflight.append(req)
         return req
-
-    def _prune(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0]._native.done():
-                self._inflight.popleft()._buffer = None
 
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
@@ -684,28 +764,6 @@ class Endpoint:
             self._shutdown(5.0 if t is None else t)
         self._closed = True
 
-    def _shutdown(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with native_errors():
-                self._native.close(timeout)
-        except GpuShareError:
-            pass  # the peer is gone already: nothing left to disconnect
-        with self._lock:
-            self._inflight.clear()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> Endpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<gpushare.ucx.Endpoint {'closed' if self._closed else 'open'}>"
 
@@ -726,7 +784,11 @@ class Agent:
         allow it on one node, at the price of no failure detection.
     transports : str, optional
         UCX transport list (``UCX_TLS``), for example ``"tcp"`` or
-        ``"sm,self"``; UCX chooses when omitted.
+        ``"sm,self"``.  When omitted (and ``UCX_TLS`` is not set): with
+        error handling, TCP (and ``cuda_copy`` on a machine with an NVIDIA
+        driver), since error handling rules out the shared-memory
+        transports and opening them only costs time, memory and file
+        descriptors; without it, UCX chooses.
     config : mapping, optional
         Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
         environment variables apply as usual.
@@ -753,6 +815,10 @@ class Agent:
             if not isinstance(transports, str) or not transports:
                 raise InvalidInputError("transports must be a non-empty str such as 'tcp'")
             cfg["TLS"] = transports
+        elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
+            cfg["TLS"] = default_transports()
+        for key, value in mt_config().items():
+            cfg.setdefault(key, value)
         # Local buffers reach put/get as bare pointers, so UCX infers their
         # memory type.  Its memory-type cache learns of CUDA memory only from
         # allocations it saw being made, so it can take device memory made
@@ -768,7 +834,8 @@ class Agent:
         self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         with native_errors():
-            self._native = native().Agent(cfg, progress == "polling", error_handling)
+            self._native = native().Agent(cfg, progress == "polling", error_handling,
+                                          wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
         self._address = None
         self._finalizer = weakref.finalize(
             self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,

@@ -1,0 +1,165 @@
+"""gpushare's region server against NIXL's UCX backend, same transport, one run.
+
+Run: ``python benchmarks/bench_nixl.py`` (``--quick`` for a short run).
+NIXL is optional: ``pip install nixl-cu13`` (module ``nixl_cu13``; its UCX
+backend works on host memory without a GPU).  Without it the script says so
+and exits 0.
+
+Both sides run as two processes on this machine with ``UCX_TLS=tcp`` (the
+transport gpushare's server uses by default) on host memory.  For each
+operation the importer (NIXL's initiator) issues one request at a time and
+waits for it, so each figure is what one synchronous caller gets:
+
+* get and put of 4 KiB, 64 KiB and 1 MiB: one buffer per request;
+* a batch of 64 x 64 KiB: one request of 64 descriptors (NIXL) against one
+  ``get_batch``/``put_batch`` (gpushare).
+
+Unit: MiB/s (2**20 bytes per second) everywhere; the ratio is gpushare /
+NIXL (above 1: gpushare faster).  Differences to keep in mind: NIXL moves
+data with one-sided RMA and checks nothing on the target per request, and
+its target runs a polling progress thread (one busy core); gpushare's
+exporter checks every request (region, key, range) and sleeps while idle;
+NIXL's initiator here polls the transfer state from Python, gpushare waits
+on its request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from bench_ucx import _server_exporter, spawned
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, MiB]
+BATCH = 64
+BATCH_SIZE = 64 * KiB
+REGION = max(max(SIZES), BATCH * BATCH_SIZE)
+
+
+def _iters(nbytes: int, quick: bool) -> int:
+    budget = (32 if quick else 256) * MiB
+    return max(8, min(5000, budget // nbytes))
+
+
+# -- NIXL ---------------------------------------------------------------------------
+
+
+def _nixl_target(conn) -> None:
+    import numpy as np
+    from nixl_cu13._api import nixl_agent
+
+    agent = nixl_agent("target")
+    buf = np.ones(REGION, np.uint8)
+    agent.register_memory([(buf.ctypes.data, REGION, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    conn.recv()
+
+
+def nixl_run(quick: bool) -> dict:
+    import numpy as np
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+
+    results = {}
+    with spawned(_nixl_target) as (meta, raddr):
+        # The initiator polls the transfer state itself: no progress thread.
+        agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False))
+        local = np.zeros(REGION, np.uint8)
+        agent.register_memory([(local.ctypes.data, REGION, 0, "")], "DRAM")
+        peer = agent.add_remote_agent(meta)
+        laddr = local.ctypes.data
+
+        def measure(op: str, pairs: list[tuple[int, int, int]]) -> float:
+            ldescs = agent.get_xfer_descs([(laddr + lo, n, 0) for lo, _, n in pairs], "DRAM")
+            rdescs = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in pairs], "DRAM")
+            handle = agent.initialize_xfer(op, ldescs, rdescs, peer)
+            nbytes = sum(n for _, _, n in pairs)
+            iters = _iters(nbytes, quick)
+            for i in range(iters + 2):  # two warm-up transfers
+                if i == 2:
+                    t0 = time.perf_counter()
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL {op} failed: {state}")
+            dt = time.perf_counter() - t0
+            agent.release_xfer_handle(handle)
+            return nbytes * iters / dt / MiB
+
+        for size in SIZES:
+            results[("get", size)] = measure("READ", [(0, 0, size)])
+            results[("put", size)] = measure("WRITE", [(0, 0, size)])
+        pairs = [(i * BATCH_SIZE, i * BATCH_SIZE, BATCH_SIZE) for i in range(BATCH)]
+        results[("get", "batch")] = measure("READ", pairs)
+        results[("put", "batch")] = measure("WRITE", pairs)
+        agent.remove_remote_agent(peer)
+    return results
+
+
+# -- gpushare ---------------------------------------------------------------------
+
+
+def gpushare_run(quick: bool) -> dict:
+    import numpy as np
+
+    from gpushare import _ucx
+
+    results = {}
+    with spawned(_server_exporter, REGION) as (address, (rid, key)):
+        peer = _ucx.client().connect(address, timeout=30)
+        local = np.zeros(REGION, np.uint8)
+
+        def measure(fn, nbytes: int) -> float:
+            iters = _iters(nbytes, quick)
+            fn()
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return nbytes * iters / (time.perf_counter() - t0) / MiB
+
+        for size in SIZES:
+            view = local[:size]
+            results[("get", size)] = measure(lambda v=view: peer.get(rid, key, 0, v, 60), size)
+            results[("put", size)] = measure(lambda v=view: peer.put(rid, key, 0, v, 60), size)
+        items = [(rid, key, i * BATCH_SIZE, local[i * BATCH_SIZE : (i + 1) * BATCH_SIZE]) for i in range(BATCH)]
+        results[("get", "batch")] = measure(lambda: peer.get_batch(items).wait(60), BATCH * BATCH_SIZE)
+        results[("put", "batch")] = measure(lambda: peer.put_batch(items).wait(60), BATCH * BATCH_SIZE)
+        peer.close()
+    return results
+
+
+def _label(size) -> str:
+    if size == "batch":
+        return f"{BATCH} x {BATCH_SIZE // KiB} KiB"
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer iterations, one trial")
+    args = p.parse_args()
+    try:
+        import nixl_cu13  # noqa: F401
+    except ImportError:
+        print("NIXL is not installed (pip install nixl-cu13): skipping the comparison.")
+        return 0
+    os.environ["UCX_TLS"] = "tcp"  # both sides, both libraries, inherited by the spawned processes
+    trials = 1 if args.quick else 3
+    nixl = [nixl_run(args.quick) for _ in range(trials)]
+    ours = [gpushare_run(args.quick) for _ in range(trials)]
+    print(f"UCX_TLS=tcp, host memory, {os.cpu_count()} CPUs; best of {trials}; MiB/s; ratio = gpushare / NIXL\n")
+    print(f"{'op':>4} {'size':>14} {'gpushare':>10} {'NIXL':>10} {'ratio':>6}")
+    for op in ("get", "put"):
+        for size in [*SIZES, "batch"]:
+            g = max(r[(op, size)] for r in ours)
+            n = max(r[(op, size)] for r in nixl)
+            print(f"{op:>4} {_label(size):>14} {g:10.0f} {n:10.0f} {g / n:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,570 @@
+"""One UCX worker per process, serving every region, with access checked per request.
+
+The exporter's side is :class:`Server`: memory is added as a :class:`Region`,
+and each importer is handed a capability, ``(region_id, key)`` from
+:meth:`Region.grant`.  The importer's side is :class:`Client`, whose
+:class:`Peer` (one per exporter address) reads and writes regions with those
+capabilities.  Every transfer is an active message that the exporter's
+progress thread checks against its table of regions and keys (in C++, without
+the GIL) before any byte moves; :meth:`Region.revoke` removes one key,
+:meth:`Region.close` all of them.  See ``docs/ucx.md`` and ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from .. import _buffers
+from .._errors import (
+    ClosedError,
+    GpuShareError,
+    InvalidInputError,
+    OutOfBoundsError,
+    UCXConnectionError,
+    WaitTimeoutError,
+    native_errors,
+    translate,
+)
+from .._process import PerProcess
+from ._agent import (
+    _ADDRESS_MAGIC,
+    _Connection,
+    _MAX_ADDRESS,
+    _MEMORY_TYPE_CODES,
+    Request,
+    _check_int,
+    _check_timeout,
+    _pack,
+    _unpack,
+    default_transports,
+    mt_config,
+    wake_timeout_ms,
+)
+from ._loader import native
+
+__all__ = ["Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]
+
+#: Length in bytes of a region key.
+KEY_BYTES = 16
+_U64 = (1 << 64) - 1
+_CLOSE_TIMEOUT = 10.0
+_OK = ("UCS_OK", "GS_OK")
+
+
+# -- the process's node: one UCX context, one worker, one progress thread ------
+
+
+class _Node:
+    """This process's UCX worker, shared by its :class:`Server` and :class:`Client`."""
+
+    def __init__(self) -> None:
+        cfg: dict[str, str] = {}
+        # TCP alone (with cuda_copy to stage GPU memory where a driver is)
+        # unless UCX_TLS chooses: these wake a sleeping progress thread and
+        # work with error handling on, and the worker opens nothing it
+        # cannot use (no shared-memory segments, no CMA).
+        if "UCX_TLS" not in os.environ:
+            cfg["TLS"] = default_transports()
+        cfg.update(mt_config())
+        progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
+        if progress not in ("blocking", "polling"):
+            raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
+        with native_errors():
+            self.native = native().Node(cfg, progress == "polling", True,
+                                        wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.held: list[Any] = []  # buffers of regions whose transfers did not drain
+        self.peers: dict[bytes, Peer] = {}
+
+    def check(self) -> Any:
+        if os.getpid() != self.pid:
+            raise ClosedError("this UCX server/client belongs to the parent process; call server() or client() again")
+        if self.native.closed:
+            raise ClosedError("the process's UCX node is closed")
+        return self.native
+
+    def stop(self) -> None:
+        with self.lock:
+            peers, self.peers = list(self.peers.values()), {}
+        for p in peers:
+            p._shutdown(1.0)
+        self.native.close()
+        with self.lock:
+            held, self.held = self.held, []
+        for lb in held:
+            lb.release()
+
+
+_leaked: list[Any] = []  # a parent's native objects, never destroyed in a forked child
+
+
+def _abandon(node: _Node) -> None:
+    # No lock: a thread of the parent may have held it when the process forked.
+    _leaked.append(node.native)
+    _leaked.extend(p._native for p in list(node.peers.values()))
+
+
+_NODE: PerProcess[_Node] = PerProcess(_Node, stop=_Node.stop, abandon=_abandon)
+
+
+# -- exporter side ---------------------------------------------------------------
+
+
+class Region:
+    """Memory a :class:`Server` serves; made by :meth:`Server.add_region`.
+
+    Importers reach it only with a capability from :meth:`grant`; each
+    capability can be revoked alone.  Closing the region revokes them all and
+    unregisters the memory.
+    """
+
+    __slots__ = ("_node", "_id", "_local", "_readonly", "_finalizer", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Region objects are made by Server.add_region")
+
+    @classmethod
+    def _make(cls, node: _Node, region_id: int, local: _buffers.LocalBuffer, readonly: bool) -> Region:
+        self = object.__new__(cls)
+        self._node = node
+        self._id = region_id
+        self._local = local
+        self._readonly = readonly
+        self._finalizer = weakref.finalize(self, _close_region, node, region_id, local, _CLOSE_TIMEOUT)
+        return self
+
+    def _check_open(self) -> Any:
+        n = self._node.check()
+        if not self._finalizer.alive:
+            raise ClosedError(f"region {self._id} is closed")
+        return n
+
+    @property
+    def id(self) -> int:
+        """The region's id, part of every capability on it."""
+        return self._id
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the region in bytes."""
+        return self._local.nbytes
+
+    @property
+    def readonly(self) -> bool:
+        """Whether importers may only read."""
+        return self._readonly
+
+    @property
+    def memory_type(self) -> str:
+        """``"host"`` or ``"cuda"``."""
+        return self._local.memory_type
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def grant(self) -> tuple[int, bytes]:
+        """Make a capability for one importer: ``(region_id, key)``.
+
+        The key is 128 random bits; send both to the importer over a channel
+        you trust (the control channel of its lease).  Each call makes a new
+        key, which :meth:`revoke` withdraws alone.
+        """
+        n = self._check_open()
+        key = secrets.token_bytes(KEY_BYTES)
+        with native_errors():
+            n.grant(self._id, key)
+        return self._id, key
+
+    def revoke(self, key: bytes) -> bool:
+        """Withdraw one capability; the importer holding it loses access at once.
+
+        Every request checked after this returns is refused with
+        :class:`AccessDeniedError`; a transfer admitted before it finishes.
+        Other keys of the region keep working.  Returns whether ``key`` was
+        granted (revoking twice is harmless).
+        """
+        n = self._check_open()
+        key = _check_key(key)
+        with native_errors():
+            return n.revoke(self._id, key)
+
+    def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
+        """Revoke every key, fail what is in flight, unregister the memory (idempotent).
+
+        Requests arriving afterwards fail with :class:`ClosedError` on the
+        importer, as do transfers that were under way (a large get's data
+        may have arrived, but the importer is told the region closed).  This
+        waits at most ``timeout`` seconds for those transfers to let go of
+        the memory; if one does not (a stuck peer), the memory stays
+        registered and referenced until the process's node stops, and is
+        never reused under the peer.
+        """
+        t = _check_timeout(timeout)
+        if not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        _close_region(self._node, self._id, self._local, _CLOSE_TIMEOUT if t is None else t)
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("read-only" if self._readonly else "read-write")
+        return f"<gpushare._ucx.Region {self._id} {self._local.memory_type} {self._local.nbytes} B {state}>"
+
+
+def _close_region(node: _Node, region_id: int, local: _buffers.LocalBuffer, timeout: float) -> None:
+    if os.getpid() != node.pid or node.native.closed:
+        return  # a forked child, or the node already unregistered everything
+    with native_errors():
+        drained = node.native.close_region(region_id, timeout)
+    if drained:
+        local.release()
+    else:
+        with node.lock:
+            node.held.append(local)
+
+
+def _check_key(key: Any) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"a region key must be bytes, not {type(key).__name__}")
+    key = bytes(key)
+    if len(key) != KEY_BYTES:
+        raise InvalidInputError(f"a region key is {KEY_BYTES} bytes, not {len(key)}")
+    return key
+
+
+class Server:
+    """This process's region server: one UCX worker for every region it serves.
+
+    Get it with :func:`server`.  Importers connect to :attr:`address` and
+    present ``(region_id, key)`` capabilities; the server checks each request
+    (region, key, range, read-only) before any byte moves.
+    """
+
+    __slots__ = ("_node",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("use gpushare._ucx.server() for this process's Server")
+
+    @classmethod
+    def _make(cls, node: _Node) -> Server:
+        self = object.__new__(cls)
+        self._node = node
+        return self
+
+    @property
+    def address(self) -> bytes:
+        """Bytes an importer passes to :meth:`Client.connect` (the worker's address)."""
+        n = self._node.check()
+        with native_errors():
+            return _pack(_ADDRESS_MAGIC, 0, n.address())
+
+    def add_region(self, obj: Any, readonly: bool = False) -> Region:
+        """Serve ``obj``'s memory as a new region.
+
+        Parameters
+        ----------
+        obj
+            Host memory (buffer protocol), CUDA memory
+            (``__cuda_array_interface__``, DLPack, cuda.core ``Buffer``), or a
+            resolved ``LocalBuffer``.  It stays referenced until the region closes.
+        readonly : bool
+            Refuse puts.  A read-only buffer may only be added this way.
+
+        Raises
+        ------
+        InvalidInputError
+            For an unusable buffer, an empty one, or a read-only buffer
+            without ``readonly=True``.
+        """
+        n = self._node.check()
+        if not isinstance(readonly, bool):
+            raise InvalidInputError("readonly must be a bool")
+        local = _buffers.resolve(obj, writable=False)
+        try:
+            if local.nbytes < 1:
+                raise InvalidInputError("a region needs at least one byte")
+            if local.readonly and not readonly:
+                raise InvalidInputError("the buffer is read-only: add it with readonly=True")
+            with native_errors():
+                rid = n.add_region(local.address, local.nbytes, readonly, _MEMORY_TYPE_CODES[local.memory_type])
+        except BaseException:
+            if local is not obj:
+                local.release()
+            raise
+        return Region._make(self._node, rid, local, readonly)
+
+    def stats(self) -> dict[str, int]:
+        """Counts: open ``regions``, granted ``keys``, ``refused`` and ``served`` requests."""
+        n = self._node.check()
+        regions, keys, refused, served = n.stats()
+        return {"regions": regions, "keys": keys, "refused": refused, "served": served}
+
+    def info(self) -> str:
+        """UCX's description of the worker (transports, devices)."""
+        n = self._node.check()
+        with native_errors():
+            return n.info()
+
+    def __repr__(self) -> str:
+        return f"<gpushare._ucx.Server pid={self._node.pid}>"
+
+
+def server() -> Server:
+    """This process's :class:`Server`, made on first use (again in a forked child)."""
+    return Server._make(_NODE.get())
+
+
+# -- importer side ---------------------------------------------------------------
+
+
+def _check_region_id(region_id: Any) -> int:
+    return _check_int(region_id, "region_id", minimum=1)
+
+
+class Peer(_Connection):
+    """The connection from this process to one exporter's :class:`Server`.
+
+    Made by :meth:`Client.connect`, one per exporter address.  Requests carry
+    a capability ``(region_id, key)``; the exporter refuses any it did not
+    grant.  The local buffer of a request stays referenced until it completes.
+    """
+
+    __slots__ = ("_node",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Peer objects are made by Client.connect")
+
+    @classmethod
+    def _make(cls, node: _Node, npeer: Any) -> Peer:
+        self = object.__new__(cls)
+        self._init(npeer)
+        self._node = node
+        return self
+
+    def _check_open(self) -> Any:
+        self._node.check()
+        if self._closed:
+            raise ClosedError("peer is closed")
+        return self._native
+
+    def _item(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any,
+              nbytes: Any, locals_: list) -> tuple:
+        _check_region_id(region_id)
+        key = _check_key(key)
+        _check_int(offset, "offset")
+        local = _buffers.resolve(buffer, writable=(op == "get"))
+        if local is not buffer:
+            locals_.append(local)
+        if nbytes is None:
+            nbytes = local.nbytes
+        else:
+            _check_int(nbytes, "nbytes")
+            if nbytes > local.nbytes:
+                raise InvalidInputError(f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}")
+        if nbytes < 1:
+            raise InvalidInputError(f"a {op} moves at least one byte")
+        if offset + nbytes > _U64:
+            raise OutOfBoundsError("offset + nbytes runs past 2**64")
+        return (region_id, key, offset, local.address, nbytes, _MEMORY_TYPE_CODES[local.memory_type])
+
+    def _native_post(self, op: str, items: list[tuple], kind: str) -> Any:
+        n = self._check_open()
+        try:
+            if len(items) == 1 and kind == op:
+                return (n.get if op == "get" else n.put)(*items[0])
+            return n.post(1 if op == "get" else 2, items, kind)
+        except native().NativeError as exc:
+            raise translate(*exc.args) from None
+
+    def _post(self, op: str, items: list[tuple], locals_: list, kind: str) -> Request:
+        nreq = self._native_post(op, items, kind)
+        return self._track(Request._from_native(nreq, locals_ or None, self))
+
+    def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any,
+             wait: float | None = -1.0) -> Request | None:
+        """Post one get or put.  With ``wait`` (seconds, None = forever) wait
+        for it here and return None: the synchronous calls skip the Request."""
+        locals_: list = []
+        try:
+            item = self._item(op, region_id, key, offset, buffer, nbytes, locals_)
+            if wait == -1.0:
+                return self._post(op, [item], locals_, op)
+            nreq = self._native_post(op, [item], op)
+        except BaseException:
+            for lb in locals_:
+                lb.release()
+            raise
+        if nreq.wait(-1.0 if wait is None else wait):
+            status = nreq.status()
+            if status[0] not in _OK:
+                raise translate(status[0], f"{op} failed: {status[1]}")
+            return None
+        # Still in flight: its buffer stays referenced until it completes.
+        self._track(Request._from_native(nreq, locals_ or None, self))
+        raise WaitTimeoutError(f"{op} did not complete within {wait} s")
+
+    def _batch(self, op: str, items: Iterable) -> Request:
+        locals_: list = []
+        try:
+            prepared = []
+            for entry in items:
+                if not isinstance(entry, tuple) or len(entry) != 4:
+                    raise InvalidInputError(f"batch items are (region_id, key, offset, buffer) tuples, not {entry!r:.80}")
+                prepared.append(self._item(op, *entry, None, locals_))
+            return self._post(op, prepared, locals_, f"{op}_batch")
+        except BaseException:
+            for lb in locals_:
+                lb.release()
+            raise
+
+    def get_async(self, region_id: int, key: bytes, offset: int, dst: Any, *, nbytes: int | None = None) -> Request:
+        """Read ``nbytes`` (all of ``dst`` by default) at ``offset`` of the region into ``dst``.
+
+        Returns at once; the data is in ``dst`` when the :class:`Request`
+        completes.  A refusal completes it with :class:`AccessDeniedError`
+        (no such region, key not granted or revoked),
+        :class:`OutOfBoundsError` or :class:`ClosedError`; nothing is
+        written to ``dst`` then.
+
+        Raises
+        ------
+        InvalidInputError
+            For a malformed capability, offset or buffer (nothing is sent).
+        ClosedError
+            If the peer is closed.
+        """
+        return self._one("get", region_id, key, offset, dst, nbytes)
+
+    def put_async(self, region_id: int, key: bytes, offset: int, src: Any, *, nbytes: int | None = None) -> Request:
+        """Write ``src`` at ``offset`` of the region.
+
+        The request completes once the exporter has the bytes in the
+        region's memory (no flush needed).  Refusals as in :meth:`get_async`,
+        and :class:`AccessDeniedError` for a read-only region.
+        """
+        return self._one("put", region_id, key, offset, src, nbytes)
+
+    def get(self, region_id: int, key: bytes, offset: int, dst: Any, timeout: float | None = None, *,
+            nbytes: int | None = None) -> None:
+        """:meth:`get_async` and wait (``timeout`` seconds; ``None`` waits until UCX
+        completes or fails it).  Raises what the request failed with, or
+        :class:`WaitTimeoutError` (the transfer stays in flight)."""
+        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout))
+
+    def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
+            nbytes: int | None = None) -> None:
+        """:meth:`put_async` and wait, as :meth:`get`."""
+        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout))
+
+    def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
+        """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.
+
+        Each get reads ``len(dst)`` bytes.  The request fails with the first
+        failure among them (the others still complete).
+        """
+        return self._batch("get", items)
+
+    def put_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
+        """Post one put per ``(region_id, key, offset, src)``; one request for all, as :meth:`get_batch`."""
+        return self._batch("put", items)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Disconnect (idempotent); requests in flight fail.  The next
+        :meth:`Client.connect` to this address makes a new peer."""
+        t = _check_timeout(timeout)
+        if self._closed:
+            return
+        if os.getpid() == self._node.pid and not self._node.native.closed:
+            self._shutdown(5.0 if t is None else t)
+        self._closed = True
+
+    def _shutdown(self, timeout: float) -> None:
+        with self._node.lock:
+            for addr, p in list(self._node.peers.items()):
+                if p is self:
+                    del self._node.peers[addr]
+        super()._shutdown(timeout)
+
+    def __repr__(self) -> str:
+        return f"<gpushare._ucx.Peer {'closed' if self._closed else 'open'}>"
+
+
+class Client:
+    """This process's importer side; get it with :func:`client`."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("use gpushare._ucx.client() for this process's Client")
+
+    @classmethod
+    def _make(cls, node: _Node) -> Client:
+        self = object.__new__(cls)
+        self._node = node
+        return self
+
+    def connect(self, address: bytes, timeout: float = 10.0) -> Peer:
+        """The :class:`Peer` for an exporter's :attr:`Server.address`, connected.
+
+        One connection per exporter: a second call with the same address
+        returns the same peer while it is alive.
+
+        Raises
+        ------
+        InvalidInputError
+            If ``address`` is not a gpushare worker address.
+        UCXConnectionError
+            If the exporter does not answer within ``timeout`` seconds.
+        """
+        node = self._node
+        n = node.check()
+        t = _check_timeout(timeout)
+        _, raw = _unpack(address, _ADDRESS_MAGIC, "worker address", _MAX_ADDRESS)
+        with node.lock:
+            cached = node.peers.get(raw)
+        if cached is not None and cached.alive:
+            return cached
+        if cached is not None:
+            cached.close(timeout=1.0)
+        with native_errors():
+            npeer = n.connect(raw)
+        peer = Peer._make(node, npeer)
+        # Wire the connection up before handing it out.
+        try:
+            Request._from_native(npeer.flush(None), None, peer).wait(t)
+        except WaitTimeoutError:
+            peer._shutdown(1.0)
+            raise UCXConnectionError("UCS_ERR_TIMED_OUT", f"exporter did not answer within {timeout} s") from None
+        except GpuShareError as exc:
+            peer._shutdown(1.0)
+            status = getattr(exc, "status", "UCS_ERR_UNREACHABLE")
+            raise UCXConnectionError(status, f"cannot connect to exporter: {exc}") from None
+        with node.lock:
+            other = node.peers.get(raw)
+            if other is not None and other.alive:
+                keep = other
+            else:
+                node.peers[raw] = keep = peer
+        if keep is not peer:
+            peer._shutdown(1.0)
+        return keep
+
+    def __repr__(self) -> str:
+        return f"<gpushare._ucx.Client pid={self._node.pid}>"
+
+
+def client() -> Client:
+    """This process's :class:`Client`, made on first use (again in a forked child)."""
+    return Client._make(_NODE.get())

@@ -1,0 +1,316 @@
+"""The per-process region server: one worker, capabilities checked per request.
+
+The exporter is a spawned process (tests/_server_peer.py); this process is
+the importer.  Everything runs over real UCX (TCP on loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+import gpushare
+from gpushare import _ucx
+
+from _procs import Child
+import _server_peer
+
+MiB = 1 << 20
+BIG = 64 * MiB
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    child = Child(_server_peer.setup_exporter)
+    child.call("add", "big", BIG, 1)
+    yield child
+    child.close()
+
+
+@pytest.fixture(scope="module")
+def peer(exporter):
+    return _ucx.client().connect(exporter.hello["address"], timeout=30)
+
+
+@pytest.fixture(scope="module")
+def big(exporter):
+    return exporter.call("grant", "big")
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "size,offset", [(1, 0), (8, 3), (4095, 1), (65536, 4096), (65537, 7), (MiB + 3, 11), (BIG, 0)]
+)
+def test_put_then_get_round_trip(exporter, peer, big, size, offset):
+    data = _pattern(size, size)
+    peer.put(*big, offset, data, timeout=60)
+    # The bytes are in the exporter's memory, checked there.
+    assert exporter.call("digest", "big", offset, size) == hashlib.sha256(data).hexdigest()
+    out = np.zeros(size, np.uint8)
+    peer.get(*big, offset, out, timeout=60)
+    assert np.array_equal(out, data)
+
+
+def test_connect_is_cached_per_exporter(exporter, peer):
+    assert _ucx.client().connect(exporter.hello["address"]) is peer
+    assert peer.alive
+    assert "tcp" in peer.transport_info()
+
+
+def test_get_async_and_await(exporter, peer, big):
+    digest = exporter.call("digest", "big", 100, 5000)
+    out = bytearray(5000)
+    req = peer.get_async(*big, 100, out)
+    req.wait(30)
+    assert req.done() and req.exception() is None
+    assert hashlib.sha256(out).hexdigest() == digest
+
+    async def main():
+        data = _pattern(300_000, 9)
+        await peer.put_async(*big, 1000, data)
+        back = np.zeros_like(data)
+        await peer.get_async(*big, 1000, back)
+        return data, back
+
+    data, back = asyncio.run(main())
+    assert np.array_equal(data, back)
+
+
+def test_a_wait_that_times_out_leaves_the_transfer_running(exporter, peer, big):
+    out = np.zeros(BIG, np.uint8)
+    with pytest.raises(gpushare.WaitTimeoutError, match="did not complete within 0"):
+        peer.get(*big, 0, out, timeout=0)
+    # The buffer stays referenced by the peer until the transfer ends; the
+    # peer goes on serving.
+    assert any(r._buffer is not None for r in peer._inflight)
+    small = bytearray(16)
+    peer.get(*big, 0, small, timeout=60)
+    assert bytes(small) == exporter.call("read", "big", 0, 16)
+
+
+# -------------------------------------------------------------- access checks
+
+
+def test_forged_capabilities_are_refused_and_touch_nothing(exporter, peer, big):
+    rid, key = big
+    other_rid, other_key = exporter.call("add", "other", 4096, 2), None
+    other_rid, other_key = exporter.call("grant", "other")
+    before = exporter.call("digest", "big")
+    forged = [
+        (rid + 1000, key),               # a region that does not exist
+        (rid, bytes(16)),                # a key never granted
+        (rid, other_key),                # a key of another region
+        (other_rid, key),                # the other way round
+        (rid, key[:15] + bytes([key[15] ^ 1])),  # one bit off
+    ]
+    for cap in forged:
+        out = np.full(64, 0xAB, np.uint8)
+        with pytest.raises(gpushare.AccessDeniedError, match="refused access"):
+            peer.get(*cap, 0, out, timeout=30)
+        assert (out == 0xAB).all()  # nothing was written here
+        with pytest.raises(gpushare.AccessDeniedError):
+            peer.put(*cap, 0, np.zeros(64, np.uint8), timeout=30)
+    # Large puts (rendezvous) are refused before their data is read, too.
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.put(rid, bytes(16), 0, np.zeros(4 * MiB, np.uint8), timeout=30)
+    assert exporter.call("digest", "big") == before
+    assert exporter.call("stats")["refused"] >= 2 * len(forged) + 1
+
+
+@pytest.mark.parametrize("offset,size", [(BIG, 1), (BIG - 1, 2), (BIG - 4096, 8192), (0, BIG + 1),
+                                         ((1 << 64) - 16, 8)])
+def test_out_of_bounds_is_refused(exporter, peer, big, offset, size):
+    before = exporter.call("digest", "big")
+    with pytest.raises(gpushare.OutOfBoundsError, match="outside the region"):
+        peer.get(*big, offset, np.zeros(size, np.uint8), timeout=30)
+    with pytest.raises(gpushare.OutOfBoundsError):
+        peer.put(*big, offset, np.ones(size, np.uint8), timeout=30)
+    assert exporter.call("digest", "big") == before
+
+
+def test_bad_arguments_are_refused_before_sending(peer, big):
+    rid, key = big
+    out = np.zeros(8, np.uint8)
+    for bad in [(0, key, 0), (-1, key, 0), (rid, b"short", 0), (rid, "str" * 6, 0), (rid, key, -1),
+                (True, key, 0)]:
+        with pytest.raises(gpushare.InvalidInputError):
+            peer.get(*bad, out, timeout=5)
+    with pytest.raises(gpushare.InvalidInputError, match="read-only"):
+        peer.get(rid, key, 0, b"immutable", timeout=5)
+    with pytest.raises(gpushare.InvalidInputError, match="at least one byte"):
+        peer.get(rid, key, 0, bytearray(0), timeout=5)
+    with pytest.raises(gpushare.InvalidInputError, match="tuples"):
+        peer.get_batch([(rid, key, 0)])
+
+
+def test_read_only_region_refuses_puts(exporter, peer):
+    exporter.call("add", "ro", 8192, 3, True)
+    cap = exporter.call("grant", "ro")
+    before = exporter.call("digest", "ro")
+    with pytest.raises(gpushare.AccessDeniedError, match="read-only"):
+        peer.put(*cap, 0, np.ones(100, np.uint8), timeout=30)
+    with pytest.raises(gpushare.AccessDeniedError, match="read-only"):
+        peer.put(*cap, 0, np.ones(8192, np.uint8), timeout=30)
+    assert exporter.call("digest", "ro") == before
+    out = bytearray(8192)
+    peer.get(*cap, 0, out, timeout=30)
+    assert hashlib.sha256(out).hexdigest() == before
+
+
+def test_revoking_one_importer_leaves_the_others(exporter, peer):
+    exporter.call("add", "shared", 1 << 16, 4)
+    exporter.call("add", "mine", 1 << 16, 5)
+    mine = exporter.call("grant", "shared")
+    mine_too = exporter.call("grant", "mine")
+    theirs = exporter.call("grant", "shared")
+    other = Child(_server_peer.setup_importer)
+    try:
+        addr = exporter.hello["address"]
+        out = bytearray(100)
+        peer.get(*mine, 0, out, timeout=30)
+        assert other.call("get", addr, theirs, 0, 100) == bytes(out)
+        assert exporter.call("revoke", "shared", mine[1]) is True
+        # At once: the very next request is refused, reads and writes alike.
+        with pytest.raises(gpushare.AccessDeniedError):
+            peer.get(*mine, 0, bytearray(100), timeout=30)
+        with pytest.raises(gpushare.AccessDeniedError):
+            peer.put(*mine, 0, b"x" * 100, timeout=30)
+        # The other importer keeps its access, and so do this importer's other regions.
+        other.call("put", addr, theirs, 10, b"still here")
+        assert exporter.call("read", "shared", 10, 10) == b"still here"
+        peer.put(*mine_too, 0, b"mine too", timeout=30)
+        assert exporter.call("read", "mine", 0, 8) == b"mine too"
+        assert exporter.call("revoke", "shared", mine[1]) is False  # twice is harmless
+    finally:
+        other.close()
+
+
+def test_closing_a_region_fails_inflight_and_later_requests(exporter, peer):
+    exporter.call("add", "doomed", BIG, 6)
+    cap = exporter.call("grant", "doomed")
+    outs = [np.zeros(BIG, np.uint8) for _ in range(4)]
+    req = peer.get_batch([(*cap, 0, o) for o in outs])
+    exporter.call("close", "doomed")  # returns once nothing touches the memory any more
+    with pytest.raises(gpushare.ClosedError, match="closed"):
+        req.wait(60)
+    with pytest.raises(gpushare.ClosedError):
+        peer.get(*cap, 0, bytearray(8), timeout=30)
+    with pytest.raises(gpushare.ClosedError):
+        peer.put(*cap, 0, bytes(8), timeout=30)
+    assert exporter.call("stats")["regions"] >= 1  # the others are still served
+    peer.get(*exporter.call("grant", "big"), 0, bytearray(8), timeout=30)
+
+
+def test_batched_get_of_64_regions_completes_once(exporter, peer):
+    rids = exporter.call("add_many", "b", 64, 65536)
+    caps = exporter.call("grant_many", "b", 64)
+    assert [c[0] for c in caps] == rids
+    outs = [np.zeros(65536, np.uint8) for _ in caps]
+    calls = []
+    req = peer.get_batch([(rid, key, 0, out) for (rid, key), out in zip(caps, outs, strict=True)])
+    req.add_done_callback(lambda r: calls.append(r))
+    req.wait(60)
+    assert req.kind == "get_batch"
+    for i, out in enumerate(outs):
+        assert hashlib.sha256(out).hexdigest() == exporter.call("digest", f"b{i}")
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == [req]
+    # put_batch the other way, then one refused item fails the whole batch.
+    data = [_pattern(4096, i) for i in range(64)]
+    peer.put_batch([(rid, key, 100, d) for (rid, key), d in zip(caps, data, strict=True)]).wait(60)
+    assert exporter.call("read", "b63", 100, 4096) == data[63].tobytes()
+    bad = [(rid, key, 0, bytearray(16)) for rid, key in caps[:3]] + [(caps[3][0], bytes(16), 0, bytearray(16))]
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.get_batch(bad).wait(30)
+
+
+# -------------------------------------------------------------- scale and idle
+
+
+def test_thousand_regions_take_no_threads_or_fds(exporter, peer):
+    before = exporter.call("counts")
+    rids = exporter.call("add_many", "k", 1000, 4096)
+    caps = exporter.call("grant_many", "k", 1000)
+    after = exporter.call("counts")
+    assert after["threads"] == before["threads"]
+    assert after["fds"] <= before["fds"] + 2
+    assert exporter.call("stats")["regions"] >= 1000
+    for i in (0, 499, 999):
+        out = bytearray(4096)
+        peer.get(*caps[i], 0, out, timeout=30)
+        assert hashlib.sha256(out).hexdigest() == exporter.call("digest", f"k{i}")
+    assert rids == [c[0] for c in caps]
+
+
+def test_the_server_costs_two_threads_and_a_few_fds(exporter):
+    before, made = exporter.hello["before"], exporter.hello["counts"]
+    # UCX's progress thread and its async-event thread, whatever is served later.
+    assert made["threads"] - before["threads"] <= 2, (before, made)
+    assert made["fds"] - before["fds"] <= 16, (before, made)
+    now = exporter.call("counts")
+    assert now["threads"] == made["threads"]
+
+
+def test_idle_server_burns_no_cpu(exporter, peer):
+    exporter.call("add_many", "idle", 100, 4096)
+    caps = exporter.call("grant_many", "idle", 100)
+    for cap in caps[:10]:
+        peer.get(*cap, 0, bytearray(64), timeout=30)
+    cpu = exporter.call("idle_cpu", 5.0, timeout=30)
+    assert cpu < 0.010, f"the idle exporter used {cpu * 1000:.1f} ms of CPU in 5 s"
+
+
+# -------------------------------------------------------------- failures
+
+
+def test_dead_exporter_fails_requests_instead_of_hanging():
+    child = Child(_server_peer.setup_exporter)
+    try:
+        child.call("add", "r", 4096, 1)
+        cap = child.call("grant", "r")
+        p = _ucx.client().connect(child.hello["address"], timeout=30)
+        p.get(*cap, 0, bytearray(8), timeout=30)
+        child.conn.send(("die", ()))
+        child.proc.join(10)
+        with pytest.raises((gpushare.UCXConnectionError, gpushare.UCXCanceledError, gpushare.UCXError)):
+            for _ in range(100):
+                p.get(*cap, 0, bytearray(8), timeout=30)
+                time.sleep(0.05)
+    finally:
+        child.close()
+
+
+def test_fork_makes_a_new_server_and_leaves_the_parents(exporter, peer, big):
+    srv = _ucx.server()
+    parent_address = srv.address
+    region = srv.add_region(bytearray(b"parent's bytes"))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        code = 1
+        try:
+            try:
+                region.grant()
+            except gpushare.ClosedError:
+                if _ucx.server().address != parent_address:
+                    code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    # The parent's objects still work.
+    rid, key = region.grant()
+    out = bytearray(8)
+    peer.get(*big, 0, out, timeout=30)
+    region.close()
+    with pytest.raises(gpushare.ClosedError):
+        region.grant()
