@@ -192,16 +192,16 @@ def _rma_config(target: Any) -> dict[str, str]:
     UCX's ``cuda_ipc`` transport takes CUDA virtual memory only when it was
     made with fabric handles, and maps just the one physical allocation at
     the registered address: over it, a buffer of several allocations would
-    expose its first one only.  For such buffers it is left out, and UCX
-    moves the data through its other transports (staged through host memory
-    on one node).
+    expose its first one only.  gpushare's default transports leave it out;
+    for such buffers it stays out even where ``UCX_TLS`` names it.
     """
     from ._paths import cuda_vmm
+    from ._ucx._agent import default_transports
 
     if cuda_vmm.is_vmm_buffer(target):
         mr = target.memory_resource
         if len(mr.sizes) > 1 or "fabric" not in mr.handle_types:
-            return {"TLS": "^cuda_ipc"}
+            return {"TLS": default_transports()}
     return {}
 
 

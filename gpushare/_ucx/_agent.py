@@ -50,13 +50,56 @@ _MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
 
 # Transports whose interfaces wake a worker's event fd for every completion
 # and arrival: a blocking progress thread may sleep without a timeout on them.
-_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc"})
+_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc", "ib"})
+
+
+def _cuda_driver_present() -> bool:
+    """Whether this process can load a CUDA driver (without initialising it)."""
+    if os.path.exists("/dev/nvidiactl"):
+        return True
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)
+    except OSError:
+        return False
+    return True
+
+
+def _infiniband_present() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
 
 
 def default_transports() -> str:
-    """``UCX_TLS`` for a worker with error handling: TCP, plus ``cuda_copy``
-    (GPU memory staging) where an NVIDIA driver is present."""
-    return "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"
+    """``UCX_TLS`` for a worker with error handling: TCP; InfiniBand and
+    RoCE (``ib``) where this node has such devices; and ``cuda_copy`` (GPU
+    memory staged by the copy engines) where a CUDA driver is present.
+
+    Shared-memory transports and CMA are left out (they cannot wake a
+    sleeping worker, and error handling rules CMA out), and so is
+    ``cuda_ipc``: it maps one physical allocation per registered range and
+    takes VMM memory only with fabric handles, so over it a buffer of several
+    allocations would expose its first one only.  Processes on one node
+    share GPU memory over the mapped paths instead."""
+    tls = ["tcp"]
+    if _infiniband_present():
+        tls.insert(0, "ib")
+    if _cuda_driver_present():
+        tls.append("cuda_copy")
+    return ",".join(tls)
+
+
+def memtype_config() -> dict[str, str]:
+    """Local buffers reach UCX as bare pointers, so UCX infers their memory
+    type.  Its memory-type cache learns of CUDA memory only from allocations
+    it saw being made, so it can take device memory made before the worker
+    (or mapped through VMM) for host memory and memcpy it on the CPU; without
+    the cache every pointer is asked of the driver.  ``UCX_MEMTYPE_CACHE``
+    in the environment or the caller's config wins."""
+    return {} if "UCX_MEMTYPE_CACHE" in os.environ else {"MEMTYPE_CACHE": "n"}
 
 
 def mt_config() -> dict[str, str]:
@@ -819,13 +862,8 @@ class Agent:
             cfg["TLS"] = default_transports()
         for key, value in mt_config().items():
             cfg.setdefault(key, value)
-        # Local buffers reach put/get as bare pointers, so UCX infers their
-        # memory type.  Its memory-type cache learns of CUDA memory only from
-        # allocations it saw being made, so it can take device memory made
-        # before the agent (or mapped through VMM) for host memory and memcpy
-        # it on the CPU; without the cache every pointer is asked of the
-        # driver.  The user's config may still turn it back on.
-        cfg.setdefault("MEMTYPE_CACHE", "n")
+        for key, value in memtype_config().items():
+            cfg.setdefault(key, value)
         self._progress = progress
         self._error_handling = error_handling
         self._pid = os.getpid()

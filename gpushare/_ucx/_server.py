@@ -42,6 +42,7 @@ from ._agent import (
     _pack,
     _unpack,
     default_transports,
+    memtype_config,
     mt_config,
     wake_timeout_ms,
 )
@@ -71,6 +72,7 @@ class _Node:
         if "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
         cfg.update(mt_config())
+        cfg.update(memtype_config())
         progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
         if progress not in ("blocking", "polling"):
             raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
