@@ -358,23 +358,6 @@ def _fabric_mismatch(exporter_clique: str | None) -> str | None:
 
 # ---------------------------------------------------------------- importing
 
-_importer_lock = threading.Lock()
-_importer_agent: Any = None
-_importer_pid = 0
-
-
-def _agent() -> Any:
-    """This process's importer-side UCX agent (made again after a fork)."""
-    global _importer_agent, _importer_pid
-    from . import ucx
-
-    with _importer_lock:
-        if _importer_agent is None or _importer_pid != os.getpid() or _importer_agent.closed:
-            _importer_agent = ucx.Agent()
-            _importer_pid = os.getpid()
-        return _importer_agent
-
-
 def _raise_refusal(reply: dict) -> None:
     code, message = reply.get("code"), str(reply.get("message", ""))[:300]
     if code == "denied":
@@ -563,6 +546,11 @@ def _rma_errors(share: Share) -> Iterator[None]:
                 "closed its side: the share was revoked or its lifetime ended, or the process exited")
         raise type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
                                     "any more: close it, and open a share from a running exporter") from exc
+    except ClosedError as exc:
+        if "exporter" not in str(exc):
+            raise
+        raise ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
+                          "more: close it (and open the share again if it is still exported)") from None
 
 
 def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
@@ -604,18 +592,16 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
     if path == "ucx-rma":
-        address, key = payload.get("address"), payload.get("key")
-        if not isinstance(address, bytes) or not isinstance(key, bytes):
+        from ._ucx import _server
+
+        address, region_id, key = payload.get("address"), payload.get("region"), payload.get("key")
+        if (not isinstance(address, bytes) or isinstance(region_id, bool) or not isinstance(region_id, int)
+                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _server.KEY_BYTES):
             raise InvalidInputError("exporter sent a malformed ucx-rma offer")
-        ep = _agent().connect(address, timeout=timeout)
-        try:
-            rk = ep.unpack_remote_key(key)
-            if rk.size < share.nbytes:
-                raise InvalidInputError(f"remote key covers {rk.size} bytes; the share says {share.nbytes}")
-        except BaseException:
-            ep.close()
-            raise
-        return View._make(share, path, "", endpoint=ep, rkey=rk)
+        # One connection per exporter, shared by every view of its shares;
+        # the exporter checks this view's key on every transfer.
+        peer = _server.client().connect(address, timeout=timeout)
+        return View._make(share, path, "", peer=peer, region=(region_id, key))
     from . import _same_node
     from ._descriptors import _rebuild
 
@@ -680,19 +666,16 @@ class _Pin:
     __slots__ = ("__weakref__",)
 
 
-def _end_lease(endpoint: Any, lease: list) -> None:
+def _end_lease(lease: list) -> None:
+    """End the view's lease: the exporter revokes what it granted (a ucx-rma
+    view's key stops working at once)."""
     for held in lease:
         held.close()
     lease.clear()
-    if endpoint is not None:
-        try:
-            endpoint.close()
-        except GpuShareError:
-            pass
 
 
-def _release_view(use: _MappingUse | None, endpoint: Any, lease: list) -> None:
-    _end_lease(endpoint, lease)
+def _release_view(use: _MappingUse | None, lease: list) -> None:
+    _end_lease(lease)
     if use is not None:
         use.drop()
 
@@ -744,7 +727,7 @@ class View:
 
     @classmethod
     def _make(cls, share: Share, path: str, why: str, *, target: Any = None, mapped: Any = None,
-              endpoint: Any = None, rkey: Any = None) -> View:
+              peer: Any = None, region: tuple[int, bytes] | None = None) -> View:
         self = object.__new__(cls)
         self.share = share
         self.path = path
@@ -757,13 +740,13 @@ class View:
         self.typestr = share.typestr
         self._target = target
         self._mapped = mapped
-        self._ep = endpoint
-        self._rkey = rkey
+        self._peer = peer
+        self._region = region
         self._lease: list = []
         self._closed = False
         self._cai_taken = False
         self._use = _MappingUse(mapped) if mapped is not None else None
-        self._finalizer = weakref.finalize(self, _release_view, self._use, endpoint, self._lease)
+        self._finalizer = weakref.finalize(self, _release_view, self._use, self._lease)
         return self
 
     def _attach_lease(self, lease: Any, why: str) -> None:
@@ -793,7 +776,7 @@ class View:
         if self._cai_taken and self._finalizer.alive:
             # An array made through __cuda_array_interface__ holds this view,
             # not a count we can see: unmap when the view object goes.
-            _end_lease(self._ep, self._lease)
+            _end_lease(self._lease)
             return
         self._finalizer()
 
@@ -969,10 +952,9 @@ class View:
         The bytes are in ``dst`` when this returns.
         """
         if self.path == "ucx-rma":
-            local, offset = self._span(dst, offset, True)
-            # The request owns the pinned buffer until it completes.
+            self._span(dst, offset, True)[0].release()  # checks bounds and the buffer
             with _rma_errors(self.share):
-                self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
+                self._peer.get(*self._region, offset, dst, timeout)
             return
         request = self._copy(dst, offset, "get", stream)
         if request is not None:
@@ -983,14 +965,14 @@ class View:
 
         Arguments as for :meth:`get`.  When this returns the bytes are in the
         shared memory and visible to every process that maps it (CUDA copies
-        are synchronised; remote puts are flushed).
+        are synchronised; a ucx-rma put completes once the exporter has the
+        bytes in its memory).
         """
         self._check_writable()
         if self.path == "ucx-rma":
-            local, offset = self._span(src, offset, False)
+            self._span(src, offset, False)[0].release()
             with _rma_errors(self.share):
-                self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey).wait(timeout)
-                self._ep.flush().wait(timeout)
+                self._peer.put(*self._region, offset, src, timeout)
             return
         request = self._copy(src, offset, "put", stream)
         if request is not None:
@@ -1013,13 +995,12 @@ class View:
 
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         if self.path == "ucx-rma":
-            local, offset = self._span(buf, offset, direction == "get")
+            self._span(buf, offset, direction == "get")[0].release()
             with _rma_errors(self.share):
                 if direction == "get":
-                    await self._ep.mem_get(local, self._rkey.base_address + offset, self._rkey)
+                    await self._peer.get_async(*self._region, offset, buf)
                 else:
-                    await self._ep.mem_put(local, self._rkey.base_address + offset, self._rkey)
-                    await self._ep.flush()
+                    await self._peer.put_async(*self._region, offset, buf)
             return
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)

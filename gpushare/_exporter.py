@@ -32,7 +32,7 @@ from typing import Any
 from . import _control
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._process import PerProcess
-from ._service import Connection, Protocol, Timer, get_service
+from ._service import Connection, Protocol, get_service
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -84,11 +84,10 @@ class Export:
     retired: bool = False
     readonly: bool = False
     registrations: list = field(default_factory=list)
-    agent: Any = None
-    mh: Any = None
-    key: bytes | None = None
-    #: Closes the idle ucx-rma agent a while after the last remote view closed.
-    agent_timer: Timer | None = None
+    #: The share's memory in this process's region server (ucx-rma), made on
+    #: the first ucx-rma open; every lease over it holds a key of its own.
+    region: Any = None
+    rma_address: bytes | None = None
     #: Set by the exporter's registry: called once when the share's lifetime ends.
     on_end: Callable[[Export, str], None] | None = None
     # Re-entrant: releasing the last reference to the object (closing the
@@ -119,27 +118,15 @@ class Export:
             self.retire()
         elif isinstance(self.policy, int) and self.total >= self.policy:
             self.retire()
-        elif self.policy == "none":
-            self.close_remote()  # the UCX registration would keep the object alive
-        elif self.agent is not None and self.agent_timer is None:
-            # No remote view is open: the agent goes after a short linger
-            # (so that a quick reopen reuses it).  Closing it also closes the
-            # connections UCX kept to importers whose endpoints closed.
-            self.agent_timer = get_service().call_later(AGENT_LINGER, self._idle_agent)
-
-    def _idle_agent(self) -> None:
-        with self.lock:
-            self.agent_timer = None
-            if self.opens == 0:
-                self.close_remote()
+        elif self.policy == "none" or self.opens == 0:
+            # No remote view is open: the region goes (its registration would
+            # keep the object alive); a later ucx-rma open adds it again.
+            self.close_remote()
 
     def close_remote(self) -> None:
-        timer, self.agent_timer = self.agent_timer, None
-        if timer is not None:
-            timer.cancel()
-        agent, self.agent, self.mh, self.key = self.agent, None, None, None
-        if agent is not None:
-            agent.close()  # every remote endpoint to it dies: remote access stops
+        region, self.region = self.region, None
+        if region is not None:
+            region.close()  # every key of it is revoked: remote access stops at once
 
     def end(self, reason: str) -> None:
         """The share's lifetime ended: leave the registry (lock held)."""
@@ -165,44 +152,24 @@ class Export:
         self.end("retired")
 
     # -- ucx-rma --------------------------------------------------------
-    def rma_offer(self) -> tuple[bytes, bytes]:
-        """Agent address and serialized key for this export (lock held); the
-        agent is made on the first ucx-rma open."""
-        timer, self.agent_timer = self.agent_timer, None
-        if timer is not None:
-            timer.cancel()
-        if self.agent is None:
-            from . import ucx
+    def rma_offer(self) -> tuple[bytes, int, bytes]:
+        """The region server's address, this share's region and a key of its
+        own for one lease (lock held); the region is added on the first
+        ucx-rma open.  The lease's end revokes the key."""
+        if self.region is None:
+            from ._ucx import _server
 
             target = self.target()
-            agent = ucx.Agent(config=_rma_config(target))
-            try:
-                mh = agent.create_memory_handle(self.nbytes, target, memory_type=self.memory_type)
-                key = mh.create_remote_key().serialize()
-            except BaseException:
-                agent.close()
-                raise
-            self.agent, self.mh, self.key = agent, mh, key
-        return self.agent.address, self.key
+            srv = _server.server()
+            self.region = srv.add_region(target, readonly=self.readonly)
+            self.rma_address = srv.address
+        region_id, key = self.region.grant()
+        return self.rma_address, region_id, key
 
-
-def _rma_config(target: Any) -> dict[str, str]:
-    """UCX settings for serving ``target`` over ucx-rma.
-
-    UCX's ``cuda_ipc`` transport takes CUDA virtual memory only when it was
-    made with fabric handles, and maps just the one physical allocation at
-    the registered address: over it, a buffer of several allocations would
-    expose its first one only.  gpushare's default transports leave it out;
-    for such buffers it stays out even where ``UCX_TLS`` names it.
-    """
-    from ._paths import cuda_vmm
-    from ._ucx._agent import default_transports
-
-    if cuda_vmm.is_vmm_buffer(target):
-        mr = target.memory_resource
-        if len(mr.sizes) > 1 or "fabric" not in mr.handle_types:
-            return {"TLS": default_transports()}
-    return {}
+    def rma_revoke(self, key: bytes) -> None:
+        """A ucx-rma lease ended: its key stops working at once (lock held)."""
+        if self.region is not None:
+            self.region.revoke(key)
 
 
 class Exporter:
@@ -342,8 +309,6 @@ MAX_ENDED = 4096
 IDLE_TIMEOUT = 120.0
 #: Bytes of replies a connection may leave unread before it is dropped.
 MAX_BACKLOG = 4 << 20
-#: Seconds a share's ucx-rma agent outlives its last remote view.
-AGENT_LINGER = 2.0
 
 
 class _Session(Protocol):
@@ -360,6 +325,8 @@ class _Session(Protocol):
         self.ready = False
         self.finished = False  # refused for good: nothing more is read
         self.leases: dict[int, Export] = {}
+        #: The region-server key of each ucx-rma lease, revoked when it ends.
+        self.keys: dict[int, bytes] = {}
         self._next_lease = 1
 
     # -- protocol ---------------------------------------------------------
@@ -379,10 +346,13 @@ class _Session(Protocol):
 
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         leases, self.leases = self.leases, {}
+        keys, self.keys = self.keys, {}
         with self.exporter._lock:
             self.exporter._sessions.discard(self)
-        for export in leases.values():  # the importer closed, died or misbehaved
+        for lease, export in leases.items():  # the importer closed, died or misbehaved
             with export.lock:
+                if lease in keys:
+                    export.rma_revoke(keys[lease])
                 export.opens -= 1
                 export.after_close()
 
@@ -463,10 +433,11 @@ class _Session(Protocol):
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
                 return
             fds: list[int] = []
+            key = None
             try:
                 if path == "ucx-rma":
-                    address, key = export.rma_offer()
-                    payload = {"address": address, "key": key}
+                    address, region_id, key = export.rma_offer()
+                    payload = {"address": address, "region": region_id, "key": key}
                 else:
                     desc = export.descriptors[path]
                     payload = {"descriptor": [desc.handle_type, *desc._fields()]}
@@ -480,12 +451,16 @@ class _Session(Protocol):
             except GpuShareError as exc:
                 for fd in fds:
                     os.close(fd)
+                if key is not None:
+                    export.rma_revoke(key)
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             export.opens += 1
             export.total += 1
         self._next_lease += 1
         self.leases[lease] = export
+        if key is not None:
+            self.keys[lease] = key
         conn.deadline = None
         conn.send(frame, fds)
         log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
@@ -496,9 +471,12 @@ class _Session(Protocol):
         export = self.leases.pop(lease, None) if isinstance(lease, int) else None
         if export is None:
             return  # already ended: nothing to do
+        key = self.keys.pop(lease, None)
         log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
                  " (the importer could not use the path)" if failed else "")
         with export.lock:
+            if key is not None:
+                export.rma_revoke(key)  # that importer's access to the memory ends now
             export.opens -= 1
             if failed:
                 export.total -= 1

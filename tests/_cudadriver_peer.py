@@ -392,10 +392,11 @@ def capabilities(state: dict) -> dict:
     return gs.capabilities()
 
 
-def rma_config(state: dict, name: str) -> dict:
-    from gpushare._exporter import _rma_config
+def ucx_transports(state: dict) -> list[str]:
+    """The transports of this process's UCX worker (the region server's)."""
+    from gpushare._ucx._server import node_config
 
-    return _rma_config(state["bufs"][name])
+    return node_config()["TLS"].split(",")
 
 
 HANDLERS = {name: fn for name, fn in globals().items()

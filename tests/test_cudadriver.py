@@ -401,21 +401,11 @@ def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
 # -- defect 13: multi-allocation VMM buffers over ucx-rma ------------------------
 
 
-def test_ucx_rma_leaves_cuda_ipc_out_for_vmm_it_would_mishandle(spawn):
-    p = spawn()
-    p.call("allocate", "chunked", 6 * MiB, 0, 2 * MiB)
-    p.call("allocate", "whole", 2 * MiB, 0)
-    for name in ("chunked", "whole"):  # "whole" has no fabric handles: cuda_ipc refuses it
-        tls = p.call("rma_config", name)["TLS"].split(",")
-        assert "cuda_ipc" not in tls and "cuda_copy" in tls
-
-
-def test_ucx_rma_keeps_cuda_ipc_for_one_fabric_allocation(spawn):
-    p = spawn(GPUSHARE_STANDIN_FABRIC="1")
-    p.call("allocate", "whole", 2 * MiB, 0)
-    p.call("allocate", "chunked", 4 * MiB, 0, 2 * MiB)
-    assert p.call("rma_config", "whole") == {}
-    assert "cuda_ipc" not in p.call("rma_config", "chunked")["TLS"].split(",")
+def test_the_ucx_worker_leaves_cuda_ipc_out_and_stages_gpu_memory(spawn):
+    # cuda_ipc would expose a multi-allocation VMM buffer's first allocation only.
+    tls = spawn().call("ucx_transports")
+    assert "cuda_ipc" not in tls and "cuda_copy" in tls and "tcp" in tls
+    assert spawn(UCX_TLS="tcp,cuda_copy,cuda_ipc").call("ucx_transports") == ["tcp", "cuda_copy"]
 
 
 @pytest.mark.parametrize("fabric", ["0", "1"])

@@ -11,14 +11,13 @@ import pytest
 
 import gpushare as gs
 from gpushare import _importer
-from gpushare._exporter import AGENT_LINGER
 
 from _procs import Child, wait_for as _wait_for
 import _share_peer
 
 MiB = 1 << 20
-#: Long enough for an idle control connection and an idle share agent to go.
-SETTLE = max(_importer.IDLE_LINGER, AGENT_LINGER) + 1.5
+#: Long enough for an idle control connection to go.
+SETTLE = _importer.IDLE_LINGER + 1.5
 
 
 @pytest.fixture
@@ -363,23 +362,23 @@ def test_connection_deadlines_fire_once_at_their_latest_setting():
         b.close()
 
 
-def test_a_shares_ucx_agent_is_made_on_its_first_remote_open_and_closed_when_idle():
+def test_a_shares_region_is_added_on_its_first_remote_open_and_removed_when_no_view_is_open():
     from gpushare._exporter import registered
 
     share = gs.export(np.arange(4096, dtype=np.uint64).astype(np.uint8), lifetime="revoked")
     export = registered(share)
-    assert export.agent is None  # exporting makes no agent
+    assert export.region is None  # exporting registers nothing
     importer = Child(_share_peer.setup)
     try:
         assert importer.call("open", "a", share)["path"] == "ucx-rma"
-        assert export.agent is not None
+        assert export.region is not None
         assert importer.call("get", "a", 0, 4) == bytes(range(4))
         importer.call("close", "a")
-        assert _wait_for(lambda: export.agent is None, AGENT_LINGER + 10)
-        assert importer.call("open", "b", share)["path"] == "ucx-rma"  # made again
+        assert _wait_for(lambda: export.region is None, 10)
+        assert importer.call("open", "b", share)["path"] == "ucx-rma"  # added again
         assert importer.call("get", "b", 4, 4) == bytes(range(4, 8))
-        share.revoke()  # and closed when the share ends
-        assert export.agent is None
+        share.revoke()  # and removed when the share ends
+        assert export.region is None
     finally:
         importer.close()
 

@@ -397,7 +397,7 @@ def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
                     view.get(bytearray(8))
                 except gs.ClosedError as exc:
                     code = 0 if "fork" in str(exc) else 2
-                if code == 0:  # a fresh open in the child works, on a new agent
+                if code == 0:  # a fresh open in the child works, on its own UCX worker
                     with gs.open(share) as again:
                         out = bytearray(8)
                         again.get(out)
@@ -491,7 +491,7 @@ def test_lifetime_none_does_not_keep_the_object_alive_after_remote_opens(peer):
     assert peer.call("open", "n-rma", share)["path"] == "ucx-rma"
     peer.call("close", "n-rma")
     export = registered(share)
-    assert _wait_for(lambda: export.agent is None)
+    assert _wait_for(lambda: export.region is None)
     del box
     assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
     assert _wait_for(lambda: export.retired and not export.registrations)

@@ -48,7 +48,7 @@ from ._agent import (
 )
 from ._loader import native
 
-__all__ = ["Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]
+__all__ = ["Server", "Region", "Client", "Peer", "server", "client", "node_config", "KEY_BYTES"]
 
 #: Length in bytes of a region key.
 KEY_BYTES = 16
@@ -60,19 +60,31 @@ _OK = ("UCS_OK", "GS_OK")
 # -- the process's node: one UCX context, one worker, one progress thread ------
 
 
+def node_config() -> dict[str, str]:
+    """UCX settings of the process's worker.
+
+    The default transports (:func:`default_transports`) unless ``UCX_TLS``
+    chooses; either way without ``cuda_ipc``, which maps one physical
+    allocation per registered range and takes VMM memory only with fabric
+    handles: over it a buffer of several allocations would expose its first
+    one only.  Processes on one node share GPU memory over the mapped paths.
+    """
+    cfg: dict[str, str] = {}
+    tls = os.environ.get("UCX_TLS")
+    if tls is None:
+        cfg["TLS"] = default_transports()
+    elif not tls.startswith("^") and "cuda_ipc" in tls.split(","):
+        cfg["TLS"] = ",".join(t for t in tls.split(",") if t != "cuda_ipc") or "tcp"
+    cfg.update(mt_config())
+    cfg.update(memtype_config())
+    return cfg
+
+
 class _Node:
     """This process's UCX worker, shared by its :class:`Server` and :class:`Client`."""
 
     def __init__(self) -> None:
-        cfg: dict[str, str] = {}
-        # TCP alone (with cuda_copy to stage GPU memory where a driver is)
-        # unless UCX_TLS chooses: these wake a sleeping progress thread and
-        # work with error handling on, and the worker opens nothing it
-        # cannot use (no shared-memory segments, no CMA).
-        if "UCX_TLS" not in os.environ:
-            cfg["TLS"] = default_transports()
-        cfg.update(mt_config())
-        cfg.update(memtype_config())
+        cfg = node_config()
         progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
         if progress not in ("blocking", "polling"):
             raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
@@ -86,7 +98,8 @@ class _Node:
 
     def check(self) -> Any:
         if os.getpid() != self.pid:
-            raise ClosedError("this UCX server/client belongs to the parent process; call server() or client() again")
+            raise ClosedError(f"this UCX server/client belongs to process {self.pid}: UCX state does not survive "
+                              "fork; in this process call server() or client() again (or open the share again)")
         if self.native.closed:
             raise ClosedError("the process's UCX node is closed")
         return self.native
