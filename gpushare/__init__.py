@@ -13,7 +13,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ._api import View, export, open
+from ._arrays import CudaArray
 from ._capabilities import capabilities
+from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
 from ._descriptors import (
     CudaIpcBufferDescriptor,
     PosixFdBufferDescriptor,
@@ -21,6 +23,7 @@ from ._descriptors import (
 )
 from ._errors import (
     AccessDeniedError,
+    ChannelBrokenError,
     ClosedError,
     CUDAError,
     ExporterUnreachableError,
@@ -66,6 +69,14 @@ __all__ = [
     "ucx",
     "AccessDeniedError",
     "CUDAError",
+    "ChannelBrokenError",
+    "ChannelHandle",
+    "Consumer",
+    "CudaArray",
+    "Producer",
+    "Step",
+    "channel",
+    "subscribe",
     "CudaIpcBufferDescriptor",
     "ExporterUnreachableError",
     "HostBuffer",
@@ -91,7 +102,7 @@ for _name in __all__:
     _obj = globals().get(_name)
     if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
         _obj.__module__ = __name__
-for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities):
+for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe):
     _obj.__module__ = __name__
 del _name, _obj
 

@@ -99,3 +99,43 @@ def test_two_namespaces_example_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "over ucx-rma" in r.stdout and r.stdout.strip().endswith("ok")
     assert "node b sees node a's write: True" in r.stdout
+
+
+def test_training_exchange_across_namespaces(two_nodes):
+    """The channel example with its producer on node b, two consumers on node
+    a (notified over TCP, reading over ucx-rma) and one on node b (host-fd)."""
+    a, b, _ = two_nodes
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "training_exchange.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run(ns: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, example, "--steps", "30",
+                                 "--shape", "64,1024", *args], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    producer = run(b, "--role", "producer", "--consumers", "3")
+    consumers = []
+    try:
+        line = producer.stdout.readline()
+        assert line.startswith("handle: "), producer.stderr.read()
+        consumers = [run(ns, "--role", "consumer") for ns in (a, a, b)]
+        for c in consumers:  # all three must join before the first step
+            c.stdin.write(line)
+            c.stdin.close()
+        outs = [(c.stdout.read(), c.stderr.read()) for c in consumers]
+        for c in consumers:
+            c.wait(60)
+        for c, (out, err) in zip(consumers, outs, strict=True):
+            assert c.returncode == 0 and out.strip().endswith("ok"), out + err
+        reports = sorted(out.splitlines()[0] for out, _ in outs)
+        paths = sorted(r.split(" via ")[1] for r in reports)
+        assert paths == ["host-fd, zero-copy True", "ucx-rma, zero-copy False", "ucx-rma, zero-copy False"]
+        assert all(": 30 steps, 0 wrong, via " in r for r in reports)
+        out, err = producer.communicate(timeout=60)
+        assert producer.returncode == 0, err
+        assert "producer: 30 steps of (64, 1024) float32 on 3 consumers" in out and out.strip().endswith("ok")
+    finally:
+        for proc in [producer, *consumers]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
