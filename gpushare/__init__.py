@@ -12,8 +12,9 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._aio import open_async
 from ._api import View, export, open
-from ._arrays import CudaArray
+from ._arrays import CudaArray, empty, empty_like, zeros
 from ._capabilities import capabilities
 from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
 from ._descriptors import (
@@ -76,7 +77,11 @@ __all__ = [
     "Producer",
     "Step",
     "channel",
+    "empty",
+    "empty_like",
+    "open_async",
     "subscribe",
+    "zeros",
     "CudaIpcBufferDescriptor",
     "ExporterUnreachableError",
     "HostBuffer",
@@ -102,7 +107,8 @@ for _name in __all__:
     _obj = globals().get(_name)
     if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
         _obj.__module__ = __name__
-for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe):
+for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
+             open_async, empty, zeros, empty_like):
     _obj.__module__ = __name__
 del _name, _obj
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._errors import InvalidInputError
 
-__all__ = ["CudaArray", "portable_typestr", "check_shape", "MAX_DIMS"]
+__all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "MAX_DIMS"]
 
 MAX_DIMS = 32
 _TYPESTR = re.compile(r"^[<>|=][biufcV]\d{1,4}\Z")
@@ -152,3 +152,181 @@ class CudaArray:
 
     def __repr__(self) -> str:
         return f"<gpushare.CudaArray shape={self.shape} dtype={self.dtype} on device {self.device}>"
+
+
+_KIND = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}  # DLPack type code -> typestr kind
+
+
+def _interface(obj: Any) -> dict | None:
+    """``obj``'s array interface (CUDA first), or None; a property that
+    raises (torch's for bfloat16) counts as none."""
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        try:
+            ai = getattr(obj, attr, None)
+        except Exception:  # noqa: BLE001 - only a description: try the next way
+            ai = None
+        if isinstance(ai, dict) and "shape" in ai and "typestr" in ai:
+            return ai
+    return None
+
+
+def describe(obj: Any, nbytes: int) -> tuple[tuple[int, ...], str, str | None, tuple[int, int, int] | None]:
+    """What a share says of ``obj``'s elements: (shape, typestr, dtype name,
+    DLPack dtype).
+
+    A dtype an array-interface typestr names is kept as it is; one only DLPack
+    names (bfloat16, float8, complex32) travels as raw items (``|V2``...)
+    with its DLPack dtype and name; one with no portable form (datetime,
+    object, structured) travels as bytes with its name, which the importer's
+    ``view.why`` reports.  Anything else is bytes.
+    """
+    as_bytes: tuple[tuple[int, ...], str, str | None, tuple[int, int, int] | None] = ((nbytes,), "|u1", None, None)
+    ai = _interface(obj)
+    if ai is not None:
+        try:
+            shape = tuple(int(d) for d in ai["shape"])
+            typestr = str(ai["typestr"])
+        except (TypeError, ValueError):
+            return as_bytes
+        descr = ai.get("descr")
+        structured = typestr[1:2] == "V" and isinstance(descr, list) and (len(descr) > 1 or bool(descr[0][0]))
+        if _TYPESTR.match(typestr) and nbytes_of(shape, typestr) == nbytes and not structured:
+            return shape, typestr, None, None
+        return (nbytes,), "|u1", _dtype_name(obj, typestr), None
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        from . import _dlpack
+
+        try:
+            device = obj.__dlpack_device__()[0]
+            b = _dlpack.borrow(obj, stream=None if device == 1 else -1)
+        except Exception:  # noqa: BLE001 - only a description: fall back to bytes
+            return as_bytes
+        code, bits, lanes = b.dtype
+        if b.nbytes != nbytes or bits % 8:
+            return as_bytes
+        size = bits * lanes // 8
+        if code in _KIND and lanes == 1:
+            return b.shape, f"{'|' if size == 1 else '<'}{_KIND[code]}{size}", None, None
+        name = _dlpack.dlpack_only_name(code, bits, lanes)
+        if name is not None:
+            return b.shape, f"|V{size}", name, (code, bits, lanes)
+    return as_bytes
+
+
+def _dtype_name(obj: Any, typestr: str) -> str:
+    dtype = getattr(obj, "dtype", None)
+    name = str(dtype) if dtype is not None else typestr
+    return name if re.match(r"^[A-Za-z0-9_\[\]<>|=,. ]{1,64}\Z", name) else typestr[:64] or "unknown"
+
+
+# ---------------------------------------------------------------- shareable arrays
+
+
+class _HostOwner:
+    """The base of a host array from :func:`empty`: it holds the buffer, so
+    that the array keeps the buffer (and every path to it) alive."""
+
+    __slots__ = ("__array_interface__", "buffer")
+
+    def __init__(self, buffer: Any, shape: tuple[int, ...], typestr: str) -> None:
+        self.buffer = buffer
+        self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (buffer.ptr, False), "version": 3}
+
+
+def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
+    """A new array in memory other processes can map: uninitialised.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        Array shape.
+    dtype : numpy dtype, default float64
+        Element type: bool, integer, floating-point or complex.
+    device : "host" or int, default "host"
+        ``"host"`` (or ``"cpu"``): a NumPy array over
+        :func:`gpushare.allocate` host memory.  An int: a :class:`CudaArray`
+        over CUDA virtual memory of that device.
+
+    Returns
+    -------
+    numpy.ndarray or CudaArray
+        :func:`gpushare.export` offers it on every path, with its dtype and
+        shape (so do its slices and typed views, on host).
+
+    Raises
+    ------
+    InvalidInputError
+        A shape, dtype or device out of range.
+    """
+    from . import _types
+    from ._same_node import allocate
+
+    dims = check_shape(shape)
+    typestr = portable_typestr(dtype)
+    nbytes = nbytes_of(dims, typestr)
+    if _types.is_host(device):
+        import numpy as np
+
+        buf = allocate(max(nbytes, 1), device="host")
+        return np.asarray(_HostOwner(buf, dims, typestr))
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a CUDA device ordinal")
+    buf = allocate(max(nbytes, 1), device=device)
+    return CudaArray._make(buf, int(buf.handle), dims, typestr, device)
+
+
+def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
+    """:func:`empty`, filled with zeros.
+
+    Parameters
+    ----------
+    shape, dtype, device
+        As for :func:`empty`.
+
+    Returns
+    -------
+    numpy.ndarray or CudaArray
+    """
+    arr = empty(shape, dtype, device=device)
+    if isinstance(arr, CudaArray):
+        from ._paths import _cuda
+
+        drv = _cuda.driver()
+        with _cuda.on_device(arr.device):
+            _cuda.check(drv.cuMemsetD8(arr.ptr, 0, max(arr.nbytes, 1)), "cuMemsetD8")
+            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")  # zeros when this returns
+    else:
+        arr.fill(0)  # fresh memfd pages are zero already; this says so for every dtype
+    return arr
+
+
+def empty_like(a: Any, *, device: Any = None) -> Any:
+    """:func:`empty` with the shape and dtype of ``a`` (a NumPy array, a
+    :class:`CudaArray`, or anything with ``shape`` and ``dtype``).
+
+    Parameters
+    ----------
+    a : array-like
+        The model.
+    device : "host" or int, optional
+        By default where ``a`` is: a CUDA device for a :class:`CudaArray` or an
+        object with ``__cuda_array_interface__``, else host.
+
+    Returns
+    -------
+    numpy.ndarray or CudaArray
+    """
+    if device is None:
+        dev = getattr(a, "device", None)
+        if isinstance(a, CudaArray):
+            device = a.device
+        elif _interface(a) is not None and "__cuda_array_interface__" in dir(type(a)) and isinstance(
+                getattr(dev, "index", dev), int):
+            device = int(getattr(dev, "index", dev) or 0)
+        else:
+            device = "host"
+    try:
+        shape, dtype = tuple(a.shape), a.dtype
+    except AttributeError:
+        raise InvalidInputError(f"empty_like needs an array with shape and dtype, not {type(a).__name__}") from None
+    return empty(shape, dtype, device=device)

@@ -192,10 +192,17 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
     if hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
         if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-            import numpy
+            # Read the tensor itself rather than through NumPy, which refuses
+            # dtypes only DLPack has (bfloat16, float8, complex32).
+            from . import _dlpack
 
-            arr = numpy.from_dlpack(obj)
-            return _from_host_or_dlpack(arr, writable)
+            try:
+                tensor = _dlpack.borrow(obj)
+            except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidInputError(f"{type(obj).__name__}.__dlpack__ failed: {exc}") from None
+            if not tensor.contiguous():
+                raise InvalidInputError(f"tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
+            return LocalBuffer(tensor.address, tensor.nbytes, "host", tensor.readonly, (obj, tensor))
         if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
             try:
                 from cuda.core.utils import StridedMemoryView
