@@ -130,16 +130,28 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
     """
     if isinstance(obj, LocalBuffer):
         return obj
+    cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
     if _is_cuda_core_buffer(obj):
         lb = _from_cuda_core_buffer(obj)
-    elif hasattr(obj, "__cuda_array_interface__"):
-        lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
+    elif cai is not None:
+        lb = _from_cuda_array_interface(obj, cai)
     else:
         lb = _from_host_or_dlpack(obj, writable, stream)
     if writable and lb.readonly:
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
     return lb
+
+
+def _cuda_array_interface(obj: Any) -> Any:
+    """``obj.__cuda_array_interface__``, or None.  One that raises (torch's,
+    for bfloat16) counts as none when ``obj`` also speaks DLPack."""
+    try:
+        return getattr(obj, "__cuda_array_interface__", None)
+    except Exception as exc:  # noqa: BLE001 - the producer's own error, whatever its type
+        if hasattr(obj, "__dlpack__"):
+            return None
+        raise InvalidInputError(f"{type(obj).__name__}.__cuda_array_interface__ failed: {exc}") from None
 
 
 def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
@@ -210,8 +222,11 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
                 raise ImportError(
                     "CUDA DLPack tensors need the 'cuda-core' package (pip install cuda-core)"
                 ) from None
-            view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
-            itemsize = view.dtype.itemsize
+            try:
+                view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
+                itemsize = view.dtype.itemsize
+            except Exception:  # noqa: BLE001 - a dtype cuda.core cannot name (bfloat16...): read the tensor
+                return _from_cuda_dlpack(obj, stream, int(dev_id))
             if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
                 raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
             nbytes = math.prod(view.shape) * itemsize
@@ -221,3 +236,17 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
         f"{type(obj).__name__} is not a buffer: expected the buffer protocol, "
         "__cuda_array_interface__, DLPack or a cuda.core Buffer"
     )
+
+
+def _from_cuda_dlpack(obj: Any, stream: int | None, device: int) -> LocalBuffer:
+    """A CUDA DLPack tensor read directly (its producer orders its work
+    before ``stream``, or none is asked for)."""
+    from . import _dlpack
+
+    try:
+        tensor = _dlpack.borrow(obj, stream=-1 if stream is None else stream)
+    except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidInputError(f"{type(obj).__name__}.__dlpack__ failed: {exc}") from None
+    if not tensor.contiguous():
+        raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
+    return LocalBuffer(tensor.address, tensor.nbytes, "cuda", tensor.readonly, (obj, tensor), device=device)

@@ -134,6 +134,25 @@ def test_dlpack_only_dtypes_round_trip_through_dlpack():
         s.revoke()
 
 
+class RaisingCudaInterface(DLPackOnly):
+    """Like a torch bfloat16 tensor: ``__cuda_array_interface__`` raises TypeError."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise TypeError("dtype bfloat16 is not supported by __cuda_array_interface__")
+
+
+def test_a_producer_whose_array_interface_raises_is_read_through_dlpack():
+    t = RaisingCudaInterface(np.arange(4, dtype=np.uint16), 4, 16)
+    share = gs.export(t)
+    assert (share.typestr, share.dtype_name, share.shape) == ("|V2", "bfloat16", (4,))
+    with gs.open(share) as view:  # same process: the object itself
+        out = np.empty(8, np.uint8)
+        view.get(out)
+    assert out.tobytes() == np.arange(4, dtype=np.uint16).tobytes()
+    share.revoke()
+
+
 @pytest.mark.parametrize("arr", [np.array(["2024-01-01", "2025-06-30"], dtype="M8[s]"),
                                  np.array([1, 2], dtype="m8[ms]"),
                                  np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")])],
