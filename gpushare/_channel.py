@@ -448,6 +448,7 @@ class _Service:
 
     def __init__(self, channel_id: str, token: bytes, consumers: int) -> None:
         self.channel_id, self.token, self.consumers = channel_id, token, consumers
+        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.joined: deque[_Peer] = deque()
         self.admitted = 0
@@ -535,6 +536,11 @@ class _Service:
         return peers
 
     def stop(self) -> None:
+        if self.pid != os.getpid():
+            # A forked child's copy: the thread and the listeners are the
+            # parent's; close this process's descriptors and nothing more.
+            self.close_fds()
+            return
         with self.lock:
             self.closing = True
         with contextlib.suppress(OSError):
@@ -560,6 +566,10 @@ def _release_producer(service: _Service, peers: dict, shares: list, buffers: lis
     for peer in list(peers.values()):
         peer.close()
     peers.clear()
+    if service.pid != os.getpid():
+        shares.clear()  # the parent's exports and memory: not this process's to end
+        buffers.clear()
+        return
     for share in shares:
         with contextlib.suppress(GpuShareError):
             share.revoke()
@@ -1043,7 +1053,9 @@ def subscribe(handle: ChannelHandle, *, timeout: float = 30.0, device: int | Non
     timeout : float
         Seconds to reach the producer and open the slots.
     device : int, optional
-        For CUDA channels: the device to map the slots on (see :func:`gpushare.open`).
+        For CUDA channels: the device to map the slots on (see
+        :func:`gpushare.open`), and from another node the device the
+        steps are copied to (0 by default).
 
     Returns
     -------
@@ -1198,6 +1210,7 @@ class Consumer:
         self._views: list = []
         self._arrays: list = []
         self._staging: list = []
+        self._device = device
         self._pidfd = None
         held: list = [None, None]  # the socket and the producer's pidfd, once made
         self._finalizer = weakref.finalize(self, _release_consumer, held, self._views)
@@ -1350,7 +1363,7 @@ class Consumer:
 
     def _staged(self, slot: int) -> Any:
         if self._staging[slot] is None:
-            self._staging[slot] = _staging_array(self.handle, self._views[slot])
+            self._staging[slot] = _staging_array(self.handle, self._device)
         return self._staging[slot]
 
     def _deliver(self, step: int, slot: int) -> Step:
@@ -1462,7 +1475,7 @@ def _consumer_array(view: Any, handle: ChannelHandle) -> Any:
     return CudaArray._make(view, cai["data"][0], handle.shape, handle.typestr, view.device, readonly=True)
 
 
-def _staging_array(handle: ChannelHandle, view: Any) -> Any:
+def _staging_array(handle: ChannelHandle, device: int | None) -> Any:
     """Local memory a ucx-rma slot is read into at each step."""
     import numpy as np
 
@@ -1470,5 +1483,6 @@ def _staging_array(handle: ChannelHandle, view: Any) -> Any:
         return np.empty(handle.shape, np.dtype(handle.typestr))
     from ._same_node import allocate
 
-    buf = allocate(handle.nbytes, device=0)
-    return CudaArray._make(buf, int(buf.handle), handle.shape, handle.typestr, 0)
+    device = device if device is not None else 0
+    buf = allocate(handle.nbytes, device=device)
+    return CudaArray._make(buf, int(buf.handle), handle.shape, handle.typestr, device)

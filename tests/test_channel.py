@@ -213,6 +213,22 @@ def test_a_consumer_waiting_for_ever_learns_of_the_producers_end():
     assert codes == [0]
 
 
+def test_a_forked_child_releasing_its_copy_leaves_the_parents_channel_alone():
+    with gs.channel(4, np.int32, consumers=1) as producer:
+        pid = os.fork()
+        if pid == 0:  # the child's copy ends as at its interpreter's exit
+            try:
+                producer._finalizer()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with gs.subscribe(producer.handle, timeout=10) as consumer:  # the listener still serves
+            producer.send(np.arange(4, dtype=np.int32), timeout=10)
+            with consumer.wait(timeout=10) as step:
+                assert step.array.tolist() == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- one process
 
 
@@ -250,6 +266,22 @@ def test_a_producer_leaving_on_an_error_breaks_the_channel_for_its_consumers():
             assert step.array.tolist() == [0, 1, 2, 3]
         with pytest.raises(gs.ChannelBrokenError, match=r"producer \(pid \d+\) gave up on an error after 1 steps"):
             consumer.wait(timeout=5)
+
+
+def test_a_consumer_that_leaves_is_no_longer_waited_for():
+    with gs.channel(2, np.int8, consumers=2, slots=1) as producer:
+        stays, leaves = gs.subscribe(producer.handle), gs.subscribe(producer.handle)
+        with stays:
+            producer.send(np.array([1, 1], np.int8), timeout=5)
+            leaves.wait(timeout=5)  # taken and never released...
+            leaves.close()  # ...until it leaves
+            for t in range(2, 5):
+                stays.wait(timeout=5).release()
+                producer.send(np.array([t, t], np.int8), timeout=5)
+            with stays.wait(timeout=5) as step:
+                assert (step.step, step.array.tolist()) == (3, [4, 4])
+            with pytest.raises(gs.ClosedError, match="consumer is closed"):
+                leaves.wait(timeout=1)
 
 
 def test_a_failed_fill_publishes_nothing():
