@@ -67,6 +67,7 @@ _ACCEPT = struct.Struct("!IIQ")  # status, consumer index, reserved
 _PUBLISH, _END, _ABORT, _RELEASE, _LEAVE, _FAILED = 1, 2, 3, 4, 5, 6
 _OK, _FULL, _CLOSED = 0, 1, 2
 _HANDSHAKE_TIMEOUT = 5.0
+_MAX_HANDSHAKES = 64
 _ID = re.compile(r"^[0-9a-f]{32}\Z")
 
 
@@ -453,6 +454,7 @@ class _Service:
         self.joined: deque[_Peer] = deque()
         self.admitted = 0
         self.closing = False
+        self.handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.stop_r, self.stop_w = os.pipe()
         self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -490,11 +492,22 @@ class _Service:
                     conn, addr = listener.accept()
                 except OSError:
                     continue
-                try:
-                    self._admit(conn, addr)
-                except (OSError, EOFError, ValueError) as exc:
-                    log.warning("channel %s: refused a connection: %s", self.channel_id[:8], exc)
-                    conn.close()
+                # Each handshake in a thread of its own: a peer that connects
+                # and says nothing delays nobody else's join.
+                if not self.handshakes.acquire(blocking=False):
+                    conn.close()  # too many joins at once: refused
+                    continue
+                threading.Thread(target=self._admit_or_drop, args=(conn, addr), name="gpushare-channel-join",
+                                 daemon=True).start()
+
+    def _admit_or_drop(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            self._admit(conn, addr)
+        except (OSError, EOFError, ValueError) as exc:
+            log.warning("channel %s: refused a connection: %s", self.channel_id[:8], exc)
+            conn.close()
+        finally:
+            self.handshakes.release()
 
     def _admit(self, conn: socket.socket, addr: Any) -> None:
         conn.settimeout(_HANDSHAKE_TIMEOUT)
@@ -518,14 +531,17 @@ class _Service:
             conn.sendall(_ACCEPT.pack(status, 0, 0))
             conn.close()
             return
-        conn.sendall(_ACCEPT.pack(_OK, index, 0))
+        conn.sendall(_ACCEPT.pack(_OK, index, 0))  # before any notification can follow it
         conn.setblocking(False)
         where = "" if conn.family == socket.AF_UNIX else f" at {addr[0]}"
         peer = _Peer(conn, index, pid, where)
-        log.info("channel %s: %s joined", self.channel_id[:8], peer.name())
         with self.lock:
+            if self.closing:
+                peer.close()
+                return
             self.joined.append(peer)
-        os.eventfd_write(self.wake, 1)
+            os.eventfd_write(self.wake, 1)
+        log.info("channel %s: %s joined", self.channel_id[:8], peer.name())
 
     def take_joined(self) -> list[_Peer]:
         with contextlib.suppress(BlockingIOError):
@@ -542,7 +558,7 @@ class _Service:
             self.close_fds()
             return
         with self.lock:
-            self.closing = True
+            self.closing = True  # a join still in its handshake is refused from now on
         with contextlib.suppress(OSError):
             os.write(self.stop_w, b"x")
         if self.thread.is_alive() and self.thread is not threading.current_thread():

@@ -405,6 +405,20 @@ def test_a_forged_token_is_refused_and_a_fourth_consumer_too():
                 gs.subscribe(producer.handle, timeout=5)
 
 
+def test_a_silent_connection_delays_no_one_elses_join():
+    import socket
+
+    with gs.channel(4, consumers=1) as producer:
+        host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
+        with socket.create_connection((host, port)) as silent:  # connects, says nothing
+            silent.settimeout(10)
+            t0 = time.monotonic()
+            with gs.subscribe(producer.handle, timeout=10) as consumer:
+                assert time.monotonic() - t0 < 2
+                assert consumer.index == 0
+            assert silent.recv(16) == b""  # dropped after the handshake timeout, given nothing
+
+
 def test_bad_arguments_say_what_is_expected():
     with pytest.raises(gs.InvalidInputError, match="consumers must be an int from 1"):
         gs.channel(4, consumers=0)
