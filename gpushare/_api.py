@@ -193,7 +193,9 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
         wanted = _path_list(paths, "paths")
     if readonly is not None and not isinstance(readonly, bool):
         raise InvalidInputError("readonly must be a bool or None")
-    local = _buffers.resolve(obj, writable=False)
+    # A strided array is served as the memory it spans, with its strides.
+    memory, strides = _arrays.span_of(obj)
+    local = _buffers.resolve(memory, writable=False)
     try:
         nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
         readonly = bool(readonly) or local.readonly
@@ -202,14 +204,27 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
     device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
-    descs, regs, offset = _mapped_offers(obj, memory_type, wanted, (local.address, nbytes))
-    offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
+    descs, regs, offset = _mapped_offers(memory, memory_type, wanted, (local.address, nbytes))
+    if strides is not None and "host-fd" not in descs:
+        _release_registrations(regs)
+        raise InvalidInputError(
+            f"array is not C-contiguous; {_buffers._CONTIGUOUS_FIX} (strided arrays are shared as they are "
+            "only over gpushare.allocate host memory, such as gpushare.empty arrays)"
+        )
+    # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
+    offers = ["same-process"] + [p for p in PATHS if p in descs] + ([] if strides else ["ucx-rma"])
     if wanted is not None:
         offers = [p for p in offers if p in wanted]
         if not offers:
             _release_registrations(regs)
-            raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory")
-    shape, typestr, dtype_name, dlpack_dtype = _arrays.describe(obj, nbytes)
+            raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory" + (
+                " (a strided array goes only where it is mapped: same-process, and host-fd for "
+                "gpushare.allocate memory; share numpy.ascontiguousarray(a) for the others)" if strides else ""))
+    try:
+        shape, typestr, dtype_name, dlpack_dtype = _arrays.describe(obj, nbytes, strided=strides is not None)
+    except InvalidInputError:
+        _release_registrations(regs)
+        raise
     share_id, token = new_ids()
     exporter = get_exporter()
     record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
@@ -219,7 +234,7 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
         if policy == "none":
             record.obj_ref = weak_or_none(obj, record)
         else:
-            record.obj = obj
+            record.obj = memory  # for a strided array, its span, which holds the array
     except BaseException:
         _release_registrations(regs)
         raise
@@ -232,7 +247,7 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
-                       dlpack_dtype)
+                       dlpack_dtype, strides)
 
 
 def _device_ordinal(address: int, hint: Any) -> int:
@@ -273,7 +288,9 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
     natural: list[str] = []
     for path in PATHS:
         if path not in share.offers:
-            if share.device == "host" and path == "host-fd":
+            if path == "ucx-rma" and share.strides is not None:
+                left_out.append("not ucx-rma: the share is a strided array, which goes only where it is mapped")
+            elif share.device == "host" and path == "host-fd":
                 left_out.append("not host-fd: not offered, the memory is not from gpushare.allocate(device='host')")
             elif share.device != "host" and path == "posix-fd":
                 left_out.append("not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N)")
@@ -696,6 +713,9 @@ class View:
         Array shape as exported.
     typestr : str
         ``__array_interface__`` type string as exported.
+    strides : tuple of int or None
+        Byte strides of a strided array (``nbytes`` is the span it covers),
+        else ``None``.
     share : Share
         The share this view opened.
     """
@@ -707,6 +727,7 @@ class View:
     device: int | Literal["host"]
     shape: tuple[int, ...]
     typestr: str
+    strides: tuple[int, ...] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("View objects are made by gpushare.open")
@@ -724,6 +745,7 @@ class View:
             self.device = int(mapped.memory_resource.device_id)  # this process's ordinal
         self.shape = share.shape
         self.typestr = share.typestr
+        self.strides = share.strides
         self._target = target
         self._mapped = mapped
         self._ep = endpoint
@@ -789,7 +811,7 @@ class View:
         if self.path == "ucx-rma":
             raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
         if self._target is not None:
-            return _buffers.resolve(self._target, writable=False)
+            return _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
         mapped = self._mapped
         if self.device == "host":
             return _buffers.LocalBuffer(mapped.ptr + self.share.offset, self.nbytes, "host", False, mapped)
@@ -803,7 +825,7 @@ class View:
         if self.path == "ucx-rma":
             self._local()
         if self._target is not None:
-            lb = _buffers.resolve(self._target, writable=False)
+            lb = _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
             raw = (ctypes.c_char * self.nbytes).from_address(lb.address)
             raw._owner = (self._target, lb)  # the memory lives as long as the view of it
             view = memoryview(raw).cast("B")
@@ -818,7 +840,8 @@ class View:
     def __array_interface__(self) -> dict:
         if self.device != "host":
             raise AttributeError("__array_interface__ (this view is CUDA memory; use __cuda_array_interface__)")
-        return {"shape": self.shape, "typestr": self.typestr, "data": self.memoryview(), "version": 3}
+        return {"shape": self.shape, "typestr": self.typestr, "data": self.memoryview(), "strides": self.strides,
+                "version": 3}
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -860,7 +883,7 @@ class View:
             weakref.finalize(owner, self._use.drop)
         return _dlpack.capsule(lb.address, self.shape, self.typestr, self.__dlpack_device__(),
                                readonly=self.share.readonly, owner=owner, max_version=max_version,
-                               dl_dtype=self.share.dlpack_dtype)
+                               dl_dtype=self.share.dlpack_dtype, strides=self.strides)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         if self.device == "host":
@@ -874,6 +897,9 @@ class View:
 
     def _span(self, buf: Any, offset: Any, writable: bool, stream: Any = None) -> tuple[_buffers.LocalBuffer, int]:
         self._check()
+        if self.strides is not None:
+            raise UnsupportedError(f"this share is a strided array (strides {self.strides}): its bytes are not "
+                                   "its elements, so get/put refuse it; use numpy.asarray(view) or DLPack")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"offset must be a non-negative int, not {offset!r}")
         local = _buffers.resolve(buf, writable=writable, stream=stream)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ._errors import InvalidInputError
 
-__all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "MAX_DIMS"]
+__all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 
 MAX_DIMS = 32
 _TYPESTR = re.compile(r"^[<>|=][biufcV]\d{1,4}\Z")
@@ -170,9 +170,11 @@ def _interface(obj: Any) -> dict | None:
     return None
 
 
-def describe(obj: Any, nbytes: int) -> tuple[tuple[int, ...], str, str | None, tuple[int, int, int] | None]:
+def describe(obj: Any, nbytes: int,
+             strided: bool = False) -> tuple[tuple[int, ...], str, str | None, tuple[int, int, int] | None]:
     """What a share says of ``obj``'s elements: (shape, typestr, dtype name,
-    DLPack dtype).
+    DLPack dtype).  ``strided``: ``obj`` spans ``nbytes`` with gaps (its
+    shape and typestr are kept as they are, or it is refused).
 
     A dtype an array-interface typestr names is kept as it is; one only DLPack
     names (bfloat16, float8, complex32) travels as raw items (``|V2``...)
@@ -190,8 +192,11 @@ def describe(obj: Any, nbytes: int) -> tuple[tuple[int, ...], str, str | None, t
             return as_bytes
         descr = ai.get("descr")
         structured = typestr[1:2] == "V" and isinstance(descr, list) and (len(descr) > 1 or bool(descr[0][0]))
-        if _TYPESTR.match(typestr) and nbytes_of(shape, typestr) == nbytes and not structured:
+        if _TYPESTR.match(typestr) and (strided or nbytes_of(shape, typestr) == nbytes) and not structured:
             return shape, typestr, None, None
+        if strided:
+            raise InvalidInputError(f"a strided array of dtype {_dtype_name(obj, typestr)} cannot be shared; "
+                                    "pass numpy.ascontiguousarray(a) instead")
         return (nbytes,), "|u1", _dtype_name(obj, typestr), None
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         from . import _dlpack
@@ -330,3 +335,39 @@ def empty_like(a: Any, *, device: Any = None) -> Any:
     except AttributeError:
         raise InvalidInputError(f"empty_like needs an array with shape and dtype, not {type(a).__name__}") from None
     return empty(shape, dtype, device=device)
+
+
+def span_of(obj: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """For a strided NumPy array (a column, every other row...): a contiguous
+    byte array over the memory it spans, which holds ``obj``, and its byte
+    strides.  Anything else: ``(obj, None)``.
+
+    Raises
+    ------
+    InvalidInputError
+        Negative strides, or strides that are not whole items.
+    """
+    import ctypes
+
+    ai = obj.__array_interface__ if type(obj).__module__ == "numpy" and hasattr(obj, "__array_interface__") else None
+    if not isinstance(ai, dict) or ai.get("strides") is None or not isinstance(ai.get("data"), tuple):
+        return obj, None
+    shape, strides = tuple(ai["shape"]), tuple(ai["strides"])
+    itemsize = int(obj.itemsize)
+    if any(d == 0 for d in shape):
+        return obj, None  # nothing to span: export refuses it as empty
+    if any(s < 0 for s in strides) or any(s % itemsize for s in strides):
+        raise InvalidInputError(
+            f"array is not C-contiguous and its strides {strides} are negative or not whole {itemsize}-byte "
+            "items; pass a C-contiguous copy instead: numpy.ascontiguousarray(a)"
+        )
+    span = itemsize + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
+    address, readonly = ai["data"]
+    raw = (ctypes.c_uint8 * span).from_address(address)
+    raw._owner = obj  # type: ignore[attr-defined]  # the memory lives as long as the span does
+    import numpy as np
+
+    memory = np.ctypeslib.as_array(raw)
+    if readonly:
+        memory.flags.writeable = False
+    return memory, strides

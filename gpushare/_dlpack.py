@@ -64,7 +64,7 @@ class _ManagedVersioned(ctypes.Structure):
 
 
 _lock = threading.Lock()
-#: address of a managed tensor -> (the struct, its shape array, the owner)
+#: address of a managed tensor -> (the struct, its shape and strides arrays, the owner)
 _live: dict[int, tuple[Any, Any, Any]] = {}
 
 
@@ -130,7 +130,7 @@ def live_count() -> int:
 
 def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[int, int], *,
             readonly: bool, owner: Any, max_version: Any = None,
-            dl_dtype: tuple[int, int, int] | None = None) -> Any:
+            dl_dtype: tuple[int, int, int] | None = None, strides: tuple[int, ...] | None = None) -> Any:
     """A DLPack capsule of C-contiguous memory at ``address``.
 
     ``owner`` is kept alive until the consumer releases the tensor.  A
@@ -142,6 +142,8 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
     only says its size.
     """
     dtype = dtype_of(typestr) if dl_dtype is None else (dl_dtype[0], dl_dtype[1])
+    if dtype is None and strides is not None:
+        raise BufferError(f"a strided array of {typestr} items has no DLPack form")
     if dtype is None:
         nbytes = int(typestr[2:]) if typestr[2:].isdigit() else 1
         for d in shape:
@@ -165,7 +167,13 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
     t.ndim = len(shape)
     t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype[0], dtype[1], 1 if dl_dtype is None else dl_dtype[2]
     t.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
-    t.strides = ctypes.POINTER(ctypes.c_int64)()  # NULL: C-contiguous
+    steps = None
+    if strides is not None:  # DLPack counts strides in items, not bytes
+        itemsize = int(typestr[2:])
+        steps = (ctypes.c_int64 * max(len(strides), 1))(*(s // itemsize for s in strides))
+        t.strides = ctypes.cast(steps, ctypes.POINTER(ctypes.c_int64))
+    else:
+        t.strides = ctypes.POINTER(ctypes.c_int64)()  # NULL: C-contiguous
     t.byte_offset = 0
     managed.deleter = _deleter
     if versioned:
@@ -173,7 +181,7 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
         managed.flags = _READ_ONLY if readonly else 0
     at = ctypes.addressof(managed)
     with _lock:
-        _live[at] = (managed, dims, owner)
+        _live[at] = (managed, (dims, steps), owner)
     try:
         return _capsule_new(at, _NAME_VERSIONED if versioned else _NAME,
                             ctypes.cast(_destructor, ctypes.c_void_p))

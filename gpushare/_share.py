@@ -81,7 +81,7 @@ class Share:
     _BASE = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
              "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
     #: Fields a share may leave out (on the wire and in pickles), with their defaults.
-    _OPTIONAL = (("offset", 0), ("dtype_name", None), ("dlpack_dtype", None))
+    _OPTIONAL = (("offset", 0), ("dtype_name", None), ("dlpack_dtype", None), ("strides", None))
     _NAMES = _BASE + tuple(name for name, _ in _OPTIONAL)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -95,7 +95,7 @@ class Share:
         if len(fields) != len(cls._NAMES):
             raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._BASE)} or {len(cls._NAMES)}")
         (version, share_id, token, pid, node, control, nbytes, device, shape, typestr, offers,
-         lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype) = fields
+         lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype, strides) = fields
         if version != SHARE_FORMAT or isinstance(version, bool):
             raise InvalidInputError(f"share format version {version!r:.20}; this gpushare reads {SHARE_FORMAT}")
         if not isinstance(share_id, str) or not _ID.match(share_id):
@@ -126,9 +126,20 @@ class Share:
             count *= _int(d, "shape entry", 0, _MAX_NBYTES)
         if not isinstance(typestr, str) or not re.match(r"^[<>|=][biufcV]\d{1,4}\Z", typestr):
             raise InvalidInputError(f"share typestr {typestr!r:.20} is not an array-interface type string")
-        if count * int(typestr[2:]) != nbytes:
+        itemsize = int(typestr[2:])
+        if strides is not None:
+            if not isinstance(strides, tuple) or len(strides) != len(shape) or not count:
+                raise InvalidInputError(f"share strides must be a tuple of {len(shape)} ints for shape {shape}")
+            for st in strides:
+                if _int(st, "stride", 0, _MAX_NBYTES) % itemsize:
+                    raise InvalidInputError(f"share stride {st} is not a whole number of {itemsize}-byte items")
+            span = itemsize + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
+            if span != nbytes:
+                raise InvalidInputError(f"share shape {shape} with strides {strides} spans {span} bytes; "
+                                        f"nbytes says {nbytes}")
+        elif count * itemsize != nbytes:
             raise InvalidInputError(
-                f"share shape {shape} of {typestr} is {count * int(typestr[2:])} bytes; nbytes says {nbytes}"
+                f"share shape {shape} of {typestr} is {count * itemsize} bytes; nbytes says {nbytes}"
             )
         if not isinstance(offers, tuple) or not offers:
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
@@ -264,6 +275,12 @@ class Share:
         """DLPack (code, bits, lanes) of a dtype only DLPack can name (bfloat16, float8, complex32), else ``None``."""
         return self._fields_[16]
 
+    @property
+    def strides(self) -> tuple[int, ...] | None:
+        """Byte strides of a strided array (``nbytes`` is then the span it
+        covers), else ``None`` (C-contiguous)."""
+        return self._fields_[17]
+
     # -- wire form ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The share as bytes to send over any transport, trusted or not.
@@ -334,7 +351,7 @@ class Share:
         if not isinstance(token, str) or not re.match(r"^[0-9a-f]{64}\Z", token):
             raise InvalidInputError("share token must be 64 lowercase hex digits")
         obj["token"] = bytes.fromhex(token)
-        for name in ("shape", "offers", "dlpack_dtype"):
+        for name in ("shape", "offers", "dlpack_dtype", "strides"):
             if isinstance(obj[name], list):
                 obj[name] = tuple(obj[name])
         if isinstance(obj["control"], list):

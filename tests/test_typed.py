@@ -134,6 +134,59 @@ def test_dlpack_only_dtypes_round_trip_through_dlpack():
         s.revoke()
 
 
+def _strided_importer(share, results) -> None:
+    try:
+        with gs.open(share, timeout=30) as view:
+            a = np.asarray(view)
+            d = np.from_dlpack(view)
+            refused = None
+            try:
+                view.get(bytearray(8))
+            except gs.UnsupportedError as exc:
+                refused = str(exc)
+            out = (view.path, a.shape, a.strides, a.tolist(), d.strides, d.tolist(), refused)
+            a[0, 0] = -1.0  # through the mapping, at that element only
+            del a, d
+        results.put(("ok", out))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def test_a_strided_view_travels_with_its_strides_where_it_is_mapped():
+    x = gs.empty((4, 6), np.float32)
+    x[...] = np.arange(24, dtype=np.float32).reshape(4, 6)
+    cols = x[1:, ::2]
+    share = gs.export(cols, lifetime="revoked")
+    assert share.offers == ("same-process", "host-fd")  # get/put move bytes: no ucx-rma
+    assert (share.shape, share.strides, share.offset, share.nbytes) == ((3, 3), (24, 8), 24, 68)
+    assert Share.from_bytes(share.to_bytes()) == share and pickle.loads(pickle.dumps(share)) == share
+    results = CTX.Queue()
+    p = CTX.Process(target=_strided_importer, args=(share, results))
+    p.start()
+    status, value = results.get(timeout=90)
+    p.join(30)
+    assert status == "ok", value
+    path, shape, strides, values, dl_strides, dl_values, refused = value
+    assert (path, shape, strides, dl_strides) == ("host-fd", (3, 3), (24, 8), (24, 8))
+    expected = [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0], [18.0, 20.0, 22.0]]
+    assert values == dl_values == expected
+    assert "strided array (strides (24, 8))" in refused and "numpy.asarray(view)" in refused
+    assert x[1, 0] == -1.0 and x[1, 1] == 7.0 and x[0, 5] == 5.0  # one element changed, its neighbours not
+    with gs.open(share) as view:  # in the exporting process: the same elements
+        assert np.asarray(view).tolist() == [[-1.0, 8.0, 10.0], [12.0, 14.0, 16.0], [18.0, 20.0, 22.0]]
+    share.revoke()
+    with pytest.raises(gs.InvalidInputError, match="negative or not whole"):
+        gs.export(x[::-1])
+    with pytest.raises(gs.InvalidInputError, match="only over gpushare.allocate host memory"):
+        gs.export(np.zeros((4, 4))[:, 1])
+    fields = list(share._fields_)
+    for strides, match in [((24,), "strides must be a tuple of 2 ints"), ((24, 6), "not a whole number"),
+                           ((24, 4), "spans 60 bytes; nbytes says 68")]:
+        fields[Share._NAMES.index("strides")] = strides
+        with pytest.raises(gs.InvalidInputError, match=match):
+            Share._make(*fields)
+
+
 class RaisingCudaInterface(DLPackOnly):
     """Like a torch bfloat16 tensor: ``__cuda_array_interface__`` raises TypeError."""
 
