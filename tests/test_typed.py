@@ -62,8 +62,13 @@ def _importer(shares, results) -> None:
 
 
 def _open_elsewhere(*shares) -> list[dict]:
+    return _in_child(_importer, shares)
+
+
+def _in_child(target, *args):
+    """Run ``target(*args, results)`` in a spawned process; its ("ok", value)."""
     results = CTX.Queue()
-    p = CTX.Process(target=_importer, args=(shares, results))
+    p = CTX.Process(target=target, args=(*args, results))
     p.start()
     try:
         status, value = results.get(timeout=90)
@@ -160,13 +165,7 @@ def test_a_strided_view_travels_with_its_strides_where_it_is_mapped():
     assert share.offers == ("same-process", "host-fd")  # get/put move bytes: no ucx-rma
     assert (share.shape, share.strides, share.offset, share.nbytes) == ((3, 3), (24, 8), 24, 68)
     assert Share.from_bytes(share.to_bytes()) == share and pickle.loads(pickle.dumps(share)) == share
-    results = CTX.Queue()
-    p = CTX.Process(target=_strided_importer, args=(share, results))
-    p.start()
-    status, value = results.get(timeout=90)
-    p.join(30)
-    assert status == "ok", value
-    path, shape, strides, values, dl_strides, dl_values, refused = value
+    path, shape, strides, values, dl_strides, dl_values, refused = _in_child(_strided_importer, share)
     assert (path, shape, strides, dl_strides) == ("host-fd", (3, 3), (24, 8), (24, 8))
     expected = [[6.0, 8.0, 10.0], [12.0, 14.0, 16.0], [18.0, 20.0, 22.0]]
     assert values == dl_values == expected
@@ -303,13 +302,7 @@ def _async_importer(share, results) -> None:
 def test_open_async_and_async_with_in_another_process():
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
     share = gs.export(arr)
-    results = CTX.Queue()
-    p = CTX.Process(target=_async_importer, args=(share, results))
-    p.start()
-    status, value = results.get(timeout=90)
-    p.join(30)
-    assert status == "ok", value
-    assert value == (arr.tobytes(), "ucx-rma", False, True)
+    assert _in_child(_async_importer, share) == (arr.tobytes(), "ucx-rma", False, True)
     share.revoke()
 
 
