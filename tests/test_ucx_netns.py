@@ -139,3 +139,39 @@ def test_training_exchange_across_namespaces(two_nodes):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.mark.parametrize("who_dies", ["consumer", "producer"])
+def test_a_process_that_dies_on_the_other_node_breaks_the_channel_within_seconds(two_nodes, who_dies):
+    """Across nodes death shows as the end of the channel's TCP connection."""
+    a, b, _ = two_nodes
+    producer = _run_in(b, "channel-produce-" + ("dies" if who_dies == "producer" else "lives"))
+    consumer = None
+    try:
+        hello = producer.stdout.readline()
+        assert hello, producer.stderr.read()
+        consumer = _run_in(a, "channel-consume-" + ("dies" if who_dies == "consumer" else "lives"))
+        consumer.stdin.write(hello)
+        consumer.stdin.flush()
+        took = json.loads(consumer.stdout.readline() or "null")
+        assert took == {"step": 0, "first": 1, "paths": ["ucx-rma"]}, consumer.stderr.read()
+        if who_dies == "consumer":
+            assert consumer.wait(30) == 3
+            report = json.loads(producer.stdout.readline())
+            assert producer.wait(30) == 0
+        else:
+            producer.stdin.write("go\n")
+            producer.stdin.flush()
+            assert producer.wait(30) == 0
+            consumer.stdin.write("go\n")
+            consumer.stdin.flush()
+            report = json.loads(consumer.stdout.readline())
+            assert consumer.wait(30) == 0
+        assert report["error"] == "ChannelBrokenError", report
+        assert report["seconds"] < 5
+        assert f"{'consumer 0' if who_dies == 'consumer' else 'producer'} (pid" in report["message"]
+    finally:
+        for proc in (producer, consumer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
