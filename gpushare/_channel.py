@@ -765,30 +765,31 @@ class Producer:
             if peer.left:
                 continue
             data, eof = _read(peer.sock)
-            peer.buf += data
-            while len(peer.buf) >= _MSG.size and not peer.left:
-                op, slot, step = _MSG.unpack_from(peer.buf)
-                peer.buf = peer.buf[_MSG.size:]
-                if op == _RELEASE and slot < self._slots and self._slot_step[slot] == step:
-                    self._busy[slot].discard(peer.index)
-                elif op == _LEAVE:
-                    peer.left = True
-                    for busy in self._busy:
-                        busy.discard(peer.index)
-                    log.info("channel %s: %s left", self.handle.channel_id[:8], peer.name())
-                elif op != _RELEASE:
-                    self._break(f"{peer.name()} sent a malformed message (op {op})", peer.index)
+            self._messages(peer, data)
             if peer.left:
                 continue
             if eof is not None:
                 self._break(f"{peer.name()} {eof} without leaving the channel", peer.index)
             if peer.pidfd in woken and _exited(peer.pidfd):
-                data, _ = _read(peer.sock)  # a LEAVE it sent before exiting counts
-                if not (len(data) >= _MSG.size and _MSG.unpack_from(data)[0] == _LEAVE):
+                self._messages(peer, _read(peer.sock)[0])  # a LEAVE it sent before exiting counts
+                if not peer.left:
                     self._break(f"{peer.name()} exited without leaving the channel", peer.index)
+
+    def _messages(self, peer: _Peer, data: bytes) -> None:
+        """Apply what ``peer`` sent: releases, and its leaving."""
+        peer.buf += data
+        while len(peer.buf) >= _MSG.size and not peer.left:
+            op, slot, step = _MSG.unpack_from(peer.buf)
+            peer.buf = peer.buf[_MSG.size:]
+            if op == _RELEASE and slot < self._slots and self._slot_step[slot] == step:
+                self._busy[slot].discard(peer.index)
+            elif op == _LEAVE:
                 peer.left = True
                 for busy in self._busy:
                     busy.discard(peer.index)
+                log.info("channel %s: %s left", self.handle.channel_id[:8], peer.name())
+            elif op != _RELEASE:
+                self._break(f"{peer.name()} sent a malformed message (op {op})", peer.index)
 
     def _ready(self, slot: int) -> bool:
         return len(self._peers) == self._consumers and not self._busy[slot]

@@ -419,6 +419,24 @@ def test_a_silent_connection_delays_no_one_elses_join():
             assert silent.recv(16) == b""  # dropped after the handshake timeout, given nothing
 
 
+def test_a_consumer_sending_garbage_breaks_the_channel_not_the_producer():
+    from gpushare._channel import _MSG, _connect, _handshake
+
+    with gs.channel(4, consumers=1, slots=1) as producer:
+        sock = _connect(producer.handle, 5)  # a consumer that holds the handle but speaks nonsense
+        with sock:
+            assert _handshake(sock, producer.handle) == 0
+            producer.send(np.zeros(4, np.uint8), timeout=5)
+            sock.sendall(_MSG.pack(4, 0, 7) + _MSG.pack(4, 3, 0))  # releases of steps it was not given
+            with pytest.raises(gs.WaitTimeoutError, match="to release step 0"):
+                producer.acquire(timeout=0.3)  # change nothing
+            sock.sendall(_MSG.pack(99, 0, 0) + b"\xff" * 5)
+            with pytest.raises(gs.ChannelBrokenError, match=r"consumer 0 \(pid \d+\) sent a malformed message \(op 99\)"):
+                producer.acquire(timeout=5)
+        with pytest.raises(gs.ChannelBrokenError):
+            producer.acquire(timeout=0)
+
+
 def test_bad_arguments_say_what_is_expected():
     with pytest.raises(gs.InvalidInputError, match="consumers must be an int from 1"):
         gs.channel(4, consumers=0)
