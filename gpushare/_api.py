@@ -687,10 +687,12 @@ class View:
     """An open share: made by :func:`gpushare.open`.
 
     Mapped views (every path but ucx-rma) are zero-copy: host ones expose
-    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__`` (read-only
-    where the share is).  A ucx-rma view is not mapped: use :meth:`get` and
-    :meth:`put`.
+    ``__array_interface__`` (``numpy.asarray(view)``), :meth:`memoryview`
+    and ``__dlpack__``; CUDA ones ``__cuda_array_interface__`` and
+    ``__dlpack__``; all with the exporter's dtype, shape and strides, and
+    read-only where the share is.  A ucx-rma view is not mapped: use
+    :meth:`get` and :meth:`put`.  Views are context managers, also
+    asynchronous ones (``async with``).
 
     :meth:`close` ends the lease at once, but never unmaps memory that arrays
     made from the view still use: a DLPack tensor keeps the mapping until it
