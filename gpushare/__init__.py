@@ -12,8 +12,11 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._aio import open_async
 from ._api import View, export, open
+from ._arrays import CudaArray, empty, empty_like, zeros
 from ._capabilities import capabilities
+from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
 from ._descriptors import (
     CudaIpcBufferDescriptor,
     CudaPoolBufferDescriptor,
@@ -22,6 +25,7 @@ from ._descriptors import (
 )
 from ._errors import (
     AccessDeniedError,
+    ChannelBrokenError,
     ClosedError,
     CUDAError,
     ExporterUnreachableError,
@@ -67,6 +71,18 @@ __all__ = [
     "ucx",
     "AccessDeniedError",
     "CUDAError",
+    "ChannelBrokenError",
+    "ChannelHandle",
+    "Consumer",
+    "CudaArray",
+    "Producer",
+    "Step",
+    "channel",
+    "empty",
+    "empty_like",
+    "open_async",
+    "subscribe",
+    "zeros",
     "CudaIpcBufferDescriptor",
     "CudaPoolBufferDescriptor",
     "ExporterUnreachableError",
@@ -93,7 +109,8 @@ for _name in __all__:
     _obj = globals().get(_name)
     if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
         _obj.__module__ = __name__
-for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities):
+for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
+             open_async, empty, zeros, empty_like):
     _obj.__module__ = __name__
 del _name, _obj
 

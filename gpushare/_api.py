@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-from . import _buffers, _types
+from . import _arrays, _buffers, _types
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -44,27 +44,6 @@ _HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix-fd", "cuda-ipc": "cuda-ip
 
 
 # ---------------------------------------------------------------- exporting
-
-
-def _describe(obj: Any) -> tuple[tuple[int, ...], str]:
-    """Shape and typestr of an array-like, else (nbytes,) of bytes."""
-    if (not hasattr(obj, "__array_interface__") and not hasattr(obj, "__cuda_array_interface__")
-            and hasattr(obj, "__dlpack_device__")):
-        try:
-            if obj.__dlpack_device__()[0] == 1:  # CPU: let NumPy read the dtype
-                import numpy
-
-                obj = numpy.from_dlpack(obj)
-        except Exception:  # noqa: BLE001 - only a description: fall back to bytes
-            return (), ""
-    for attr in ("__cuda_array_interface__", "__array_interface__"):
-        ai = getattr(obj, attr, None)
-        if isinstance(ai, dict) and "shape" in ai and "typestr" in ai:
-            typestr = ai["typestr"]
-            if typestr[0] not in "<>|=":
-                break
-            return tuple(int(d) for d in ai["shape"]), typestr
-    return (), ""
 
 
 def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
@@ -101,18 +80,29 @@ def _own_fd_registration(fds: list[int], desc: Any) -> tuple[Any, tuple[int, lis
     return own, (own.export_id, dups)
 
 
-def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None) -> tuple[dict[str, Any], list]:
-    """Descriptors for the mapped paths this memory supports (and wants), and
-    the share's own fd registrations."""
+def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None,
+                   span: tuple[int, int] = (0, 0)) -> tuple[dict[str, Any], list, int]:
+    """Descriptors for the mapped paths this memory supports (and wants), the
+    share's own fd registrations, and the offset of ``span`` (address,
+    nbytes) in the buffer the host-fd path maps."""
     from . import _same_node
-    from ._paths.host_fd import HostBuffer
+    from ._paths.host_fd import HostBuffer, containing
 
     descs: dict[str, Any] = {}
     regs: list = []
+    offset = 0
 
     def want(path: str) -> bool:
         return wanted is None or path in wanted
 
+    if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
+        obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
+    if memory_type == "host" and not isinstance(obj, HostBuffer):
+        # An array over gpushare.allocate memory (a typed view, a slice):
+        # the importer maps the whole buffer and views its part of it.
+        found = containing(*span)
+        if found is not None:
+            obj, offset = found
     try:
         if isinstance(obj, HostBuffer):
             if want("host-fd"):
@@ -121,9 +111,9 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None) -> tupl
                     fds = list(obj._res.fds)
                 descs["host-fd"], reg = _own_fd_registration(fds, desc)
                 regs.append(reg)
-            return descs, regs
+            return descs, regs, offset
         if memory_type != "cuda":
-            return descs, regs
+            return descs, regs, offset
         from ._paths import cuda_vmm
 
         if cuda_vmm.is_vmm_buffer(obj):
@@ -149,7 +139,7 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None) -> tupl
     except BaseException:
         _release_registrations(regs)
         raise
-    return descs, regs
+    return descs, regs, offset
 
 
 def _release_registrations(regs: list) -> None:
@@ -202,7 +192,9 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
         wanted = _path_list(paths, "paths")
     if readonly is not None and not isinstance(readonly, bool):
         raise InvalidInputError("readonly must be a bool or None")
-    local = _buffers.resolve(obj, writable=False)
+    # A strided array is served as the memory it spans, with its strides.
+    memory, strides = _arrays.span_of(obj)
+    local = _buffers.resolve(memory, writable=False)
     try:
         nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
         readonly = bool(readonly) or local.readonly
@@ -211,16 +203,27 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
     device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
-    descs, regs = _mapped_offers(obj, memory_type, wanted)
-    offers = ["same-process"] + [p for p in PATHS if p in descs] + ["ucx-rma"]
+    descs, regs, offset = _mapped_offers(memory, memory_type, wanted, (local.address, nbytes))
+    if strides is not None and "host-fd" not in descs:
+        _release_registrations(regs)
+        raise InvalidInputError(
+            f"array is not C-contiguous; {_buffers._CONTIGUOUS_FIX} (strided arrays are shared as they are "
+            "only over gpushare.allocate host memory, such as gpushare.empty arrays)"
+        )
+    # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
+    offers = ["same-process"] + [p for p in PATHS if p in descs] + ([] if strides else ["ucx-rma"])
     if wanted is not None:
         offers = [p for p in offers if p in wanted]
         if not offers:
             _release_registrations(regs)
-            raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory")
-    shape, typestr = _describe(obj)
-    if not typestr or _prod(shape) * int(typestr[2:]) != nbytes:
-        shape, typestr = (nbytes,), "|u1"
+            raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory" + (
+                " (a strided array goes only where it is mapped: same-process, and host-fd for "
+                "gpushare.allocate memory; share numpy.ascontiguousarray(a) for the others)" if strides else ""))
+    try:
+        shape, typestr, dtype_name, dlpack_dtype = _arrays.describe(obj, nbytes, strided=strides is not None)
+    except InvalidInputError:
+        _release_registrations(regs)
+        raise
     share_id, token = new_ids()
     exporter = get_exporter()
     record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
@@ -230,7 +233,7 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
         if policy == "none":
             record.obj_ref = weak_or_none(obj, record)
         else:
-            record.obj = obj
+            record.obj = memory  # for a strided array, its span, which holds the array
     except BaseException:
         _release_registrations(regs)
         raise
@@ -242,7 +245,8 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
              "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
     return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
-                       device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly)
+                       device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
+                       dlpack_dtype, strides)
 
 
 def _device_ordinal(address: int, hint: Any) -> int:
@@ -250,13 +254,6 @@ def _device_ordinal(address: int, hint: Any) -> int:
     from ._paths import _cuda
 
     return _cuda.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # ---------------------------------------------------------------- choosing
@@ -290,7 +287,9 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
     natural: list[str] = []
     for path in PATHS:
         if path not in share.offers:
-            if share.device == "host" and path == "host-fd":
+            if path == "ucx-rma" and share.strides is not None:
+                left_out.append("not ucx-rma: the share is a strided array, which goes only where it is mapped")
+            elif share.device == "host" and path == "host-fd":
                 left_out.append("not host-fd: not offered, the memory is not from gpushare.allocate(device='host')")
             elif share.device != "host" and path == "posix-fd":
                 left_out.append("not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N)")
@@ -609,8 +608,12 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
     if not isinstance(fields, tuple) or not fields:
         raise InvalidInputError("exporter sent a malformed descriptor")
     desc = _rebuild(*fields)
-    if getattr(desc, "size", None) != share.nbytes:
-        raise InvalidInputError(f"descriptor is {getattr(desc, 'size', '?')} bytes; the share says {share.nbytes}")
+    size = getattr(desc, "size", None)
+    # A share of part of a host buffer maps the whole buffer and views its part.
+    if size != share.nbytes and not (share.device == "host" and isinstance(size, int)
+                                     and size >= share.offset + share.nbytes):
+        raise InvalidInputError(f"descriptor is {size if size is not None else '?'} bytes; the share says "
+                                f"{share.nbytes} at offset {share.offset}")
     if fds:
         from ._paths import host_fd
 
@@ -660,6 +663,16 @@ class _MappingUse:
             warnings.warn(f"unmapping a view failed; leaking it: {exc}", ResourceWarning, 2)
 
 
+def _dtype_note(share: Share) -> str:
+    """What ``view.why`` adds about a dtype the typestr could not carry."""
+    if share.dtype_name is None:
+        return ""
+    if share.dlpack_dtype is not None:
+        return (f"; dtype {share.dtype_name} travels as DLPack {share.dlpack_dtype} "
+                f"(DLPack consumers see it; NumPy sees {share.typestr} items)")
+    return f"; exported as bytes: dtype {share.dtype_name} has no portable form"
+
+
 class _Pin:
     """Held by a DLPack tensor made from a view: the mapping lives while it does."""
 
@@ -684,10 +697,12 @@ class View:
     """An open share: made by :func:`gpushare.open`.
 
     Mapped views (every path but ucx-rma) are zero-copy: host ones expose
-    ``__array_interface__`` (``numpy.asarray(view)``) and :meth:`memoryview`;
-    CUDA ones ``__cuda_array_interface__`` and ``__dlpack__`` (read-only
-    where the share is).  A ucx-rma view is not mapped: use :meth:`get` and
-    :meth:`put`.
+    ``__array_interface__`` (``numpy.asarray(view)``), :meth:`memoryview`
+    and ``__dlpack__``; CUDA ones ``__cuda_array_interface__`` and
+    ``__dlpack__``; all with the exporter's dtype, shape and strides, and
+    read-only where the share is.  A ucx-rma view is not mapped: use
+    :meth:`get` and :meth:`put`.  Views are context managers, also
+    asynchronous ones (``async with``).
 
     :meth:`close` ends the lease at once, but never unmaps memory that arrays
     made from the view still use: a DLPack tensor keeps the mapping until it
@@ -710,6 +725,9 @@ class View:
         Array shape as exported.
     typestr : str
         ``__array_interface__`` type string as exported.
+    strides : tuple of int or None
+        Byte strides of a strided array (``nbytes`` is the span it covers),
+        else ``None``.
     share : Share
         The share this view opened.
     """
@@ -721,6 +739,7 @@ class View:
     device: int | Literal["host"]
     shape: tuple[int, ...]
     typestr: str
+    strides: tuple[int, ...] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("View objects are made by gpushare.open")
@@ -731,13 +750,14 @@ class View:
         self = object.__new__(cls)
         self.share = share
         self.path = path
-        self.why = why
+        self.why = why + _dtype_note(share) if why else why
         self.nbytes = share.nbytes
         self.device = share.device
         if mapped is not None and share.device != "host":
             self.device = int(mapped.memory_resource.device_id)  # this process's ordinal
         self.shape = share.shape
         self.typestr = share.typestr
+        self.strides = share.strides
         self._target = target
         self._mapped = mapped
         self._peer = peer
@@ -751,7 +771,7 @@ class View:
 
     def _attach_lease(self, lease: Any, why: str) -> None:
         self._lease.append(lease)
-        self.why = why
+        self.why = why + _dtype_note(self.share)
 
     # -- state -----------------------------------------------------------
     @property
@@ -786,6 +806,12 @@ class View:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    async def __aenter__(self) -> View:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()  # ends the lease and unmaps: no waiting on anything
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.path
         return f"<gpushare.View {self.nbytes} bytes on {self.device} via {state}>"
@@ -797,10 +823,10 @@ class View:
         if self.path == "ucx-rma":
             raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
         if self._target is not None:
-            return _buffers.resolve(self._target, writable=False)
+            return _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
         mapped = self._mapped
         if self.device == "host":
-            return _buffers.LocalBuffer(mapped.ptr, self.nbytes, "host", False, mapped)
+            return _buffers.LocalBuffer(mapped.ptr + self.share.offset, self.nbytes, "host", False, mapped)
         return _buffers.LocalBuffer(int(mapped.handle), self.nbytes, "cuda", False, mapped, device=self.device)
 
     def memoryview(self) -> memoryview:
@@ -811,12 +837,12 @@ class View:
         if self.path == "ucx-rma":
             self._local()
         if self._target is not None:
-            lb = _buffers.resolve(self._target, writable=False)
+            lb = _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
             raw = (ctypes.c_char * self.nbytes).from_address(lb.address)
             raw._owner = (self._target, lb)  # the memory lives as long as the view of it
             view = memoryview(raw).cast("B")
         else:
-            view = self._mapped.memoryview()
+            view = self._mapped.memoryview()[self.share.offset:self.share.offset + self.nbytes]
         return view.toreadonly() if self.share.readonly else view
 
     def __buffer__(self, flags: int) -> memoryview:  # the buffer protocol on Python 3.12+
@@ -826,7 +852,8 @@ class View:
     def __array_interface__(self) -> dict:
         if self.device != "host":
             raise AttributeError("__array_interface__ (this view is CUDA memory; use __cuda_array_interface__)")
-        return {"shape": self.shape, "typestr": self.typestr, "data": self.memoryview(), "version": 3}
+        return {"shape": self.shape, "typestr": self.typestr, "data": self.memoryview(), "strides": self.strides,
+                "version": 3}
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -842,27 +869,33 @@ class View:
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
-        """A DLPack capsule of the mapped CUDA memory, with the share's dtype
-        and shape; read-only (DLPack 1.0) for a read-only share.  The mapping
-        stays until the consumer releases the tensor, even past :meth:`close`.
-        ``stream`` needs no ordering: gpushare leaves no work pending."""
+        """A DLPack capsule of the mapped memory (host or CUDA), with the
+        share's dtype and shape; read-only (DLPack 1.0) for a read-only share.
+        The mapping stays until the consumer releases the tensor, even past
+        :meth:`close`.  ``stream`` needs no ordering: gpushare leaves no work
+        pending.  ``numpy.from_dlpack(view)`` and ``torch.from_dlpack(view)``
+        take it without a copy."""
         from . import _dlpack
 
         self._check()
-        if self.device == "host" or self.path == "ucx-rma":
-            raise UnsupportedError("__dlpack__ is offered for mapped CUDA views; use numpy.asarray for host")
+        if self.path == "ucx-rma":
+            raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
         if copy is True:
             raise BufferError("a view exports its memory without copying (copy=True is not supported)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"the memory is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
         lb = self._local()
         if self._target is not None:
-            return self._target.__dlpack__(stream=stream, max_version=max_version)
-        pin = _Pin()
-        self._use.acquire()
-        weakref.finalize(pin, self._use.drop)
+            if self.device != "host":
+                return self._target.__dlpack__(stream=stream, max_version=max_version)
+            owner: Any = (self._target, lb)  # the exporter's own object keeps the memory
+        else:
+            owner = _Pin()
+            self._use.acquire()
+            weakref.finalize(owner, self._use.drop)
         return _dlpack.capsule(lb.address, self.shape, self.typestr, self.__dlpack_device__(),
-                               readonly=self.share.readonly, owner=pin, max_version=max_version)
+                               readonly=self.share.readonly, owner=owner, max_version=max_version,
+                               dl_dtype=self.share.dlpack_dtype, strides=self.strides)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         if self.device == "host":
@@ -876,6 +909,9 @@ class View:
 
     def _span(self, buf: Any, offset: Any, writable: bool, stream: Any = None) -> tuple[_buffers.LocalBuffer, int]:
         self._check()
+        if self.strides is not None:
+            raise UnsupportedError(f"this share is a strided array (strides {self.strides}): its bytes are not "
+                                   "its elements, so get/put refuse it; use numpy.asarray(view) or DLPack")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"offset must be a non-negative int, not {offset!r}")
         local = _buffers.resolve(buf, writable=writable, stream=stream)

@@ -11,6 +11,7 @@ being resized) alive until :meth:`LocalBuffer.release`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +67,15 @@ def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, items
     return True
 
 
+_TYPESTR = re.compile(r"[<>|=][a-zA-Z]([0-9]{1,4})(\[[0-9a-zA-Z]{1,8}\])?", re.ASCII)
+
+
 def _itemsize(typestr: str) -> int:
-    try:
-        return int(typestr[2:])
-    except (TypeError, ValueError, IndexError):
-        raise InvalidInputError(f"unrecognised typestr {typestr!r} in array interface") from None
+    """Bytes per item of an array-interface typestr (``"<f4"``, ``"<M8[s]"``)."""
+    m = _TYPESTR.fullmatch(typestr) if isinstance(typestr, str) else None
+    if m is None:
+        raise InvalidInputError(f"unrecognised typestr {typestr!r:.40} in array interface")
+    return int(m.group(1))
 
 
 def _from_cuda_array_interface(obj: Any, cai: dict) -> LocalBuffer:
@@ -130,16 +135,28 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
     """
     if isinstance(obj, LocalBuffer):
         return obj
+    cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
     if _is_cuda_core_buffer(obj):
         lb = _from_cuda_core_buffer(obj)
-    elif hasattr(obj, "__cuda_array_interface__"):
-        lb = _from_cuda_array_interface(obj, obj.__cuda_array_interface__)
+    elif cai is not None:
+        lb = _from_cuda_array_interface(obj, cai)
     else:
         lb = _from_host_or_dlpack(obj, writable, stream)
     if writable and lb.readonly:
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
     return lb
+
+
+def _cuda_array_interface(obj: Any) -> Any:
+    """``obj.__cuda_array_interface__``, or None.  One that raises (torch's,
+    for bfloat16) counts as none when ``obj`` also speaks DLPack."""
+    try:
+        return getattr(obj, "__cuda_array_interface__", None)
+    except Exception as exc:  # noqa: BLE001 - the producer's own error, whatever its type
+        if hasattr(obj, "__dlpack__"):
+            return None
+        raise InvalidInputError(f"{type(obj).__name__}.__cuda_array_interface__ failed: {exc}") from None
 
 
 def _from_array_interface(obj: Any, ai: dict, writable: bool) -> LocalBuffer:
@@ -173,7 +190,12 @@ class _Pin:
     __slots__ = ("_view", "address", "nbytes", "readonly")
 
     def __init__(self, obj: Any, writable: bool) -> None:
-        view = memoryview(obj)  # TypeError: no buffer protocol
+        try:
+            view = memoryview(obj)  # TypeError: no buffer protocol
+        except ValueError as exc:
+            # The exporter has a buffer but cannot say its format (NumPy's
+            # datetime64, for one): described by its array interface instead.
+            raise TypeError(str(exc)) from None
         if not view.c_contiguous:
             view.release()
             raise BufferError("the buffer is not C-contiguous")
@@ -219,10 +241,17 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
     if hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
         if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-            import numpy
+            # Read the tensor itself rather than through NumPy, which refuses
+            # dtypes only DLPack has (bfloat16, float8, complex32).
+            from . import _dlpack
 
-            arr = numpy.from_dlpack(obj)
-            return _from_host_or_dlpack(arr, writable)
+            try:
+                tensor = _dlpack.borrow(obj)
+            except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidInputError(f"{type(obj).__name__}.__dlpack__ failed: {exc}") from None
+            if not tensor.contiguous():
+                raise InvalidInputError(f"tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
+            return LocalBuffer(tensor.address, tensor.nbytes, "host", tensor.readonly, (obj, tensor))
         if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
             try:
                 from cuda.core.utils import StridedMemoryView
@@ -230,8 +259,11 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
                 raise ImportError(
                     "CUDA DLPack tensors need the 'cuda-core' package (pip install cuda-core)"
                 ) from None
-            view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
-            itemsize = view.dtype.itemsize
+            try:
+                view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
+                itemsize = view.dtype.itemsize
+            except Exception:  # noqa: BLE001 - a dtype cuda.core cannot name (bfloat16...): read the tensor
+                return _from_cuda_dlpack(obj, stream, int(dev_id))
             if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
                 raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
             nbytes = math.prod(view.shape) * itemsize
@@ -241,3 +273,17 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
         f"{type(obj).__name__} is not a buffer: expected the buffer protocol, "
         "__cuda_array_interface__, DLPack or a cuda.core Buffer"
     )
+
+
+def _from_cuda_dlpack(obj: Any, stream: int | None, device: int) -> LocalBuffer:
+    """A CUDA DLPack tensor read directly (its producer orders its work
+    before ``stream``, or none is asked for)."""
+    from . import _dlpack
+
+    try:
+        tensor = _dlpack.borrow(obj, stream=-1 if stream is None else stream)
+    except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidInputError(f"{type(obj).__name__}.__dlpack__ failed: {exc}") from None
+    if not tensor.contiguous():
+        raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
+    return LocalBuffer(tensor.address, tensor.nbytes, "cuda", tensor.readonly, (obj, tensor), device=device)

@@ -16,7 +16,7 @@ import ctypes
 import threading
 from typing import Any
 
-__all__ = ["capsule", "dtype_of", "live_count"]
+__all__ = ["capsule", "dtype_of", "live_count", "borrow", "Borrowed", "dlpack_only_name"]
 
 _READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
 _VERSION = (1, 0)
@@ -64,7 +64,7 @@ class _ManagedVersioned(ctypes.Structure):
 
 
 _lock = threading.Lock()
-#: address of a managed tensor -> (the struct, its shape array, the owner)
+#: address of a managed tensor -> (the struct, its shape and strides arrays, the owner)
 _live: dict[int, tuple[Any, Any, Any]] = {}
 
 
@@ -129,16 +129,21 @@ def live_count() -> int:
 
 
 def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[int, int], *,
-            readonly: bool, owner: Any, max_version: Any = None) -> Any:
+            readonly: bool, owner: Any, max_version: Any = None,
+            dl_dtype: tuple[int, int, int] | None = None, strides: tuple[int, ...] | None = None) -> Any:
     """A DLPack capsule of C-contiguous memory at ``address``.
 
     ``owner`` is kept alive until the consumer releases the tensor.  A
     consumer that asks for DLPack 1.0 (``max_version >= (1, 0)``) gets a
     versioned tensor, read-only when ``readonly``; an older consumer gets an
     unversioned one, refused (``BufferError``) for read-only memory, which it
-    could not know not to write.
+    could not know not to write.  ``dl_dtype`` (code, bits, lanes) gives a
+    dtype that has no typestr (bfloat16, float8, complex32); ``typestr`` then
+    only says its size.
     """
-    dtype = dtype_of(typestr)
+    dtype = dtype_of(typestr) if dl_dtype is None else (dl_dtype[0], dl_dtype[1])
+    if dtype is None and strides is not None:
+        raise BufferError(f"a strided array of {typestr} items has no DLPack form")
     if dtype is None:
         nbytes = int(typestr[2:]) if typestr[2:].isdigit() else 1
         for d in shape:
@@ -160,9 +165,15 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
     t.data = address
     t.device.device_type, t.device.device_id = device
     t.ndim = len(shape)
-    t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype[0], dtype[1], 1
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype[0], dtype[1], 1 if dl_dtype is None else dl_dtype[2]
     t.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
-    t.strides = ctypes.POINTER(ctypes.c_int64)()  # NULL: C-contiguous
+    steps = None
+    if strides is not None:  # DLPack counts strides in items, not bytes
+        itemsize = int(typestr[2:])
+        steps = (ctypes.c_int64 * max(len(strides), 1))(*(s // itemsize for s in strides))
+        t.strides = ctypes.cast(steps, ctypes.POINTER(ctypes.c_int64))
+    else:
+        t.strides = ctypes.POINTER(ctypes.c_int64)()  # NULL: C-contiguous
     t.byte_offset = 0
     managed.deleter = _deleter
     if versioned:
@@ -170,10 +181,90 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
         managed.flags = _READ_ONLY if readonly else 0
     at = ctypes.addressof(managed)
     with _lock:
-        _live[at] = (managed, dims, owner)
+        _live[at] = (managed, (dims, steps), owner)
     try:
         return _capsule_new(at, _NAME_VERSIONED if versioned else _NAME,
                             ctypes.cast(_destructor, ctypes.c_void_p))
     except BaseException:
         _delete(at)
         raise
+
+
+# ---------------------------------------------------------------- consuming
+
+#: DLPack dtype codes that name a type no array-interface typestr can.
+_DLPACK_ONLY = {(4, 16): "bfloat16", (5, 32): "complex32", (7, 8): "float8_e3m4", (8, 8): "float8_e4m3",
+                (9, 8): "float8_e4m3b11fnuz", (10, 8): "float8_e4m3fn", (11, 8): "float8_e4m3fnuz",
+                (12, 8): "float8_e5m2", (13, 8): "float8_e5m2fnuz", (14, 8): "float8_e8m0fnu"}
+
+
+def dlpack_only_name(code: int, bits: int, lanes: int = 1) -> str | None:
+    """The name of a DLPack-only dtype (bfloat16, float8, complex32), else ``None``."""
+    name = _DLPACK_ONLY.get((code, bits))
+    if name is None:
+        return None
+    return name if lanes == 1 else f"{name}x{lanes}"
+
+
+class Borrowed:
+    """A DLPack tensor read without being consumed: the capsule (kept here)
+    stays alive, and its producer frees the tensor when the capsule goes."""
+
+    __slots__ = ("address", "capsule", "device", "dtype", "readonly", "shape", "strides")
+
+    def __init__(self, capsule: Any, address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+                 dtype: tuple[int, int, int], device: tuple[int, int], readonly: bool) -> None:
+        self.capsule, self.address, self.shape, self.strides = capsule, address, shape, strides
+        self.dtype, self.device, self.readonly = dtype, device, readonly
+
+    @property
+    def itemsize(self) -> int:
+        code, bits, lanes = self.dtype
+        return max(1, bits * lanes // 8)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def contiguous(self) -> bool:
+        if self.strides is None:
+            return True
+        expected = 1
+        for dim, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
+            if dim != 1 and stride != expected:
+                return False
+            expected *= dim
+        return True
+
+
+def borrow(obj: Any, stream: Any = None) -> Borrowed:
+    """Read ``obj.__dlpack__()``'s tensor (data, shape, strides, dtype,
+    device) without consuming it.
+
+    Raises
+    ------
+    BufferError
+        ``obj`` gave something that is not a DLPack capsule, or one too large to trust.
+    """
+    try:
+        cap = obj.__dlpack__(stream=stream, max_version=_VERSION)
+    except TypeError:
+        cap = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
+    for name, struct in ((_NAME_VERSIONED, _ManagedVersioned), (_NAME, _Managed)):
+        if _capsule_valid(id(cap), name):
+            managed = struct.from_address(_capsule_pointer(id(cap), name))
+            break
+    else:
+        raise BufferError(f"{type(obj).__name__}.__dlpack__ did not return a DLPack capsule")
+    t = managed.dl_tensor
+    if not 0 <= t.ndim <= 64:
+        raise BufferError(f"DLPack tensor has {t.ndim} dimensions")
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    strides = tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides else None
+    readonly = bool(struct is _ManagedVersioned and managed.flags & _READ_ONLY)
+    return Borrowed(cap, int(t.data or 0) + int(t.byte_offset), shape, strides,
+                    (int(t.dtype.code), int(t.dtype.bits), int(t.dtype.lanes)),
+                    (int(t.device.device_type), int(t.device.device_id)), readonly)

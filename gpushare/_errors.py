@@ -27,6 +27,7 @@ __all__ = [
     "UCXInvalidError",
     "UCXUnsupportedError",
     "AccessDeniedError",
+    "ChannelBrokenError",
     "ExporterUnreachableError",
     "UnsupportedError",
     "CUDAError",
@@ -152,6 +153,11 @@ class AccessDeniedError(GpuShareError, PermissionError):
 class ExporterUnreachableError(GpuShareError, ConnectionError):
     """The exporting process cannot be reached to hand over its memory: it
     exited, closed the buffer, or did not answer in time."""
+
+
+class ChannelBrokenError(GpuShareError, ConnectionError):
+    """A channel cannot go on: its producer or one of its consumers died or
+    left without closing the channel.  The message names the process."""
 
 
 class UnsupportedError(GpuShareError):

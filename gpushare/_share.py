@@ -36,6 +36,7 @@ _ID = re.compile(r"^[0-9a-f]{32}$")
 _MAX_DIMS = 32
 _MAX_ADDRESSES = 16
 _MAX_NBYTES = 1 << 56
+_DTYPE_NAME = re.compile(r"^[A-Za-z0-9_\[\]<>|=,. ]{1,64}\Z")
 
 
 @functools.cache
@@ -77,8 +78,11 @@ class Share:
     """
 
     __slots__ = ("_fields_",)
-    _NAMES = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
-              "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
+    _BASE = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
+             "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
+    #: Fields a share may leave out (on the wire and in pickles), with their defaults.
+    _OPTIONAL = (("offset", 0), ("dtype_name", None), ("dlpack_dtype", None), ("strides", None))
+    _NAMES = _BASE + tuple(name for name, _ in _OPTIONAL)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Share objects are made by gpushare.export (and by Share.from_bytes or unpickling)")
@@ -86,10 +90,12 @@ class Share:
     @classmethod
     def _make(cls, *fields: Any) -> Share:
         """The validating constructor; every field is untrusted."""
+        if len(fields) == len(cls._BASE):
+            fields = tuple(fields) + tuple(default for _, default in cls._OPTIONAL)
         if len(fields) != len(cls._NAMES):
-            raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._NAMES)}")
+            raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._BASE)} or {len(cls._NAMES)}")
         (version, share_id, token, pid, node, control, nbytes, device, shape, typestr, offers,
-         lifetime, fabric, readonly) = fields
+         lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype, strides) = fields
         if version != SHARE_FORMAT or isinstance(version, bool):
             raise InvalidInputError(f"share format version {version!r:.20}; this gpushare reads {SHARE_FORMAT}")
         if not isinstance(share_id, str) or not _ID.match(share_id):
@@ -120,9 +126,20 @@ class Share:
             count *= _int(d, "shape entry", 0, _MAX_NBYTES)
         if not isinstance(typestr, str) or not re.match(r"^[<>|=][biufcV]\d{1,4}\Z", typestr):
             raise InvalidInputError(f"share typestr {typestr!r:.20} is not an array-interface type string")
-        if count * int(typestr[2:]) != nbytes:
+        itemsize = int(typestr[2:])
+        if strides is not None:
+            if not isinstance(strides, tuple) or len(strides) != len(shape) or not count:
+                raise InvalidInputError(f"share strides must be a tuple of {len(shape)} ints for shape {shape}")
+            for st in strides:
+                if _int(st, "stride", 0, _MAX_NBYTES) % itemsize:
+                    raise InvalidInputError(f"share stride {st} is not a whole number of {itemsize}-byte items")
+            span = itemsize + sum((d - 1) * st for d, st in zip(shape, strides, strict=True))
+            if span != nbytes:
+                raise InvalidInputError(f"share shape {shape} with strides {strides} spans {span} bytes; "
+                                        f"nbytes says {nbytes}")
+        elif count * itemsize != nbytes:
             raise InvalidInputError(
-                f"share shape {shape} of {typestr} is {count * int(typestr[2:])} bytes; nbytes says {nbytes}"
+                f"share shape {shape} of {typestr} is {count * itemsize} bytes; nbytes says {nbytes}"
             )
         if not isinstance(offers, tuple) or not offers:
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
@@ -138,6 +155,19 @@ class Share:
             _text(fabric, "fabric")
         if not isinstance(readonly, bool):
             raise InvalidInputError("share readonly must be a bool")
+        _int(offset, "offset", 0, _MAX_NBYTES - nbytes)
+        if offset and device != "host":
+            raise InvalidInputError("share offset is for host memory only")
+        if dtype_name is not None and (not isinstance(dtype_name, str) or not _DTYPE_NAME.match(dtype_name)):
+            raise InvalidInputError(f"share dtype_name {dtype_name!r:.40} is not a dtype name")
+        if dlpack_dtype is not None:
+            if not isinstance(dlpack_dtype, tuple) or len(dlpack_dtype) != 3:
+                raise InvalidInputError("share dlpack_dtype must be a (code, bits, lanes) tuple")
+            code, bits, lanes = (_int(v, f"dlpack_dtype {w}", lo, hi) for v, w, lo, hi in
+                                 zip(dlpack_dtype, ("code", "bits", "lanes"), (0, 1, 1), (255, 255, 65535),
+                                     strict=True))
+            if bits * lanes != 8 * int(typestr[2:]) or typestr[1] != "V":
+                raise InvalidInputError(f"share dlpack_dtype {dlpack_dtype} does not fit typestr {typestr}")
         self = object.__new__(cls)
         object.__setattr__(self, "_fields_", tuple(fields))
         return self
@@ -146,7 +176,11 @@ class Share:
         raise AttributeError("Share is immutable")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_share, self._fields_)
+        return (_rebuild_share, self._fields_[:len(self._BASE)] if self._plain() else self._fields_)
+
+    def _plain(self) -> bool:
+        """Whether every optional field has its default (the share reads as format 1 did)."""
+        return all(self._fields_[len(self._BASE) + i] == d for i, (_, d) in enumerate(self._OPTIONAL))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Share) and other._fields_ == self._fields_
@@ -225,6 +259,28 @@ class Share:
         """Importers may only read."""
         return self._fields_[13]
 
+    @property
+    def offset(self) -> int:
+        """Where the exported array starts in the buffer the host-fd path maps (0 for most shares)."""
+        return self._fields_[14]
+
+    @property
+    def dtype_name(self) -> str | None:
+        """The exporter's dtype where the typestr cannot say it (``"bfloat16"``,
+        ``"datetime64[s]"``), else ``None``."""
+        return self._fields_[15]
+
+    @property
+    def dlpack_dtype(self) -> tuple[int, int, int] | None:
+        """DLPack (code, bits, lanes) of a dtype only DLPack can name (bfloat16, float8, complex32), else ``None``."""
+        return self._fields_[16]
+
+    @property
+    def strides(self) -> tuple[int, ...] | None:
+        """Byte strides of a strided array (``nbytes`` is then the span it
+        covers), else ``None`` (C-contiguous)."""
+        return self._fields_[17]
+
     # -- wire form ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The share as bytes to send over any transport, trusted or not.
@@ -239,6 +295,9 @@ class Share:
         bytes
         """
         f = dict(zip(Share._NAMES, self._fields_, strict=True))
+        for name, default in Share._OPTIONAL:
+            if f[name] == default:
+                del f[name]  # readable by peers that predate the field
         f["token"] = self.token.hex()
         f["control"] = [list(a) for a in self.control]
         f["shape"] = list(self.shape)
@@ -280,8 +339,11 @@ class Share:
         if not isinstance(obj, dict) or obj.get("format") != _WIRE_TAG:
             raise InvalidInputError(f"share bytes do not start a {_WIRE_TAG!r} object")
         keys = set(obj) - {"format"}
-        if keys != set(Share._NAMES):
-            missing, extra = set(Share._NAMES) - keys, keys - set(Share._NAMES)
+        for name, default in Share._OPTIONAL:
+            if name not in keys:
+                obj[name] = default
+        if not set(Share._BASE) <= keys <= set(Share._NAMES):
+            missing, extra = set(Share._BASE) - keys, keys - set(Share._NAMES)
             raise InvalidInputError(
                 f"share bytes have the wrong fields (missing {sorted(missing)}, unexpected {sorted(extra)[:5]})"
             )
@@ -289,7 +351,7 @@ class Share:
         if not isinstance(token, str) or not re.match(r"^[0-9a-f]{64}\Z", token):
             raise InvalidInputError("share token must be 64 lowercase hex digits")
         obj["token"] = bytes.fromhex(token)
-        for name in ("shape", "offers"):
+        for name in ("shape", "offers", "dlpack_dtype", "strides"):
             if isinstance(obj[name], list):
                 obj[name] = tuple(obj[name])
         if isinstance(obj["control"], list):

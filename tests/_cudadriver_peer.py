@@ -399,6 +399,85 @@ def ucx_transports(state: dict) -> list[str]:
     return node_config()["TLS"].split(",")
 
 
+# -- typed arrays and channels ------------------------------------------------------
+
+
+def _described(arr: Any) -> dict:
+    cai = arr.__cuda_array_interface__
+    return {"type": type(arr).__name__, "shape": tuple(cai["shape"]), "typestr": cai["typestr"],
+            "readonly": bool(cai["data"][1]), "ptr": int(cai["data"][0]), "dlpack": arr.__dlpack_device__()}
+
+
+def new_array(state: dict, name: str, shape: tuple, dtype: str, zeros: bool, fill: int | None = None) -> dict:
+    """gs.zeros or gs.empty on device 0; optionally fill its bytes."""
+    import gpushare as gs
+
+    arr = (gs.zeros if zeros else gs.empty)(shape, dtype, device=0)
+    state["bufs"][name] = arr
+    if fill is not None:
+        with on_device(0):
+            ok(drv().cuMemsetD8(arr.ptr, fill, arr.nbytes), "cuMemsetD8")
+            ok(drv().cuCtxSynchronize(), "cuCtxSynchronize")
+    out = _described(arr)
+    out["bytes"] = read_ptr(arr.ptr, arr.nbytes)
+    return out
+
+
+def view_array(state: dict, name: str) -> dict:
+    """What CuPy sees of a view: __cuda_array_interface__, and DLPack's dtype."""
+    from gpushare import _dlpack
+
+    view = state["views"][name]
+    out = _described(view)
+    tensor = _dlpack.borrow(view, stream=-1)
+    out["dl"] = (tensor.dtype, tensor.shape, tensor.readonly)
+    out["bytes"] = read_ptr(out["ptr"], view.nbytes)
+    del tensor
+    return out
+
+
+def channel_create(state: dict, shape: tuple, dtype: str, slots: int) -> Any:
+    import gpushare as gs
+
+    state["producer"] = gs.channel(shape, dtype, consumers=1, slots=slots, device=0)
+    return state["producer"].handle
+
+
+def channel_send(state: dict, fill: int) -> int:
+    """Acquire a CUDA slot, fill it on the device, publish."""
+    producer = state["producer"]
+    arr = producer.acquire(timeout=30)
+    with on_device(0):
+        ok(drv().cuMemsetD8(arr.ptr, fill, arr.nbytes), "cuMemsetD8")
+        ok(drv().cuCtxSynchronize(), "cuCtxSynchronize")  # written before it is published
+    return producer.publish()
+
+
+def channel_close(state: dict) -> None:
+    state.pop("producer").close(timeout=30)
+
+
+def channel_join(state: dict, handle: Any) -> dict:
+    import gpushare as gs
+
+    state["consumer"] = gs.subscribe(handle, timeout=30)
+    return {"paths": state["consumer"].paths, "zero_copy": state["consumer"].zero_copy}
+
+
+def channel_wait(state: dict) -> dict:
+    import gpushare as gs
+
+    try:
+        with state["consumer"].wait(timeout=30) as step:
+            out = _described(step.array)
+            out["step"] = step.step
+            out["bytes"] = read_ptr(step.array.ptr, step.array.nbytes)
+            return out
+    except gs.ClosedError as exc:
+        state.pop("consumer").close()
+        return {"closed": str(exc)}
+
+
 HANDLERS = {name: fn for name, fn in globals().items()
             if callable(fn) and not name.startswith("_") and name not in ("drv", "ok", "setup", "read_ptr", "on_device", "in_thread")
             and getattr(fn, "__module__", None) == __name__}

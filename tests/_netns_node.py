@@ -118,6 +118,53 @@ def server_import() -> None:
                       "put_digest": hashlib.sha256(reply).hexdigest()}), flush=True)
 
 
+def channel_produce(die: bool) -> None:
+    """Publish steps for one consumer on another node; report how the loop ends
+    (or, with ``die``, exit without closing after the first step)."""
+    import os
+    import time
+
+    import gpushare as gs
+
+    producer = gs.channel(16, np.int64, consumers=1, slots=1)
+    print(json.dumps({"handle": producer.handle.to_bytes().hex()}), flush=True)
+    producer.send(np.arange(16), timeout=60)
+    if die:
+        sys.stdin.readline()  # the consumer has the step
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        producer.send(np.arange(16) + 1, timeout=None)  # waits for a release that never comes
+        print(json.dumps({"error": None}), flush=True)
+    except gs.GpuShareError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}),
+              flush=True)
+    producer.close(timeout=0)
+
+
+def channel_consume(die: bool) -> None:
+    """Join from another node, take step 0, then die (or wait for step 1)."""
+    import os
+    import time
+
+    import gpushare as gs
+
+    handle = gs.ChannelHandle.from_bytes(bytes.fromhex(json.loads(sys.stdin.readline())["handle"]))
+    ch = gs.subscribe(handle, timeout=60)
+    step = ch.wait(timeout=60)
+    print(json.dumps({"step": step.step, "first": int(step.array[1]), "paths": ch.paths}), flush=True)
+    if die:
+        os._exit(3)  # no leave: as if the node's process crashed
+    sys.stdin.readline()  # the producer is gone
+    t0 = time.monotonic()
+    try:
+        ch.wait(timeout=None)
+        print(json.dumps({"error": None}), flush=True)
+    except gs.GpuShareError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}),
+              flush=True)
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "export":
@@ -130,5 +177,8 @@ if __name__ == "__main__":
         server_export(int(sys.argv[2]))
     elif role == "server-import":
         server_import()
+    elif role.startswith("channel-"):
+        kind, fate = role.split("-")[1:]
+        (channel_produce if kind == "produce" else channel_consume)(fate == "dies")
     else:
         import_()

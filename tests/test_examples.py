@@ -60,3 +60,10 @@ def test_torch_distributed_exchange():
         assert f"rank {rank}: tensor of rank {owner} via ucx-rma: slot ok: True" in out
         for name in ("allocated", "tensor"):
             assert f"rank {rank}: {name}: all 2 slots filled: True" in out
+
+
+def test_training_exchange_one_producer_three_consumers():
+    out = run_example("training_exchange.py", "--steps", "100", "--consumers", "3")
+    assert "producer: 100 steps of (256, 1024) float32 on 3 consumers, start method spawn" in out
+    for k in range(3):
+        assert f"consumer {k}: 100 steps, 0 wrong, via host-fd, zero-copy True" in out

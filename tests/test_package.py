@@ -25,6 +25,13 @@ def test_all_is_exactly_the_public_names():
         getattr(gpushare, name)
 
 
+def test_channels_arrays_and_asyncio_are_public():
+    for name in ("channel", "subscribe", "Producer", "Consumer", "Step", "ChannelHandle", "ChannelBrokenError",
+                 "CudaArray", "empty", "zeros", "empty_like", "open_async"):
+        assert name in gpushare.__all__, name
+        assert getattr(gpushare, name).__module__ == "gpushare", name
+
+
 def test_star_import_shadows_no_builtin():
     import builtins
 

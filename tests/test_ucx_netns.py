@@ -107,3 +107,79 @@ def test_two_namespaces_example_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "over ucx-rma" in r.stdout and r.stdout.strip().endswith("ok")
     assert "node b sees node a's write: True" in r.stdout
+
+
+def test_training_exchange_across_namespaces(two_nodes):
+    """The channel example with its producer on node b, two consumers on node
+    a (notified over TCP, reading over ucx-rma) and one on node b (host-fd)."""
+    a, b, _ = two_nodes
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "training_exchange.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run(ns: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, example, "--steps", "30",
+                                 "--shape", "64,1024", *args], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    producer = run(b, "--role", "producer", "--consumers", "3")
+    consumers = []
+    try:
+        line = producer.stdout.readline()
+        assert line.startswith("handle: "), producer.stderr.read()
+        consumers = [run(ns, "--role", "consumer") for ns in (a, a, b)]
+        for c in consumers:  # all three must join before the first step
+            c.stdin.write(line)
+            c.stdin.close()
+        outs = [(c.stdout.read(), c.stderr.read()) for c in consumers]
+        for c in consumers:
+            c.wait(60)
+        for c, (out, err) in zip(consumers, outs, strict=True):
+            assert c.returncode == 0 and out.strip().endswith("ok"), out + err
+        reports = sorted(out.splitlines()[0] for out, _ in outs)
+        paths = sorted(r.split(" via ")[1] for r in reports)
+        assert paths == ["host-fd, zero-copy True", "ucx-rma, zero-copy False", "ucx-rma, zero-copy False"]
+        assert all(": 30 steps, 0 wrong, via " in r for r in reports)
+        out, err = producer.communicate(timeout=60)
+        assert producer.returncode == 0, err
+        assert "producer: 30 steps of (64, 1024) float32 on 3 consumers" in out and out.strip().endswith("ok")
+    finally:
+        for proc in [producer, *consumers]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.parametrize("who_dies", ["consumer", "producer"])
+def test_a_process_that_dies_on_the_other_node_breaks_the_channel_within_seconds(two_nodes, who_dies):
+    """Across nodes death shows as the end of the channel's TCP connection."""
+    a, b, _ = two_nodes
+    producer = _run_in(b, "channel-produce-" + ("dies" if who_dies == "producer" else "lives"))
+    consumer = None
+    try:
+        hello = producer.stdout.readline()
+        assert hello, producer.stderr.read()
+        consumer = _run_in(a, "channel-consume-" + ("dies" if who_dies == "consumer" else "lives"))
+        consumer.stdin.write(hello)
+        consumer.stdin.flush()
+        took = json.loads(consumer.stdout.readline() or "null")
+        assert took == {"step": 0, "first": 1, "paths": ["ucx-rma"]}, consumer.stderr.read()
+        if who_dies == "consumer":
+            assert consumer.wait(30) == 3
+            report = json.loads(producer.stdout.readline())
+            assert producer.wait(30) == 0
+        else:
+            producer.stdin.write("go\n")
+            producer.stdin.flush()
+            assert producer.wait(30) == 0
+            consumer.stdin.write("go\n")
+            consumer.stdin.flush()
+            report = json.loads(consumer.stdout.readline())
+            assert consumer.wait(30) == 0
+        assert report["error"] == "ChannelBrokenError", report
+        assert report["seconds"] < 5
+        assert f"{'consumer 0' if who_dies == 'consumer' else 'producer'} (pid" in report["message"]
+    finally:
+        for proc in (producer, consumer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

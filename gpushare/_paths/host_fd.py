@@ -30,7 +30,7 @@ from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, InvalidInputError, UnsupportedError
 from . import broker as _broker
 
-__all__ = ["HostBuffer", "allocate_host", "export_host", "import_host"]
+__all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "containing"]
 
 PAGE = mmap.PAGESIZE
 _MAP_NORESERVE = 0x4000  # Linux values; the mmap module does not export these
@@ -280,7 +280,25 @@ def allocate_host(size: int, *, chunk_size: int | None = None) -> HostBuffer:
         for fd in fds:
             os.close(fd)
         raise
-    return HostBuffer._create(region, ptr, size, tuple(sizes), fds)
+    buf = HostBuffer._create(region, ptr, size, tuple(sizes), fds)
+    _allocated.add(buf)
+    return buf
+
+
+#: Buffers this process allocated (and can export), to find the one an array lies in.
+_allocated: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+
+
+def containing(address: int, nbytes: int) -> tuple[HostBuffer, int] | None:
+    """The open buffer this process allocated that holds ``nbytes`` bytes at
+    ``address`` (an array over it, a slice, a typed view), and their offset in it."""
+    for buf in list(_allocated):
+        res = buf._res
+        if res.closed or not res.fds:
+            continue
+        if buf.ptr <= address and address + nbytes <= buf.ptr + buf.size:
+            return buf, address - buf.ptr
+    return None
 
 
 def export_host(buf: HostBuffer) -> PosixFdBufferDescriptor:
