@@ -717,6 +717,11 @@ constexpr unsigned kAmReply     = 0x4754;
 constexpr uint32_t kWireMagic   = 0x31585347;  // "GSX1"
 constexpr uint8_t kOpGet        = 1;
 constexpr uint8_t kOpPut        = 2;
+// Several gets in one request message: the header's requestId is the first
+// item's, its length the item count; the payload is that many BatchItems.
+// Each item is answered like a get of its own (requestId + index).
+constexpr uint8_t kOpGetBatch   = 3;
+constexpr uint64_t kMaxBatchItems = 4096;
 constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
 constexpr uint64_t kTrailerMin  = 64 * 1024;
@@ -731,6 +736,13 @@ struct RequestHeader {
   uint8_t op;
   uint8_t reserved[3];
   uint64_t requestId;
+  uint64_t regionId;
+  uint64_t key[2];
+  uint64_t offset;
+  uint64_t length;
+};
+
+struct BatchItem {
   uint64_t regionId;
   uint64_t key[2];
   uint64_t offset;
@@ -1084,6 +1096,63 @@ class Node {
     finishPut(static_cast<ServerOp*>(user), status);
   }
 
+  // Check one get and send its data (or the refusal) back.
+  void serveGet(ucp_ep_h ep, const RequestHeader& h, size_t dataLength)
+  {
+    std::shared_ptr<Region> region;
+    uint32_t verdict = admit(h, dataLength, region);
+    if (verdict != GS_OK) {
+      refused.fetch_add(1, std::memory_order_relaxed);
+      reply(ep, h.requestId, verdict, kReplyData);
+      return;
+    }
+    served.fetch_add(1, std::memory_order_relaxed);
+    void* at = reinterpret_cast<void*>(region->base + h.offset);
+    auto* op = new ServerOp{this, region, ep, h.requestId, h.length};
+    ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_FLAGS;
+    p.user_data   = op;
+    p.memory_type = region->memoryType;
+    p.memh        = region->ucpMemh;
+    p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+              (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+    p.cb.send     = &Node::onGetSent;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
+    if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
+  }
+
+  // A batch of gets in one message: each item is checked and answered alone.
+  void serveGetBatch(ucp_ep_h ep, const RequestHeader& h, const void* data, size_t length, uint64_t recvAttr)
+  {
+    const uint64_t count = h.length;
+    const bool valid = count >= 1 && count <= kMaxBatchItems && length == count * sizeof(BatchItem) &&
+                       !(recvAttr & UCP_AM_RECV_ATTR_FLAG_RNDV) && h.requestId <= UINT64_MAX - count;
+    if (!valid) {
+      // Refuse every item the header claims, as far as it can be trusted.
+      const uint64_t n = std::min<uint64_t>(count, kMaxBatchItems);
+      refused.fetch_add(1, std::memory_order_relaxed);
+      for (uint64_t i = 0; i < n && h.requestId <= UINT64_MAX - i; ++i)
+        reply(ep, h.requestId + i, GS_BAD_REQUEST, kReplyData);
+      return;
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      BatchItem item;
+      std::memcpy(&item, static_cast<const char*>(data) + i * sizeof(BatchItem), sizeof(item));
+      RequestHeader one{};
+      one.magic     = kWireMagic;
+      one.op        = kOpGet;
+      one.requestId = h.requestId + i;
+      one.regionId  = item.regionId;
+      one.key[0]    = item.key[0];
+      one.key[1]    = item.key[1];
+      one.offset    = item.offset;
+      one.length    = item.length;
+      serveGet(ep, one, 0);
+    }
+  }
+
   static ucs_status_t onRequest(void* arg, const void* header, size_t headerLength, void* data,
                                 size_t length, const ucp_am_recv_param_t* param)
   {
@@ -1098,9 +1167,17 @@ class Node {
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut)) {
+    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, GS_BAD_REQUEST, kReplyData);
+      return UCS_OK;
+    }
+    if (h.op == kOpGetBatch) {
+      n->serveGetBatch(ep, h, data, length, param->recv_attr);
+      return UCS_OK;
+    }
+    if (h.op == kOpGet) {
+      n->serveGet(ep, h, length);
       return UCS_OK;
     }
     std::shared_ptr<Region> region;
@@ -1119,16 +1196,6 @@ class Node {
     p.user_data   = op;
     p.memory_type = region->memoryType;
     p.memh        = region->ucpMemh;
-    if (h.op == kOpGet) {
-      ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags   = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
-                (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
-      p.cb.send = &Node::onGetSent;
-      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
-      if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
-      return UCS_OK;
-    }
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     if (!rndv && region->memoryType == UCS_MEMORY_TYPE_HOST) {
       std::memcpy(at, data, length);
@@ -1165,30 +1232,42 @@ class Node {
       b->completion->complete(b->status, b->gs);
   }
 
-  void partDone(uint64_t id, uint32_t parts, ucs_status_t status)
+  // partDone for ops first .. first + count - 1.
+  void partDone(uint64_t first, uint32_t parts, ucs_status_t status, uint64_t count = 1)
   {
     std::vector<std::shared_ptr<Batch>> done;
     {
       std::lock_guard<std::mutex> lock(opsMutex);
-      auto it = ops.find(id);
-      if (it == ops.end()) return;
-      ClientOp* op = it->second.get();
-      if (status != UCS_OK) {
-        op->fail(status, GS_OK);
-        // The request never reached the exporter: no answer will come.
-        if (parts & kWaitSend) parts |= kWaitReply | kWaitTrailer;
+      for (uint64_t id = first; id < first + count; ++id) {
+        auto it = ops.find(id);
+        if (it == ops.end()) continue;
+        ClientOp* op = it->second.get();
+        uint32_t these = parts;
+        if (status != UCS_OK) {
+          op->fail(status, GS_OK);
+          // The request never reached the exporter: no answer will come.
+          if (these & kWaitSend) these |= kWaitReply | kWaitTrailer;
+        }
+        clearParts(op, these, done);
       }
-      clearParts(op, parts, done);
     }
     runDone(done);
   }
 
+  // What a request message's send completion needs: the ops it carries, and
+  // the batch items it points UCX at until then.
+  struct SendCtx {
+    Node* node;
+    uint64_t first;
+    uint64_t count;
+    std::vector<BatchItem> items;
+  };
+
   static void onRequestSent(void* request, ucs_status_t status, void* user)
   {
     ucp_request_free(request);
-    // user_data is the op id; the node is reachable through the op table only.
-    auto* ctx = static_cast<std::pair<Node*, uint64_t>*>(user);
-    ctx->first->partDone(ctx->second, kWaitSend, status);
+    auto* ctx = static_cast<SendCtx*>(user);
+    ctx->node->partDone(ctx->first, kWaitSend, status, ctx->count);
     delete ctx;
   }
 
@@ -1328,35 +1407,52 @@ class Node {
     }
     nb::gil_scoped_release release;
     bool signal = false;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const Item& it = items[i];
-      RequestHeader h{};
-      h.magic     = kWireMagic;
-      h.op        = opCode;
-      h.requestId = ids[i];
-      h.regionId  = it.regionId;
-      h.key[0]    = it.key.lo;
-      h.key[1]    = it.key.hi;
-      h.offset    = it.offset;
-      h.length    = it.length;
-      auto* ctx   = new std::pair<Node*, uint64_t>(this, ids[i]);
+    auto send = [&](SendCtx* ctx, const RequestHeader& h, const void* payload, size_t count, int memoryType,
+                    uint32_t flags) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
-                (opCode == kOpPut && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY | flags;
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
-      p.memory_type = static_cast<ucs_memory_type_t>(it.memoryType);
-      const void* payload = opCode == kOpPut ? reinterpret_cast<const void*>(it.buffer) : nullptr;
-      size_t count        = opCode == kOpPut ? it.length : 0;
+      p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
       ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, &h, sizeof(h), payload, count, &p);
       if (UCS_PTR_IS_PTR(sp)) {
         signal = true;
       } else {
+        partDone(ctx->first, kWaitSend, UCS_PTR_STATUS(sp), ctx->count);
         delete ctx;
-        partDone(ids[i], kWaitSend, UCS_PTR_STATUS(sp));
       }
+    };
+    for (size_t i = 0; i < items.size();) {
+      RequestHeader h{};
+      h.magic     = kWireMagic;
+      h.requestId = ids[i];
+      if (opCode == kOpGet && items.size() - i > 1) {
+        // Gets travel as one request message per up to kMaxBatchItems items.
+        const size_t k = std::min<size_t>(items.size() - i, kMaxBatchItems);
+        auto* ctx      = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k)};
+        for (size_t j = 0; j < k; ++j) {
+          const Item& it   = items[i + j];
+          ctx->items[j]    = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+        }
+        h.op     = kOpGetBatch;
+        h.length = k;
+        send(ctx, h, ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER);
+        i += k;
+        continue;
+      }
+      const Item& it = items[i];
+      h.op           = opCode;
+      h.regionId     = it.regionId;
+      h.key[0]       = it.key.lo;
+      h.key[1]       = it.key.hi;
+      h.offset       = it.offset;
+      h.length       = it.length;
+      const bool put = opCode == kOpPut;
+      send(new SendCtx{this, ids[i], 1, {}}, h, put ? reinterpret_cast<const void*>(it.buffer) : nullptr,
+           put ? it.length : 0, it.memoryType, put && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      ++i;
     }
     // A request UCX queued is finished by the progress thread: wake it.
     if (signal && !polling) ucp_worker_signal(wh);

@@ -125,6 +125,14 @@ def test_threads_share_one_peer(exporter, peer, big):
     assert exporter.call("read", "big", 3 * MiB + 8192 * 49, data.size) == data.tobytes()
 
 
+def test_a_batch_larger_than_one_request_message(exporter, peer, big):
+    # Gets of a batch travel 4,096 to a request message; 5,000 take two.
+    out = np.zeros(5000 * 16, np.uint8)
+    items = [(*big, 16 * i, out[16 * i : 16 * (i + 1)]) for i in range(5000)]
+    peer.get_batch(items).wait(60)
+    assert out.tobytes() == exporter.call("read", "big", 0, out.size)
+
+
 def test_await_a_batch(exporter, peer, big):
     outs = [bytearray(4096) for _ in range(8)]
 
