@@ -1560,6 +1560,46 @@ class Peer : public Endpoint {
     return node->post(id, handle, kOpPut, v, "put");
   }
 
+  // Send arbitrary bytes as a request message (tests of the exporter's
+  // parsing); the request completes when UCX has sent them.
+  Request sendRaw(nb::bytes header, nb::bytes payload)
+  {
+    get();
+    auto c  = std::make_shared<Completion>();
+    Request r(c, "raw");
+    auto* h = new std::pair<std::string, std::string>(std::string(header.c_str(), header.size()),
+                                                      std::string(payload.c_str(), payload.size()));
+    struct Ctx {
+      std::shared_ptr<Completion> c;
+      std::pair<std::string, std::string>* bytes;
+    };
+    auto* ctx = new Ctx{c, h};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags        = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    p.user_data    = ctx;
+    p.cb.send      = [](void* request, ucs_status_t status, void* user) {
+      ucp_request_free(request);
+      auto* x = static_cast<Ctx*>(user);
+      x->c->complete(status);
+      delete x->bytes;
+      delete x;
+    };
+    ucs_status_ptr_t sp;
+    {
+      nb::gil_scoped_release release;
+      sp = ucp_am_send_nbx(handle, kAmRequest, h->first.data(), h->first.size(), h->second.data(),
+                           h->second.size(), &p);
+      if (UCS_PTR_IS_PTR(sp)) ucp_worker_signal(node->wh);
+    }
+    if (!UCS_PTR_IS_PTR(sp)) {
+      c->complete(UCS_PTR_STATUS(sp));
+      delete h;
+      delete ctx;
+    }
+    return r;
+  }
+
   void closePeer(double timeout)
   {
     Endpoint::close(timeout);
@@ -1669,5 +1709,6 @@ NB_MODULE(_native, m)
     .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a)
+    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a)
     .def("close", &Peer::closePeer, "timeout"_a);
 }

@@ -173,6 +173,48 @@ def test_forged_capabilities_are_refused_and_touch_nothing(exporter, peer, big):
     assert exporter.call("stats")["refused"] >= 2 * len(forged) + 1
 
 
+def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, big):
+    """Requests crafted byte by byte (as a hostile importer would) touch nothing."""
+    import struct
+
+    rid, key = big
+    k0, k1 = struct.unpack("<QQ", key)
+    magic = 0x31585347
+
+    def header(op=1, req=(1 << 62), region=rid, keys=(k0, k1), offset=0, length=8, m=magic):
+        return struct.pack("<IB3xQQQQQQ", m, op, req, region, *keys, offset, length)
+
+    def item(region=rid, keys=(k0, k1), offset=0, length=8):
+        return struct.pack("<QQQQQ", region, *keys, offset, length)
+
+    bad = [
+        (b"short", b""),                                     # a header of the wrong size
+        (header(m=0xDEADBEEF), b""),                          # wrong magic
+        (header(op=9), b""),                                  # unknown operation
+        (header(op=1), b"x" * 8),                             # a get carrying data
+        (header(op=2, length=100), b"x" * 10),                # a put whose data is not its length
+        (header(op=1, offset=(1 << 64) - 1, length=2), b""),  # a range that wraps around
+        (header(op=2, keys=(k0, k1 ^ 1), length=4), b"evil"), # a put with a forged key
+        (header(op=3, length=0), b""),                        # a batch of no items
+        (header(op=3, length=5000), item() * 5000),           # more items than one message may hold
+        (header(op=3, length=2), item()),                     # fewer items than the header says
+        (header(op=3, req=(1 << 64) - 1, length=2), item() * 2),  # request ids that wrap around
+        (header(op=3, length=1), item(keys=(0, 0))),          # a batch item with a forged key
+    ]
+    before = exporter.call("digest", "big")
+    refused = exporter.call("stats")["refused"]
+    for h, payload in bad:
+        peer._native._send_raw(h, payload).wait(30.0)
+    deadline = time.monotonic() + 30
+    while exporter.call("stats")["refused"] < refused + len(bad) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exporter.call("stats")["refused"] >= refused + len(bad)
+    assert exporter.call("digest", "big") == before
+    out = bytearray(64)
+    peer.get(rid, key, 0, out, timeout=30)
+    assert bytes(out) == exporter.call("read", "big", 0, 64)
+
+
 @pytest.mark.parametrize("offset,size", [(BIG, 1), (BIG - 1, 2), (BIG - 4096, 8192), (0, BIG + 1),
                                          ((1 << 64) - 16, 8)])
 def test_out_of_bounds_is_refused(exporter, peer, big, offset, size):
