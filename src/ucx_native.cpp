@@ -207,6 +207,10 @@ void releaseNoGil(std::shared_ptr<T>& p)
 // ---------------------------------------------------------------------------
 // Completion state shared by a request and the callback libucxx calls.
 
+// Set while this thread runs Python callbacks from inside UCX progress: a
+// wait() there must not progress the worker again (UCX forbids recursion).
+thread_local int insideCallbacks = 0;
+
 struct Completion {
   std::mutex mutex;
   std::condition_variable cv;
@@ -270,6 +274,7 @@ struct Completion {
         std::lock_guard<std::mutex> lock(mutex);
         todo.swap(callbacks);
       }
+      ++insideCallbacks;
       for (auto* cb : todo) {
         PyObject* r = PyObject_CallNoArgs(cb);
         if (r == nullptr)
@@ -278,6 +283,7 @@ struct Completion {
           Py_DECREF(r);
         Py_DECREF(cb);
       }
+      --insideCallbacks;
     }
     settle();
   }
@@ -320,7 +326,7 @@ class Request {
       std::chrono::microseconds(timeout < 0 ? kSpinMicros
                                             : std::min<int64_t>(kSpinMicros, static_cast<int64_t>(timeout * 1e6)));
     while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-      if (progressWorker != nullptr)
+      if (progressWorker != nullptr && insideCallbacks == 0)
         ucp_worker_progress(progressWorker);  // complete it here, not in a thread to be woken
       else
         std::this_thread::yield();

@@ -133,6 +133,20 @@ def test_a_batch_larger_than_one_request_message(exporter, peer, big):
     assert out.tobytes() == exporter.call("read", "big", 0, out.size)
 
 
+def test_a_callback_may_wait_on_its_own_request(peer, big):
+    # The callback runs inside UCX's progress (in the progress thread or a
+    # waiting one); waiting there returns at once and progresses nothing.
+    seen = []
+    out = np.zeros(BIG, np.uint8)
+    req = peer.get_async(*big, 0, out)
+    req.add_done_callback(lambda r: seen.append(r.exception(5)))
+    req.wait(60)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [None]
+
+
 def test_await_a_batch(exporter, peer, big):
     outs = [bytearray(4096) for _ in range(8)]
 
