@@ -199,8 +199,10 @@ class Region:
         """Revoke every key, fail what is in flight, unregister the memory (idempotent).
 
         Requests arriving afterwards fail with :class:`ClosedError` on the
-        importer, as do transfers that were under way (a large get's data
-        may have arrived, but the importer is told the region closed).  This
+        importer, as do transfers that were under way: puts, and gets of
+        64 KiB or more (their data may have arrived, but the importer is
+        told the region closed); a smaller get admitted before the close
+        has its data on the way and completes.  This
         waits at most ``timeout`` seconds for those transfers to let go of
         the memory; if one does not (a stuck peer), the memory stays
         registered and referenced until the process's node stops, and is
