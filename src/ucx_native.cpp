@@ -781,6 +781,12 @@ Key128 keyFromBytes(const std::string& b)
   return k;
 }
 
+// One importer's capability on a region, and its transfers under way.
+struct Grant {
+  std::atomic<int64_t> inflight{0};
+  bool revoked{false};  // under Node::tableMutex
+};
+
 struct Region {
   uint64_t id;
   uintptr_t base;
@@ -790,7 +796,7 @@ struct Region {
   std::shared_ptr<ucxx::MemoryHandle> memh;  // reset once closed and drained
   ucp_mem_h ucpMemh{nullptr};
   bool closed{false};                         // under Node::tableMutex
-  std::unordered_set<Key128, Key128Hash> keys;  // under Node::tableMutex
+  std::unordered_map<Key128, std::shared_ptr<Grant>, Key128Hash> keys;  // under Node::tableMutex
   std::atomic<int64_t> inflight{0};
 };
 
@@ -800,6 +806,7 @@ class Node;
 struct ServerOp {
   Node* node;
   std::shared_ptr<Region> region;
+  std::shared_ptr<Grant> grant;
   ucp_ep_h replyEp;
   uint64_t requestId;
   uint64_t length;
@@ -957,17 +964,33 @@ class Node {
   {
     Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
     std::unique_lock<std::shared_mutex> lock(tableMutex);
-    findOpen(id)->keys.insert(k);
+    findOpen(id)->keys.emplace(k, std::make_shared<Grant>());
   }
 
-  // Whether the key was granted.  Requests checked after this returns are refused.
-  bool revoke(uint64_t id, nb::bytes key)
+  // Refuse the key's requests from now on, then wait (at most `timeout` s)
+  // for its transfers under way.  0: it was not granted; 1: revoked, nothing
+  // of it in flight any more; 2: revoked, but transfers were still going.
+  int revoke(uint64_t id, nb::bytes key, double timeout)
   {
     Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
-    std::unique_lock<std::shared_mutex> lock(tableMutex);
-    auto it = regions.find(id);
-    if (it == regions.end() || it->second->closed) return false;
-    return it->second->keys.erase(k) > 0;
+    std::shared_ptr<Grant> g;
+    {
+      std::unique_lock<std::shared_mutex> lock(tableMutex);
+      auto it = regions.find(id);
+      if (it == regions.end() || it->second->closed) return 0;
+      auto kit = it->second->keys.find(k);
+      if (kit == it->second->keys.end()) return 0;
+      g = kit->second;
+      g->revoked = true;
+      it->second->keys.erase(kit);
+    }
+    nb::gil_scoped_release release;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+    while (g->inflight.load(std::memory_order_acquire) > 0) {
+      if (std::chrono::steady_clock::now() > deadline) return 2;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return 1;
   }
 
   // Refuse new requests, wait (at most `timeout` s) for transfers under way,
@@ -1017,19 +1040,23 @@ class Node {
   }
 
   // The access check: every request passes here before any byte moves.
-  uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out)
+  uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out,
+                 std::shared_ptr<Grant>& grantOut)
   {
     std::shared_lock<std::shared_mutex> lock(tableMutex);
     auto it = regions.find(h.regionId);
     if (it == regions.end()) return GS_ACCESS_DENIED;
     Region& r = *it->second;
-    if (r.keys.find(Key128{h.key[0], h.key[1]}) == r.keys.end()) return GS_ACCESS_DENIED;
+    auto kit  = r.keys.find(Key128{h.key[0], h.key[1]});
+    if (kit == r.keys.end()) return GS_ACCESS_DENIED;
     if (r.closed) return GS_CLOSED;
     if (h.op == kOpPut && r.readonly) return GS_READ_ONLY;
     if (h.length == 0 || h.offset > r.length || h.length > r.length - h.offset) return GS_OUT_OF_BOUNDS;
     if (h.op == kOpPut ? dataLength != h.length : dataLength != 0) return GS_BAD_REQUEST;
     r.inflight.fetch_add(1, std::memory_order_acq_rel);
-    out = it->second;
+    kit->second->inflight.fetch_add(1, std::memory_order_acq_rel);
+    out      = it->second;
+    grantOut = kit->second;
     return GS_OK;
   }
 
@@ -1052,25 +1079,34 @@ class Node {
            s != UCS_ERR_CANCELED && s != UCS_ERR_UNREACHABLE && s != UCS_ERR_NOT_CONNECTED;
   }
 
+  // What a transfer admitted earlier reports once its data has moved.
+  static uint32_t verdictAfter(ServerOp* op)
+  {
+    std::shared_lock<std::shared_mutex> lock(op->node->tableMutex);
+    if (op->region->closed) return GS_CLOSED;
+    if (op->grant->revoked) return GS_ACCESS_DENIED;
+    return GS_OK;
+  }
+
+  // The transfer lets go of the region's memory.
+  static void release(ServerOp* op)
+  {
+    op->grant->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    delete op;
+  }
+
   static void finishGet(ServerOp* op, ucs_status_t status)
   {
     Node* n = op->node;
     if (status == UCS_OK) {
-      if (op->length >= kTrailerMin) {
-        bool closed;
-        {
-          std::shared_lock<std::shared_mutex> lock(n->tableMutex);
-          closed = op->region->closed;
-        }
-        n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyTrailer);
-      }
+      if (op->length >= kTrailerMin) n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyTrailer);
     } else if (connectionAlive(status)) {
       // The importer may have the reply header already: a trailer (large
       // gets) or a second reply (ignored if so) carries the failure.
       n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData);
     }
-    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
-    delete op;
+    release(op);
   }
 
   static void onGetSent(void* request, ucs_status_t status, void* user)
@@ -1083,17 +1119,11 @@ class Node {
   {
     Node* n = op->node;
     if (status == UCS_OK) {
-      bool closed;
-      {
-        std::shared_lock<std::shared_mutex> lock(n->tableMutex);
-        closed = op->region->closed;
-      }
-      n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyData);
+      n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyData);
     } else if (connectionAlive(status)) {
       n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
     }
-    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
-    delete op;
+    release(op);
   }
 
   static void onPutReceived(void* request, ucs_status_t status, size_t, void* user)
@@ -1106,7 +1136,8 @@ class Node {
   void serveGet(ucp_ep_h ep, const RequestHeader& h, size_t dataLength)
   {
     std::shared_ptr<Region> region;
-    uint32_t verdict = admit(h, dataLength, region);
+    std::shared_ptr<Grant> grant;
+    uint32_t verdict = admit(h, dataLength, region, grant);
     if (verdict != GS_OK) {
       refused.fetch_add(1, std::memory_order_relaxed);
       reply(ep, h.requestId, verdict, kReplyData);
@@ -1114,7 +1145,7 @@ class Node {
     }
     served.fetch_add(1, std::memory_order_relaxed);
     void* at = reinterpret_cast<void*>(region->base + h.offset);
-    auto* op = new ServerOp{this, region, ep, h.requestId, h.length};
+    auto* op = new ServerOp{this, region, grant, ep, h.requestId, h.length};
     ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -1187,7 +1218,8 @@ class Node {
       return UCS_OK;
     }
     std::shared_ptr<Region> region;
-    uint32_t verdict = n->admit(h, length, region);
+    std::shared_ptr<Grant> grant;
+    uint32_t verdict = n->admit(h, length, region, grant);
     if (verdict != GS_OK) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, verdict, kReplyData);
@@ -1195,7 +1227,7 @@ class Node {
     }
     n->served.fetch_add(1, std::memory_order_relaxed);
     void* at = reinterpret_cast<void*>(region->base + h.offset);
-    auto* op = new ServerOp{n, region, ep, h.requestId, h.length};
+    auto* op = new ServerOp{n, region, grant, ep, h.requestId, h.length};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
@@ -1705,7 +1737,7 @@ NB_MODULE(_native, m)
     .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)
     .def("add_region", &Node::addRegion, "base"_a, "length"_a, "readonly"_a, "memory_type"_a)
     .def("grant", &Node::grant, "region_id"_a, "key"_a)
-    .def("revoke", &Node::revoke, "region_id"_a, "key"_a)
+    .def("revoke", &Node::revoke, "region_id"_a, "key"_a, "timeout"_a)
     .def("close_region", &Node::closeRegion, "region_id"_a, "timeout"_a)
     .def("stats", &Node::stats)
     .def("close", &Node::shutdown)

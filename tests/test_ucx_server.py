@@ -297,6 +297,23 @@ def test_revoking_one_importer_leaves_the_others(exporter, peer):
         other.close()
 
 
+def test_revoking_fails_the_transfers_in_flight_and_returns_after_them(exporter, peer):
+    exporter.call("add", "busy", BIG, 8)
+    mine, theirs = exporter.call("grant", "busy"), exporter.call("grant", "busy")
+    outs = [np.zeros(BIG, np.uint8) for _ in range(4)]
+    req = peer.get_batch([(*mine, 0, o) for o in outs])
+    # revoke returns once none of the key's transfers touches the region.
+    assert exporter.call("revoke", "busy", mine[1]) is True
+    with pytest.raises(gpushare.AccessDeniedError):
+        req.wait(60)
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.get(*mine, 0, bytearray(8), timeout=30)
+    out = bytearray(4096)
+    peer.get(*theirs, 0, out, timeout=30)
+    assert bytes(out) == exporter.call("read", "busy", 0, 4096)
+    exporter.call("close", "busy")
+
+
 def test_closing_a_region_fails_inflight_and_later_requests(exporter, peer):
     exporter.call("add", "doomed", BIG, 6)
     cap = exporter.call("grant", "doomed")
