@@ -210,6 +210,10 @@ void releaseNoGil(std::shared_ptr<T>& p)
 // ---------------------------------------------------------------------------
 // Completion state shared by a request and the callback libucxx calls.
 
+// Set while this thread runs Python callbacks from inside UCX progress: a
+// wait() there must not progress the worker again (UCX forbids recursion).
+thread_local int insideCallbacks = 0;
+
 struct Completion {
   std::mutex mutex;
   std::condition_variable cv;
@@ -273,6 +277,7 @@ struct Completion {
         std::lock_guard<std::mutex> lock(mutex);
         todo.swap(callbacks);
       }
+      ++insideCallbacks;
       for (auto* cb : todo) {
         PyObject* r = PyObject_CallNoArgs(cb);
         if (r == nullptr)
@@ -281,6 +286,7 @@ struct Completion {
           Py_DECREF(r);
         Py_DECREF(cb);
       }
+      --insideCallbacks;
     }
     settle();
   }
@@ -323,7 +329,7 @@ class Request {
       std::chrono::microseconds(timeout < 0 ? kSpinMicros
                                             : std::min<int64_t>(kSpinMicros, static_cast<int64_t>(timeout * 1e6)));
     while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-      if (progressWorker != nullptr)
+      if (progressWorker != nullptr && insideCallbacks == 0)
         ucp_worker_progress(progressWorker);  // complete it here, not in a thread to be woken
       else
         std::this_thread::yield();
@@ -748,6 +754,11 @@ constexpr unsigned kAmReply     = 0x4754;
 constexpr uint32_t kWireMagic   = 0x31585347;  // "GSX1"
 constexpr uint8_t kOpGet        = 1;
 constexpr uint8_t kOpPut        = 2;
+// Several gets in one request message: the header's requestId is the first
+// item's, its length the item count; the payload is that many BatchItems.
+// Each item is answered like a get of its own (requestId + index).
+constexpr uint8_t kOpGetBatch   = 3;
+constexpr uint64_t kMaxBatchItems = 4096;
 constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
 constexpr uint64_t kTrailerMin  = 64 * 1024;
@@ -762,6 +773,13 @@ struct RequestHeader {
   uint8_t op;
   uint8_t reserved[3];
   uint64_t requestId;
+  uint64_t regionId;
+  uint64_t key[2];
+  uint64_t offset;
+  uint64_t length;
+};
+
+struct BatchItem {
   uint64_t regionId;
   uint64_t key[2];
   uint64_t offset;
@@ -794,6 +812,12 @@ Key128 keyFromBytes(const std::string& b)
   return k;
 }
 
+// One importer's capability on a region, and its transfers under way.
+struct Grant {
+  std::atomic<int64_t> inflight{0};
+  bool revoked{false};  // under Node::tableMutex
+};
+
 struct Region {
   uint64_t id;
   uintptr_t base;
@@ -803,7 +827,7 @@ struct Region {
   std::shared_ptr<ucxx::MemoryHandle> memh;  // reset once closed and drained
   ucp_mem_h ucpMemh{nullptr};
   bool closed{false};                         // under Node::tableMutex
-  std::unordered_set<Key128, Key128Hash> keys;  // under Node::tableMutex
+  std::unordered_map<Key128, std::shared_ptr<Grant>, Key128Hash> keys;  // under Node::tableMutex
   std::atomic<int64_t> inflight{0};
 };
 
@@ -813,6 +837,7 @@ class Node;
 struct ServerOp {
   Node* node;
   std::shared_ptr<Region> region;
+  std::shared_ptr<Grant> grant;
   ucp_ep_h replyEp;
   uint64_t requestId;
   uint64_t length;
@@ -970,17 +995,33 @@ class Node {
   {
     Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
     std::unique_lock<std::shared_mutex> lock(tableMutex);
-    findOpen(id)->keys.insert(k);
+    findOpen(id)->keys.emplace(k, std::make_shared<Grant>());
   }
 
-  // Whether the key was granted.  Requests checked after this returns are refused.
-  bool revoke(uint64_t id, nb::bytes key)
+  // Refuse the key's requests from now on, then wait (at most `timeout` s)
+  // for its transfers under way.  0: it was not granted; 1: revoked, nothing
+  // of it in flight any more; 2: revoked, but transfers were still going.
+  int revoke(uint64_t id, nb::bytes key, double timeout)
   {
     Key128 k = keyFromBytes(std::string(key.c_str(), key.size()));
-    std::unique_lock<std::shared_mutex> lock(tableMutex);
-    auto it = regions.find(id);
-    if (it == regions.end() || it->second->closed) return false;
-    return it->second->keys.erase(k) > 0;
+    std::shared_ptr<Grant> g;
+    {
+      std::unique_lock<std::shared_mutex> lock(tableMutex);
+      auto it = regions.find(id);
+      if (it == regions.end() || it->second->closed) return 0;
+      auto kit = it->second->keys.find(k);
+      if (kit == it->second->keys.end()) return 0;
+      g = kit->second;
+      g->revoked = true;
+      it->second->keys.erase(kit);
+    }
+    nb::gil_scoped_release release;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+    while (g->inflight.load(std::memory_order_acquire) > 0) {
+      if (std::chrono::steady_clock::now() > deadline) return 2;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return 1;
   }
 
   // Refuse new requests, wait (at most `timeout` s) for transfers under way,
@@ -1030,19 +1071,23 @@ class Node {
   }
 
   // The access check: every request passes here before any byte moves.
-  uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out)
+  uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out,
+                 std::shared_ptr<Grant>& grantOut)
   {
     std::shared_lock<std::shared_mutex> lock(tableMutex);
     auto it = regions.find(h.regionId);
     if (it == regions.end()) return GS_ACCESS_DENIED;
     Region& r = *it->second;
-    if (r.keys.find(Key128{h.key[0], h.key[1]}) == r.keys.end()) return GS_ACCESS_DENIED;
+    auto kit  = r.keys.find(Key128{h.key[0], h.key[1]});
+    if (kit == r.keys.end()) return GS_ACCESS_DENIED;
     if (r.closed) return GS_CLOSED;
     if (h.op == kOpPut && r.readonly) return GS_READ_ONLY;
     if (h.length == 0 || h.offset > r.length || h.length > r.length - h.offset) return GS_OUT_OF_BOUNDS;
     if (h.op == kOpPut ? dataLength != h.length : dataLength != 0) return GS_BAD_REQUEST;
     r.inflight.fetch_add(1, std::memory_order_acq_rel);
-    out = it->second;
+    kit->second->inflight.fetch_add(1, std::memory_order_acq_rel);
+    out      = it->second;
+    grantOut = kit->second;
     return GS_OK;
   }
 
@@ -1065,25 +1110,34 @@ class Node {
            s != UCS_ERR_CANCELED && s != UCS_ERR_UNREACHABLE && s != UCS_ERR_NOT_CONNECTED;
   }
 
+  // What a transfer admitted earlier reports once its data has moved.
+  static uint32_t verdictAfter(ServerOp* op)
+  {
+    std::shared_lock<std::shared_mutex> lock(op->node->tableMutex);
+    if (op->region->closed) return GS_CLOSED;
+    if (op->grant->revoked) return GS_ACCESS_DENIED;
+    return GS_OK;
+  }
+
+  // The transfer lets go of the region's memory.
+  static void release(ServerOp* op)
+  {
+    op->grant->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    delete op;
+  }
+
   static void finishGet(ServerOp* op, ucs_status_t status)
   {
     Node* n = op->node;
     if (status == UCS_OK) {
-      if (op->length >= kTrailerMin) {
-        bool closed;
-        {
-          std::shared_lock<std::shared_mutex> lock(n->tableMutex);
-          closed = op->region->closed;
-        }
-        n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyTrailer);
-      }
+      if (op->length >= kTrailerMin) n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyTrailer);
     } else if (connectionAlive(status)) {
       // The importer may have the reply header already: a trailer (large
       // gets) or a second reply (ignored if so) carries the failure.
       n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData);
     }
-    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
-    delete op;
+    release(op);
   }
 
   static void onGetSent(void* request, ucs_status_t status, void* user)
@@ -1096,23 +1150,75 @@ class Node {
   {
     Node* n = op->node;
     if (status == UCS_OK) {
-      bool closed;
-      {
-        std::shared_lock<std::shared_mutex> lock(n->tableMutex);
-        closed = op->region->closed;
-      }
-      n->reply(op->replyEp, op->requestId, closed ? GS_CLOSED : GS_OK, kReplyData);
+      n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyData);
     } else if (connectionAlive(status)) {
       n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
     }
-    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
-    delete op;
+    release(op);
   }
 
   static void onPutReceived(void* request, ucs_status_t status, size_t, void* user)
   {
     ucp_request_free(request);
     finishPut(static_cast<ServerOp*>(user), status);
+  }
+
+  // Check one get and send its data (or the refusal) back.
+  void serveGet(ucp_ep_h ep, const RequestHeader& h, size_t dataLength)
+  {
+    std::shared_ptr<Region> region;
+    std::shared_ptr<Grant> grant;
+    uint32_t verdict = admit(h, dataLength, region, grant);
+    if (verdict != GS_OK) {
+      refused.fetch_add(1, std::memory_order_relaxed);
+      reply(ep, h.requestId, verdict, kReplyData);
+      return;
+    }
+    served.fetch_add(1, std::memory_order_relaxed);
+    void* at = reinterpret_cast<void*>(region->base + h.offset);
+    auto* op = new ServerOp{this, region, grant, ep, h.requestId, h.length};
+    ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_FLAGS;
+    p.user_data   = op;
+    p.memory_type = region->memoryType;
+    p.memh        = region->ucpMemh;
+    p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
+              (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+    p.cb.send     = &Node::onGetSent;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
+    if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
+  }
+
+  // A batch of gets in one message: each item is checked and answered alone.
+  void serveGetBatch(ucp_ep_h ep, const RequestHeader& h, const void* data, size_t length, uint64_t recvAttr)
+  {
+    const uint64_t count = h.length;
+    const bool valid = count >= 1 && count <= kMaxBatchItems && length == count * sizeof(BatchItem) &&
+                       !(recvAttr & UCP_AM_RECV_ATTR_FLAG_RNDV) && h.requestId <= UINT64_MAX - count;
+    if (!valid) {
+      // Refuse every item the header claims, as far as it can be trusted.
+      const uint64_t n = std::min<uint64_t>(count, kMaxBatchItems);
+      refused.fetch_add(1, std::memory_order_relaxed);
+      for (uint64_t i = 0; i < n && h.requestId <= UINT64_MAX - i; ++i)
+        reply(ep, h.requestId + i, GS_BAD_REQUEST, kReplyData);
+      return;
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      BatchItem item;
+      std::memcpy(&item, static_cast<const char*>(data) + i * sizeof(BatchItem), sizeof(item));
+      RequestHeader one{};
+      one.magic     = kWireMagic;
+      one.op        = kOpGet;
+      one.requestId = h.requestId + i;
+      one.regionId  = item.regionId;
+      one.key[0]    = item.key[0];
+      one.key[1]    = item.key[1];
+      one.offset    = item.offset;
+      one.length    = item.length;
+      serveGet(ep, one, 0);
+    }
   }
 
   static ucs_status_t onRequest(void* arg, const void* header, size_t headerLength, void* data,
@@ -1129,13 +1235,22 @@ class Node {
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut)) {
+    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, GS_BAD_REQUEST, kReplyData);
       return UCS_OK;
     }
+    if (h.op == kOpGetBatch) {
+      n->serveGetBatch(ep, h, data, length, param->recv_attr);
+      return UCS_OK;
+    }
+    if (h.op == kOpGet) {
+      n->serveGet(ep, h, length);
+      return UCS_OK;
+    }
     std::shared_ptr<Region> region;
-    uint32_t verdict = n->admit(h, length, region);
+    std::shared_ptr<Grant> grant;
+    uint32_t verdict = n->admit(h, length, region, grant);
     if (verdict != GS_OK) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, verdict, kReplyData);
@@ -1143,23 +1258,13 @@ class Node {
     }
     n->served.fetch_add(1, std::memory_order_relaxed);
     void* at = reinterpret_cast<void*>(region->base + h.offset);
-    auto* op = new ServerOp{n, region, ep, h.requestId, h.length};
+    auto* op = new ServerOp{n, region, grant, ep, h.requestId, h.length};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
     p.user_data   = op;
     p.memory_type = region->memoryType;
     p.memh        = region->ucpMemh;
-    if (h.op == kOpGet) {
-      ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags   = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
-                (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
-      p.cb.send = &Node::onGetSent;
-      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
-      if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
-      return UCS_OK;
-    }
     const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     if (!rndv && region->memoryType == UCS_MEMORY_TYPE_HOST) {
       std::memcpy(at, data, length);
@@ -1196,30 +1301,42 @@ class Node {
       b->completion->complete(b->status, b->gs);
   }
 
-  void partDone(uint64_t id, uint32_t parts, ucs_status_t status)
+  // partDone for ops first .. first + count - 1.
+  void partDone(uint64_t first, uint32_t parts, ucs_status_t status, uint64_t count = 1)
   {
     std::vector<std::shared_ptr<Batch>> done;
     {
       std::lock_guard<std::mutex> lock(opsMutex);
-      auto it = ops.find(id);
-      if (it == ops.end()) return;
-      ClientOp* op = it->second.get();
-      if (status != UCS_OK) {
-        op->fail(status, GS_OK);
-        // The request never reached the exporter: no answer will come.
-        if (parts & kWaitSend) parts |= kWaitReply | kWaitTrailer;
+      for (uint64_t id = first; id < first + count; ++id) {
+        auto it = ops.find(id);
+        if (it == ops.end()) continue;
+        ClientOp* op = it->second.get();
+        uint32_t these = parts;
+        if (status != UCS_OK) {
+          op->fail(status, GS_OK);
+          // The request never reached the exporter: no answer will come.
+          if (these & kWaitSend) these |= kWaitReply | kWaitTrailer;
+        }
+        clearParts(op, these, done);
       }
-      clearParts(op, parts, done);
     }
     runDone(done);
   }
 
+  // What a request message's send completion needs: the ops it carries, and
+  // the batch items it points UCX at until then.
+  struct SendCtx {
+    Node* node;
+    uint64_t first;
+    uint64_t count;
+    std::vector<BatchItem> items;
+  };
+
   static void onRequestSent(void* request, ucs_status_t status, void* user)
   {
     ucp_request_free(request);
-    // user_data is the op id; the node is reachable through the op table only.
-    auto* ctx = static_cast<std::pair<Node*, uint64_t>*>(user);
-    ctx->first->partDone(ctx->second, kWaitSend, status);
+    auto* ctx = static_cast<SendCtx*>(user);
+    ctx->node->partDone(ctx->first, kWaitSend, status, ctx->count);
     delete ctx;
   }
 
@@ -1359,35 +1476,52 @@ class Node {
     }
     nb::gil_scoped_release release;
     bool signal = false;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const Item& it = items[i];
-      RequestHeader h{};
-      h.magic     = kWireMagic;
-      h.op        = opCode;
-      h.requestId = ids[i];
-      h.regionId  = it.regionId;
-      h.key[0]    = it.key.lo;
-      h.key[1]    = it.key.hi;
-      h.offset    = it.offset;
-      h.length    = it.length;
-      auto* ctx   = new std::pair<Node*, uint64_t>(this, ids[i]);
+    auto send = [&](SendCtx* ctx, const RequestHeader& h, const void* payload, size_t count, int memoryType,
+                    uint32_t flags) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
-                (opCode == kOpPut && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY | flags;
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
-      p.memory_type = static_cast<ucs_memory_type_t>(it.memoryType);
-      const void* payload = opCode == kOpPut ? reinterpret_cast<const void*>(it.buffer) : nullptr;
-      size_t count        = opCode == kOpPut ? it.length : 0;
+      p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
       ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, &h, sizeof(h), payload, count, &p);
       if (UCS_PTR_IS_PTR(sp)) {
         signal = true;
       } else {
+        partDone(ctx->first, kWaitSend, UCS_PTR_STATUS(sp), ctx->count);
         delete ctx;
-        partDone(ids[i], kWaitSend, UCS_PTR_STATUS(sp));
       }
+    };
+    for (size_t i = 0; i < items.size();) {
+      RequestHeader h{};
+      h.magic     = kWireMagic;
+      h.requestId = ids[i];
+      if (opCode == kOpGet && items.size() - i > 1) {
+        // Gets travel as one request message per up to kMaxBatchItems items.
+        const size_t k = std::min<size_t>(items.size() - i, kMaxBatchItems);
+        auto* ctx      = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k)};
+        for (size_t j = 0; j < k; ++j) {
+          const Item& it   = items[i + j];
+          ctx->items[j]    = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+        }
+        h.op     = kOpGetBatch;
+        h.length = k;
+        send(ctx, h, ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER);
+        i += k;
+        continue;
+      }
+      const Item& it = items[i];
+      h.op           = opCode;
+      h.regionId     = it.regionId;
+      h.key[0]       = it.key.lo;
+      h.key[1]       = it.key.hi;
+      h.offset       = it.offset;
+      h.length       = it.length;
+      const bool put = opCode == kOpPut;
+      send(new SendCtx{this, ids[i], 1, {}}, h, put ? reinterpret_cast<const void*>(it.buffer) : nullptr,
+           put ? it.length : 0, it.memoryType, put && it.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      ++i;
     }
     // A request UCX queued is finished by the progress thread: wake it.
     if (signal && !polling) ucp_worker_signal(wh);
@@ -1495,6 +1629,46 @@ class Peer : public Endpoint {
     return node->post(id, handle, kOpPut, v, "put");
   }
 
+  // Send arbitrary bytes as a request message (tests of the exporter's
+  // parsing); the request completes when UCX has sent them.
+  Request sendRaw(nb::bytes header, nb::bytes payload)
+  {
+    get();
+    auto c  = std::make_shared<Completion>();
+    Request r(c, "raw");
+    auto* h = new std::pair<std::string, std::string>(std::string(header.c_str(), header.size()),
+                                                      std::string(payload.c_str(), payload.size()));
+    struct Ctx {
+      std::shared_ptr<Completion> c;
+      std::pair<std::string, std::string>* bytes;
+    };
+    auto* ctx = new Ctx{c, h};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags        = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    p.user_data    = ctx;
+    p.cb.send      = [](void* request, ucs_status_t status, void* user) {
+      ucp_request_free(request);
+      auto* x = static_cast<Ctx*>(user);
+      x->c->complete(status);
+      delete x->bytes;
+      delete x;
+    };
+    ucs_status_ptr_t sp;
+    {
+      nb::gil_scoped_release release;
+      sp = ucp_am_send_nbx(handle, kAmRequest, h->first.data(), h->first.size(), h->second.data(),
+                           h->second.size(), &p);
+      if (UCS_PTR_IS_PTR(sp)) ucp_worker_signal(node->wh);
+    }
+    if (!UCS_PTR_IS_PTR(sp)) {
+      c->complete(UCS_PTR_STATUS(sp));
+      delete h;
+      delete ctx;
+    }
+    return r;
+  }
+
   void closePeer(double timeout)
   {
     Endpoint::close(timeout);
@@ -1594,7 +1768,7 @@ NB_MODULE(_native, m)
     .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)
     .def("add_region", &Node::addRegion, "base"_a, "length"_a, "readonly"_a, "memory_type"_a)
     .def("grant", &Node::grant, "region_id"_a, "key"_a)
-    .def("revoke", &Node::revoke, "region_id"_a, "key"_a)
+    .def("revoke", &Node::revoke, "region_id"_a, "key"_a, "timeout"_a)
     .def("close_region", &Node::closeRegion, "region_id"_a, "timeout"_a)
     .def("stats", &Node::stats)
     .def("close", &Node::shutdown)
@@ -1604,5 +1778,6 @@ NB_MODULE(_native, m)
     .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a)
+    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a)
     .def("close", &Peer::closePeer, "timeout"_a);
 }

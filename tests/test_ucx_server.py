@@ -96,6 +96,68 @@ def test_a_wait_that_times_out_leaves_the_transfer_running(exporter, peer, big):
     assert bytes(small) == exporter.call("read", "big", 0, 16)
 
 
+def test_threads_share_one_peer(exporter, peer, big):
+    """Callers in several threads post and wait at once (each waiter drives
+    the worker for a while); every byte lands where it was meant to."""
+    import threading
+
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(50):
+                data = _pattern(1000 + 37 * i, 100 * t + i)
+                off = t * MiB + 8192 * i
+                peer.put(*big, off, data, timeout=60)
+                back = np.zeros_like(data)
+                peer.get_async(*big, off, back).wait(60)
+                assert np.array_equal(back, data)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    data = _pattern(1000 + 37 * 49, 100 * 3 + 49)
+    assert exporter.call("read", "big", 3 * MiB + 8192 * 49, data.size) == data.tobytes()
+
+
+def test_a_batch_larger_than_one_request_message(exporter, peer, big):
+    # Gets of a batch travel 4,096 to a request message; 5,000 take two.
+    out = np.zeros(5000 * 16, np.uint8)
+    items = [(*big, 16 * i, out[16 * i : 16 * (i + 1)]) for i in range(5000)]
+    peer.get_batch(items).wait(60)
+    assert out.tobytes() == exporter.call("read", "big", 0, out.size)
+
+
+def test_a_callback_may_wait_on_its_own_request(peer, big):
+    # The callback runs inside UCX's progress (in the progress thread or a
+    # waiting one); waiting there returns at once and progresses nothing.
+    seen = []
+    out = np.zeros(BIG, np.uint8)
+    req = peer.get_async(*big, 0, out)
+    req.add_done_callback(lambda r: seen.append(r.exception(5)))
+    req.wait(60)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [None]
+
+
+def test_await_a_batch(exporter, peer, big):
+    outs = [bytearray(4096) for _ in range(8)]
+
+    async def main():
+        req = peer.get_batch([(*big, i * 4096, o) for i, o in enumerate(outs)])
+        assert (await req) is req
+
+    asyncio.run(main())
+    assert b"".join(outs) == exporter.call("read", "big", 0, 8 * 4096)
+
+
 # -------------------------------------------------------------- access checks
 
 
@@ -123,6 +185,48 @@ def test_forged_capabilities_are_refused_and_touch_nothing(exporter, peer, big):
         peer.put(rid, bytes(16), 0, np.zeros(4 * MiB, np.uint8), timeout=30)
     assert exporter.call("digest", "big") == before
     assert exporter.call("stats")["refused"] >= 2 * len(forged) + 1
+
+
+def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, big):
+    """Requests crafted byte by byte (as a hostile importer would) touch nothing."""
+    import struct
+
+    rid, key = big
+    k0, k1 = struct.unpack("<QQ", key)
+    magic = 0x31585347
+
+    def header(op=1, req=(1 << 62), region=rid, keys=(k0, k1), offset=0, length=8, m=magic):
+        return struct.pack("<IB3xQQQQQQ", m, op, req, region, *keys, offset, length)
+
+    def item(region=rid, keys=(k0, k1), offset=0, length=8):
+        return struct.pack("<QQQQQ", region, *keys, offset, length)
+
+    bad = [
+        (b"short", b""),                                     # a header of the wrong size
+        (header(m=0xDEADBEEF), b""),                          # wrong magic
+        (header(op=9), b""),                                  # unknown operation
+        (header(op=1), b"x" * 8),                             # a get carrying data
+        (header(op=2, length=100), b"x" * 10),                # a put whose data is not its length
+        (header(op=1, offset=(1 << 64) - 1, length=2), b""),  # a range that wraps around
+        (header(op=2, keys=(k0, k1 ^ 1), length=4), b"evil"), # a put with a forged key
+        (header(op=3, length=0), b""),                        # a batch of no items
+        (header(op=3, length=5000), item() * 5000),           # more items than one message may hold
+        (header(op=3, length=2), item()),                     # fewer items than the header says
+        (header(op=3, req=(1 << 64) - 1, length=2), item() * 2),  # request ids that wrap around
+        (header(op=3, length=1), item(keys=(0, 0))),          # a batch item with a forged key
+    ]
+    before = exporter.call("digest", "big")
+    refused = exporter.call("stats")["refused"]
+    for h, payload in bad:
+        peer._native._send_raw(h, payload).wait(30.0)
+    deadline = time.monotonic() + 30
+    while exporter.call("stats")["refused"] < refused + len(bad) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exporter.call("stats")["refused"] >= refused + len(bad)
+    assert exporter.call("digest", "big") == before
+    out = bytearray(64)
+    peer.get(rid, key, 0, out, timeout=30)
+    assert bytes(out) == exporter.call("read", "big", 0, 64)
 
 
 @pytest.mark.parametrize("offset,size", [(BIG, 1), (BIG - 1, 2), (BIG - 4096, 8192), (0, BIG + 1),
@@ -191,6 +295,23 @@ def test_revoking_one_importer_leaves_the_others(exporter, peer):
         assert exporter.call("revoke", "shared", mine[1]) is False  # twice is harmless
     finally:
         other.close()
+
+
+def test_revoking_fails_the_transfers_in_flight_and_returns_after_them(exporter, peer):
+    exporter.call("add", "busy", BIG, 8)
+    mine, theirs = exporter.call("grant", "busy"), exporter.call("grant", "busy")
+    outs = [np.zeros(BIG, np.uint8) for _ in range(4)]
+    req = peer.get_batch([(*mine, 0, o) for o in outs])
+    # revoke returns once none of the key's transfers touches the region.
+    assert exporter.call("revoke", "busy", mine[1]) is True
+    with pytest.raises(gpushare.AccessDeniedError):
+        req.wait(60)
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.get(*mine, 0, bytearray(8), timeout=30)
+    out = bytearray(4096)
+    peer.get(*theirs, 0, out, timeout=30)
+    assert bytes(out) == exporter.call("read", "busy", 0, 4096)
+    exporter.call("close", "busy")
 
 
 def test_closing_a_region_fails_inflight_and_later_requests(exporter, peer):

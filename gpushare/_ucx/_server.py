@@ -197,25 +197,40 @@ class Region:
             n.grant(self._id, key)
         return self._id, key
 
-    def revoke(self, key: bytes) -> bool:
+    def revoke(self, key: bytes, timeout: float = _CLOSE_TIMEOUT) -> bool:
         """Withdraw one capability; the importer holding it loses access at once.
 
-        Every request checked after this returns is refused with
-        :class:`AccessDeniedError`; a transfer admitted before it finishes.
+        Every request with ``key`` checked after the key is withdrawn is
+        refused with :class:`AccessDeniedError`; transfers admitted before
+        are waited for (at most ``timeout`` seconds) and reported to the
+        importer as refused too (a put's bytes may have landed).  When this
+        returns, nothing of that importer's touches the region any more.
         Other keys of the region keep working.  Returns whether ``key`` was
         granted (revoking twice is harmless).
+
+        Raises
+        ------
+        WaitTimeoutError
+            If transfers admitted before did not finish within ``timeout``
+            (the key stays revoked; they are stuck in the network).
         """
         n = self._check_open()
         key = _check_key(key)
+        t = _check_timeout(timeout)
         with native_errors():
-            return n.revoke(self._id, key)
+            outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
+        if outcome == 2:
+            raise WaitTimeoutError(f"key revoked, but transfers admitted before did not finish within {timeout} s")
+        return outcome == 1
 
     def close(self, timeout: float = _CLOSE_TIMEOUT) -> None:
         """Revoke every key, fail what is in flight, unregister the memory (idempotent).
 
         Requests arriving afterwards fail with :class:`ClosedError` on the
-        importer, as do transfers that were under way (a large get's data
-        may have arrived, but the importer is told the region closed).  This
+        importer, as do transfers that were under way: puts, and gets of
+        64 KiB or more (their data may have arrived, but the importer is
+        told the region closed); a smaller get admitted before the close
+        has its data on the way and completes.  This
         waits at most ``timeout`` seconds for those transfers to let go of
         the memory; if one does not (a stuck peer), the memory stays
         registered and referenced until the process's node stops, and is
