@@ -11,14 +11,27 @@ put/get requests::
         ep.mem_put(data, rkey.base_address, rkey).wait()
         ep.flush().wait()                         # now the data is in the peer's memory
 
-UCX is loaded when the first :class:`Agent` is made.  See ``docs/ucx.md``.
+The region server is the other way, and the one the sharing API uses: one
+UCX worker per process serves every region, and the exporter checks every
+request (region, key, range, read-only) before any byte moves::
+
+    region = ucx.server().add_region(array)      # exporter
+    region_id, key = region.grant()              # one capability per importer
+    peer = ucx.client().connect(address)         # importer: one per exporter
+    peer.get(region_id, key, 0, out)
+    peer.get_batch([(region_id, key, off, buf) for off, buf in pieces]).wait()
+
+UCX is loaded when the first :class:`Agent`, server or client is made.  See
+``docs/ucx.md``.
 """
 
 from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, MemoryHandle, RemoteKey, Request
+from ._ucx._server import KEY_BYTES, Client, Peer, Region, Server, client, server
 
-__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version"]
+__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version",
+           "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]
 
-for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request):
+for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, Server, Region, Client, Peer):
     _cls.__module__ = __name__  # they present themselves as gpushare.ucx.X
 del _cls
 
