@@ -65,6 +65,69 @@ def share_export(size: int) -> None:
             break
 
 
+def guard_export() -> None:
+    """Three shares for one importer on another node: "a" and "b" writable,
+    "ro" read-only; revokes one when told, reports the bytes when asked."""
+    import gpushare as gs
+
+    arrays = {name: np.full(4096, i + 1, np.uint8) for i, name in enumerate(("a", "b", "ro"))}
+    shares = {name: gs.export(arr, lifetime="revoked", readonly=(name == "ro")) for name, arr in arrays.items()}
+    print(json.dumps({name: s.to_bytes().hex() for name, s in shares.items()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "revoke":
+            shares[cmd[1]].revoke()
+            print(json.dumps({"revoked": cmd[1]}), flush=True)
+        elif cmd[0] == "bytes":
+            print(json.dumps({n: sorted(set(a.tolist())) for n, a in arrays.items()}), flush=True)
+        elif cmd[0] == "exit":
+            break
+
+
+def guard_import() -> None:
+    """Open the three shares over ucx-rma and try, through the exporter's
+    own checks (the region server, not the view's good manners), every way
+    around them; report what the exporter allowed."""
+    import gpushare as gs
+
+    shares = {n: gs.Share.from_bytes(bytes.fromhex(h)) for n, h in json.loads(sys.stdin.readline()).items()}
+    views = {n: gs.open(s) for n, s in shares.items()}
+    result: dict = {"paths": {n: v.path for n, v in views.items()}}
+
+    def attempt(fn) -> str:
+        try:
+            fn()
+            return "allowed"
+        except gs.GpuShareError as exc:
+            return type(exc).__name__
+
+    peer = views["a"]._peer
+    (ra, ka), (rb, kb), (rr, kr) = views["a"]._region, views["b"]._region, views["ro"]._region
+    buf = np.zeros(16, np.uint8)
+    result["own"] = attempt(lambda: peer.get(ra, ka, 0, buf, 30))
+    result["other_region_with_own_key"] = attempt(lambda: peer.get(rb, ka, 0, buf, 30))
+    result["forged_key"] = attempt(lambda: peer.get(ra, bytes(16), 0, buf, 30))
+    result["past_the_end"] = attempt(lambda: peer.get(ra, ka, 4090, buf, 30))
+    result["put_read_only"] = attempt(lambda: peer.put(rr, kr, 0, np.full(16, 9, np.uint8), 30))
+    result["put_writable"] = attempt(lambda: peer.put(rb, kb, 0, np.full(16, 7, np.uint8), 30))
+    print(json.dumps({"step": "checked"}), flush=True)
+    sys.stdin.readline()  # the exporter revoked "a"
+    result["revoked_share"] = attempt(lambda: views["a"].get(buf))
+    result["revoked_key_directly"] = attempt(lambda: peer.get(ra, ka, 0, buf, 30))
+    result["other_share_after"] = attempt(lambda: views["b"].get(buf))
+    result["b_bytes"] = sorted(set(buf.tolist()))
+    views["b"].close()  # the lease ends: the exporter revokes its key on hearing so
+    import time
+
+    deadline = time.monotonic() + 10
+    while (outcome := attempt(lambda: peer.get(rb, kb, 0, buf, 30))) == "allowed" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    result["closed_views_key"] = outcome
+    print(json.dumps(result), flush=True)
+
+
 def share_open() -> None:
     import pickle
 
@@ -173,6 +236,10 @@ if __name__ == "__main__":
         share_export(int(sys.argv[2]))
     elif role == "share-open":
         share_open()
+    elif role == "guard-export":
+        guard_export()
+    elif role == "guard-import":
+        guard_import()
     elif role == "server-export":
         server_export(int(sys.argv[2]))
     elif role == "server-import":

@@ -101,6 +101,46 @@ def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
     assert "another node" in result["why"]
 
 
+def test_ucx_rma_isolation_revocation_and_read_only_hold_across_namespaces(two_nodes):
+    # Over TCP between two nodes the exporter itself checks every transfer:
+    # an importer reaches only what it opened, a revoked share stops at once
+    # while its other shares work, read-only refuses writes.
+    a, b, _ = two_nodes
+    exporter = _run_in(b, "guard-export")
+    importer = _run_in(a, "guard-import")
+    try:
+        importer.stdin.write(exporter.stdout.readline())
+        importer.stdin.flush()
+        assert json.loads(importer.stdout.readline()) == {"step": "checked"}
+        exporter.stdin.write("revoke a\n")
+        exporter.stdin.flush()
+        assert json.loads(exporter.stdout.readline()) == {"revoked": "a"}
+        importer.stdin.write("go\n")
+        importer.stdin.flush()
+        result = json.loads(importer.stdout.readline())
+        exporter.stdin.write("bytes\n")
+        exporter.stdin.flush()
+        seen = json.loads(exporter.stdout.readline())
+        exporter.stdin.write("exit\n")
+        exporter.stdin.flush()
+        assert importer.wait(60) == 0 and exporter.wait(60) == 0
+    finally:
+        for p in (importer, exporter):
+            if p.poll() is None:
+                p.kill()
+    assert result["paths"] == {"a": "ucx-rma", "b": "ucx-rma", "ro": "ucx-rma"}
+    assert result["own"] == "allowed" and result["put_writable"] == "allowed"
+    assert result["other_region_with_own_key"] == "AccessDeniedError"
+    assert result["forged_key"] == "AccessDeniedError"
+    assert result["past_the_end"] == "OutOfBoundsError"
+    assert result["put_read_only"] == "AccessDeniedError"
+    assert result["revoked_share"] == "ClosedError"
+    assert result["revoked_key_directly"] in ("ClosedError", "AccessDeniedError")
+    assert result["other_share_after"] == "allowed" and result["b_bytes"] == [7]
+    assert result["closed_views_key"] == "AccessDeniedError"
+    assert seen == {"a": [1], "b": [2, 7], "ro": [3]}  # nothing refused was written
+
+
 def test_two_namespaces_example_runs():
     example = Path(__file__).resolve().parent.parent / "examples" / "two_namespaces.py"
     r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=180)
