@@ -2,8 +2,8 @@
 node or another node, as fast as the hardware allows, safely.
 
 Importing this package starts no thread, sets no environment variable and
-touches no GPU.  UCX is loaded the first time :mod:`gpushare.ucx` creates an
-agent.
+touches no GPU.  UCX is loaded the first time it is needed: a ucx-rma open
+or export, or :mod:`gpushare.ucx` making an agent, server or client.
 """
 
 from __future__ import annotations

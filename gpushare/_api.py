@@ -563,9 +563,10 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
     reason = {
         "fabric": "same fabric clique with an IMEX channel",
         "posix-fd": "same node; CUDA virtual memory mapped through POSIX fds",
-        "cuda-ipc": "same node; CUDA memory not from gpushare.allocate, mapped through legacy CUDA IPC",
+        "cuda-ipc": ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
+                     "(a legacy handle, or its pool's export)"),
         "host-fd": "same node; host memory mapped through memfds",
-        "ucx-rma": "remote memory access through UCX; copies with get/put",
+        "ucx-rma": "remote memory access through UCX, each transfer checked by the exporter; copies with get/put",
     }[path]
     parts = [f"{path}: {reason}"] + failures + left_out
     return "; ".join(parts)
