@@ -204,9 +204,18 @@ def main() -> int:
                     if hasattr(obj, "close"):
                         obj.close()
                 del objs
+            # The importers have exited: their connections' ends reach the
+            # exporter's service thread a moment later.
+            t0 = time.monotonic()
             stats = _exporter.get_exporter().stats()
+            while (stats["exports"] or stats["leases"]) and time.monotonic() - t0 < 120:
+                time.sleep(0.1)
+                stats = _exporter.get_exporter().stats()
             if stats["exports"] or stats["leases"]:
-                notes.append(f"after {path} N={n}: exporter still holds {stats}")
+                notes.append(f"after {path} N={n}: exporter still holds {stats} after 120 s")
+            else:
+                notes.append(f"after {path} N={n}: every lease and export gone {time.monotonic() - t0:.1f} s "
+                             "after the importers exited")
     print()
     for path, ms in first_gets.items():
         notes.append(f"the first get in an importer over {path} took up to {ms:.0f} ms")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _control
-from ._errors import ClosedError, GpuShareError, InvalidInputError
+from ._errors import ClosedError, GpuShareError, InvalidInputError, WaitTimeoutError
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
 
@@ -167,9 +167,14 @@ class Export:
         return self.rma_address, region_id, key
 
     def rma_revoke(self, key: bytes) -> None:
-        """A ucx-rma lease ended: its key stops working at once (lock held)."""
+        """A ucx-rma lease ended: its key stops working at once (lock held).
+        Transfers admitted before finish on their own: the service thread
+        does not wait for them."""
         if self.region is not None:
-            self.region.revoke(key)
+            try:
+                self.region.revoke(key, timeout=0)
+            except (WaitTimeoutError, ClosedError):
+                pass  # revoked all the same (or the region went with the share)
 
 
 class Exporter:
