@@ -16,7 +16,7 @@ from ._errors import InvalidInputError
 __all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 
 MAX_DIMS = 32
-_TYPESTR = re.compile(r"^[<>|=][biufcV]\d{1,4}\Z")
+_TYPESTR = re.compile(r"^[<>|=][biufcV][0-9]{1,4}\Z")
 
 
 def portable_typestr(dtype: Any) -> str:

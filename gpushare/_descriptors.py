@@ -428,7 +428,10 @@ class PosixFdBufferDescriptor(_Frozen):
             )
         if not isinstance(address, str):
             raise InvalidInputError(f"broker address is {type(address).__name__}; expected a str")
-        encoded = address.encode("utf-8", "surrogateescape")
+        try:
+            encoded = address.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise InvalidInputError("broker address is not encodable text (a lone surrogate)") from None
         if not encoded or len(encoded) > _MAX_SUN_PATH:
             raise InvalidInputError(f"broker address is {len(encoded)} bytes; expected 1 to {_MAX_SUN_PATH}")
         if b"\0" in encoded[1:] or address == "\0":

@@ -32,7 +32,7 @@ SHARE_FORMAT = 1
 #: The most bytes :meth:`Share.from_bytes` reads.
 MAX_SHARE_BYTES = 1 << 16
 _WIRE_TAG = "gpushare.share"
-_ID = re.compile(r"^[0-9a-f]{32}$")
+_ID = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MAX_DIMS = 32
 _MAX_ADDRESSES = 16
 _MAX_NBYTES = 1 << 56
@@ -96,9 +96,9 @@ class Share:
             raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._BASE)} or {len(cls._NAMES)}")
         (version, share_id, token, pid, node, control, nbytes, device, shape, typestr, offers,
          lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype, strides) = fields
-        if version != SHARE_FORMAT or isinstance(version, bool):
+        if type(version) is not int or version != SHARE_FORMAT:
             raise InvalidInputError(f"share format version {version!r:.20}; this gpushare reads {SHARE_FORMAT}")
-        if not isinstance(share_id, str) or not _ID.match(share_id):
+        if not isinstance(share_id, str) or not _ID.fullmatch(share_id):
             raise InvalidInputError("share id must be 32 lowercase hex digits")
         if not isinstance(token, bytes) or len(token) != 32:
             got = len(token) if isinstance(token, bytes) else type(token).__name__
@@ -124,7 +124,7 @@ class Share:
         count = 1
         for d in shape:
             count *= _int(d, "shape entry", 0, _MAX_NBYTES)
-        if not isinstance(typestr, str) or not re.match(r"^[<>|=][biufcV]\d{1,4}\Z", typestr):
+        if not isinstance(typestr, str) or not re.fullmatch(r"[<>|=][biufcV][0-9]{1,4}", typestr):
             raise InvalidInputError(f"share typestr {typestr!r:.20} is not an array-interface type string")
         itemsize = int(typestr[2:])
         if strides is not None:
@@ -149,7 +149,7 @@ class Share:
         if len(set(offers)) != len(offers):
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
         if not isinstance(lifetime, str) or not (lifetime in LIFETIMES
-                                                 or re.match(r"^imports=[1-9]\d{0,8}\Z", lifetime)):
+                                                 or re.fullmatch(r"imports=[1-9][0-9]{0,8}", lifetime)):
             raise InvalidInputError(f"share lifetime {lifetime!r:.40} is not a known policy")
         if fabric is not None:
             _text(fabric, "fabric")

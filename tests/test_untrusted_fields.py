@@ -1,0 +1,42 @@
+"""Fields from another process that once slipped through the checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare._descriptors import PosixFdBufferDescriptor
+from gpushare._share import Share
+
+
+@pytest.fixture(scope="module")
+def fields():
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    yield dict(zip(Share._NAMES, share._fields_, strict=True))
+    share.revoke()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("share_id", "0" * 32 + "\n", "share id must be 32 lowercase hex digits"),  # $ took a trailing newline
+        ("typestr", "|u1\n", "not an array-interface type string"),
+        ("typestr", "|u\u0661", "not an array-interface type string"),  # an Arabic-Indic one: \\d took it
+        ("lifetime", "imports=1\n", "not a known policy"),
+        ("lifetime", "imports=\u0661", "not a known policy"),
+        ("version", 1.0, "share format version"),
+        ("version", True, "share format version"),
+        ("offers", (["host-fd"],), "share offers unknown path"),  # unhashable: a TypeError once
+    ],
+)
+def test_share_fields_that_once_passed_are_refused(fields, name, value, match):
+    bad = dict(fields, **{name: value})
+    with pytest.raises(gs.InvalidInputError, match=match):
+        Share._make(*bad.values())
+
+
+def test_a_surrogate_in_a_broker_address_is_refused():
+    good = ("\0gpushare-1-abc", 3, bytes(range(32)), 1234, "boot:host", "host", (4096,), 4096, None)
+    with pytest.raises(gs.InvalidInputError, match="lone surrogate"):
+        PosixFdBufferDescriptor._from_fields(1, "\0gs-\ud800", *good[1:])
