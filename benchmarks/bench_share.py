@@ -52,7 +52,7 @@ def _importer(conn, share, path: str, opens: int, repeat: int) -> None:
         refs.append(time.perf_counter() - t0)
     lane = ""
     if view.path == "ucx-rma":
-        lane = next((ln.strip("# ").strip() for ln in view._ep.transport_info().splitlines() if "lane[0]" in ln), "")
+        lane = next((ln.strip("# ").strip() for ln in view._peer.transport_info().splitlines() if "lane[0]" in ln), "")
     view.close()
     conn.send({"path": got, "open_ms": statistics.median(lat) * 1e3, "get_s": min(gets), "put_s": min(puts),
                "memcpy_s": min(refs), "lane": lane})
