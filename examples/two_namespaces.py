@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pickle
+import secrets
 import subprocess
 import sys
 
@@ -66,7 +67,10 @@ def main() -> int:
             ip("-n", ns, "addr", "add", addr, "dev", dev)
             ip("-n", ns, "link", "set", dev, "up")
             ip("-n", ns, "link", "set", "lo", "up")
+        # Two separate programs: they share a key to prove to each other who
+        # they are (a program and its multiprocessing children need none).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        env.setdefault("GPUSHARE_AUTHKEY", secrets.token_hex(16))
         me = os.path.abspath(__file__)
 
         def run_in(ns: str, role: str) -> subprocess.Popen:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ._aio import open_async
 from ._api import View, export, open
 from ._arrays import CudaArray, empty, empty_like, zeros
+from ._auth import set_authkey
 from ._batch import BatchRequest, get_batch, put_batch
 from ._capabilities import capabilities
 from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
@@ -101,6 +102,7 @@ __all__ = [
     "BatchRequest",
     "get_batch",
     "put_batch",
+    "set_authkey",
     "export",
 ]
 # ``open`` is public (``gpushare.open``) but left out of ``__all__`` so that
@@ -114,7 +116,7 @@ for _name in __all__:
     if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
         _obj.__module__ = __name__
 for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
-             open_async, empty, zeros, empty_like, get_batch, put_batch):
+             open_async, empty, zeros, empty_like, get_batch, put_batch, set_authkey):
     _obj.__module__ = __name__
 del _name, _obj
 

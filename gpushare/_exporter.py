@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _control
+from . import _auth, _control
 from ._errors import ClosedError, GpuShareError, InvalidInputError, WaitTimeoutError
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
@@ -330,6 +330,8 @@ class _Session(Protocol):
         self.ready = False
         self.finished = False  # refused for good: nothing more is read
         self.leases: dict[int, Export] = {}
+        #: (importer's nonce, ours) between our hello and the importer's proof.
+        self.nonces: tuple[bytes, bytes] | None = None
         #: The region-server key of each ucx-rma lease, revoked when it ends.
         self.keys: dict[int, bytes] = {}
         self._next_lease = 1
@@ -363,9 +365,22 @@ class _Session(Protocol):
 
     # -- messages ---------------------------------------------------------
     def authenticate(self, conn: Connection, hello: dict) -> str | None:
-        """Why this peer may not go on, or None.  The place for a challenge
-        (an HMAC on a shared key) before any other message is read."""
+        """Check the importer's nonce and make this side's challenge; the
+        importer's proof is checked on its next message (:meth:`_prove`),
+        before any other is read."""
+        nonce = hello.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != _auth.NONCE_BYTES:
+            return f"the hello carries no {_auth.NONCE_BYTES}-byte nonce"
+        self.nonces = (nonce, _auth.new_nonce())
         return None
+
+    def _prove(self, conn: Connection, msg: dict) -> bool:
+        """The importer's answer to the challenge: true when it holds the key."""
+        nonces, self.nonces = self.nonces, None
+        if nonces is None or msg.get("op") != "auth" or not _auth.verify("importer", *nonces, msg.get("proof")):
+            log.warning("refused a control connection from %s: it does not hold this process's key", _peer(conn))
+            return False
+        return True
 
     def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
         conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
@@ -378,6 +393,14 @@ class _Session(Protocol):
         rid = msg.get("id")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63):
             self._refuse(conn, None, "bad", "request ids are non-negative ints", close=True)
+            return
+        if self.nonces is not None:  # the hello was answered: only the importer's proof may come
+            if not self._prove(conn, msg):
+                self._refuse(conn, rid, "denied", "this process does not hold the exporter's key "
+                             "(GPUSHARE_AUTHKEY or gpushare.set_authkey on both sides)", close=True)
+                return
+            self.ready = True
+            self._idle(conn)
             return
         if not self.ready:
             if op != "hello":
@@ -392,9 +415,10 @@ class _Session(Protocol):
             if why is not None:
                 self._refuse(conn, rid, "denied", why, close=True)
                 return
-            self.ready = True
-            self._idle(conn)
-            conn.send(_control.pack({"op": "hello", "ok": True, "v": _control.PROTOCOL, "pid": os.getpid()}))
+            importer_nonce, exporter_nonce = self.nonces
+            conn.send(_control.pack({"op": "hello", "ok": True, "v": _control.PROTOCOL, "pid": os.getpid(),
+                                     "nonce": exporter_nonce,
+                                     "proof": _auth.proof("exporter", importer_nonce, exporter_nonce)}))
         elif op == "open":
             self._open(conn, rid, msg)
         elif op in ("close", "failed"):

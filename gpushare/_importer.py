@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from . import _control
-from ._errors import ExporterUnreachableError, GpuShareError, InvalidInputError
+from ._errors import AccessDeniedError, ExporterUnreachableError, GpuShareError, InvalidInputError
 from ._process import PerProcess
 from ._service import Connection, Protocol, Timer, get_service
 
@@ -307,6 +307,9 @@ def _connect_local(share: Any, deadline: float) -> socket.socket | None:
         sock.connect(control_address(share.exporter_pid, share.control[0][1]))
         check_peer(sock, share.exporter_pid, "the control socket")
         _hello(sock, share.exporter_pid, deadline)
+    except AccessDeniedError:
+        sock.close()
+        raise  # a refusal is final: no other way in is tried
     except (OSError, EOFError, GpuShareError):
         sock.close()
         return None
@@ -319,18 +322,32 @@ def _close_all(fds: list[int]) -> None:
 
 
 def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:
-    """Say hello on a new control connection and check the answer.  The
-    place for a mutual challenge before anything else is sent."""
+    """Say hello on a new control connection, and prove with the exporter,
+    each to the other, that both hold the key (:mod:`gpushare._auth`); nothing
+    else is sent, and nothing the exporter says is used, before that."""
+    from . import _auth
     from ._share import node_key
 
-    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key()})
+    mine = _auth.new_nonce()
+    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key(),
+                         "nonce": mine})
     reply = _control.recv(sock, _left(deadline))
+    if reply.get("code") == "denied":
+        raise AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {str(reply.get('message'))[:200]}")
     if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:
         why = reply.get("message") or f"it speaks control protocol {reply.get('v')!r:.20}, not {_control.PROTOCOL}"
         raise ExporterUnreachableError(
             f"exporter pid {exporter_pid} refused the connection: {str(why)[:200]} "
             "(run the same gpushare version on both sides)"
         )
+    theirs = reply.get("nonce")
+    if not isinstance(theirs, bytes) or len(theirs) != _auth.NONCE_BYTES or not _auth.verify(
+            "exporter", mine, theirs, reply.get("proof")):
+        raise AccessDeniedError(
+            f"the exporter (pid {exporter_pid}) could not prove it holds this process's key: it is another "
+            "program (set the same key on both sides: GPUSHARE_AUTHKEY or gpushare.set_authkey) or an impostor"
+        )
+    _control.send(sock, {"op": "auth", "proof": _auth.proof("importer", mine, theirs)})
 
 
 _instance: PerProcess[Importer] = PerProcess(Importer, stop=Importer.stop, abandon=Importer.abandon)

@@ -310,8 +310,16 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
         return struct.pack("!I", len(body)) + body
 
     request = frame({"op": "open", "id": 1, "share": "0" * 32, "token": {"b": "00" * 32}, "path": "ucx-rma"})
+    from gpushare import _auth, _control
+
     with socket.create_connection((host, port), timeout=10) as s:
-        s.sendall(frame({"op": "hello", "v": 2}))
+        # A peer that holds the key (this process's): past the challenge.
+        mine = _auth.new_nonce()
+        s.sendall(frame({"op": "hello", "v": _control.PROTOCOL, "nonce": {"b": mine.hex()}}))
+        n = struct.unpack("!I", s.recv(4))[0]
+        hello = _control.decode(json.loads(s.recv(n)))
+        assert _auth.verify("exporter", mine, hello["nonce"], hello["proof"])
+        s.sendall(frame({"op": "auth", "proof": {"b": _auth.proof("importer", mine, hello["nonce"]).hex()}}))
         dropped = False
         try:
             # Refusals fill both sockets' buffers (megabytes on loopback), then
@@ -395,7 +403,9 @@ def test_a_hello_of_another_protocol_is_refused_clearly():
         n = struct.unpack("!I", s.recv(4))[0]
         reply = json.loads(s.recv(n))
         assert s.recv(16) == b""  # and hung up
-    assert reply["ok"] is False and "control protocol 1; this exporter speaks 2" in reply["message"]
+    from gpushare import _control
+
+    assert reply["ok"] is False and f"control protocol 1; this exporter speaks {_control.PROTOCOL}" in reply["message"]
     share.revoke()
 
 

@@ -540,18 +540,22 @@ def test_control_channel_survives_garbage(payload):
                 pass  # the exporter answers or just closes; it must close
         except (ConnectionResetError, socket.timeout) as exc:
             assert not isinstance(exc, socket.timeout), "the exporter kept a garbage connection open"
-    # An open with a forged token after garbage: refused cleanly.
-    with socket.create_connection((host, port), timeout=5) as s:
-        def ask(message):
-            body = json.dumps(message).encode()
-            s.sendall(struct.pack("!I", len(body)) + body)
-            n = struct.unpack("!I", s.recv(4))[0]
-            return json.loads(s.recv(n))
+    # A peer that does not hold the key gets no further than the challenge,
+    # whatever it sends: refused cleanly.
+    def ask(s, message):
+        body = json.dumps(message).encode()
+        s.sendall(struct.pack("!I", len(body)) + body)
+        n = struct.unpack("!I", s.recv(4))[0]
+        return json.loads(s.recv(n))
 
-        assert ask({"op": "hello", "v": 2})["ok"] is True
-        reply = ask({"op": "open", "id": 7, "share": share.share_id, "token": {"b": "00" * 32},
-                     "path": "ucx-rma"})
-        assert reply["code"] == "denied" and reply["id"] == 7
+    with socket.create_connection((host, port), timeout=5) as s:
+        assert ask(s, {"op": "hello", "v": 3})["code"] == "denied"  # no nonce, no challenge
+    with socket.create_connection((host, port), timeout=5) as s:
+        hello = ask(s, {"op": "hello", "v": 3, "nonce": {"b": "00" * 16}})
+        assert hello["ok"] is True and "proof" in hello
+        reply = ask(s, {"op": "open", "id": 7, "share": share.share_id, "token": share.token.hex(),
+                        "path": "ucx-rma"})  # the right token, but no proof of the key first
+        assert reply["code"] == "denied" and "payload" not in reply
     # The exporter still serves real importers.
     child = Child(_share_peer.setup)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 pytestmark = pytest.mark.netns
 
 NODE = str(Path(__file__).with_name("_netns_node.py"))
+#: The programs on the two "nodes" are separate: they share this key.
+_AUTHKEY = secrets.token_hex(16)
 SIZE = 8 << 20
 
 
@@ -42,7 +45,7 @@ def two_nodes():
 
 
 def _run_in(ns: str, *args: str, **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), GPUSHARE_AUTHKEY=_AUTHKEY)
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, NODE, *args], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
@@ -154,7 +157,7 @@ def test_training_exchange_across_namespaces(two_nodes):
     a (notified over TCP, reading over ucx-rma) and one on node b (host-fd)."""
     a, b, _ = two_nodes
     example = str(Path(__file__).resolve().parent.parent / "examples" / "training_exchange.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), GPUSHARE_AUTHKEY=_AUTHKEY)
 
     def run(ns: str, *args: str) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, example, "--steps", "30",

@@ -1,0 +1,161 @@
+"""Peers prove they hold the same key before anything else crosses."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare import _auth, _control
+
+from _procs import Child
+import _share_peer
+
+
+def _program(tmp_path, name: str, code: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+EXPORTER = """
+    import json, sys
+    import numpy as np
+    import gpushare as gs
+    share = gs.export(np.arange(64, dtype=np.uint8), lifetime="revoked")
+    print(share.to_bytes().hex(), flush=True)
+    sys.stdin.readline()
+"""
+
+IMPORTER = """
+    import sys
+    import gpushare as gs
+    share = gs.Share.from_bytes(bytes.fromhex(sys.argv[1]))
+    try:
+        with gs.open(share, timeout=20) as view:
+            out = bytearray(4)
+            view.get(out)
+            print("opened", view.path, out.hex())
+    except gs.AccessDeniedError as exc:
+        print("denied", exc)
+"""
+
+
+@pytest.mark.parametrize("shared_key", [False, True])
+def test_separate_programs_need_a_shared_key(tmp_path, shared_key):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("GPUSHARE_AUTHKEY", None)
+    if shared_key:
+        env["GPUSHARE_AUTHKEY"] = "a key both programs were given"
+    exporter = subprocess.Popen([sys.executable, _program(tmp_path, "exp.py", EXPORTER)], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        share_hex = exporter.stdout.readline().strip()
+        r = subprocess.run([sys.executable, _program(tmp_path, "imp.py", IMPORTER), share_hex], env=env,
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        exporter.stdin.write("\n")
+        exporter.stdin.flush()
+        exporter.wait(30)
+    if shared_key:
+        words = r.stdout.split()
+        assert words[0] == "opened" and words[2] == "00010203", r.stdout + r.stderr
+    else:
+        assert r.stdout.startswith("denied"), r.stdout + r.stderr
+        assert "GPUSHARE_AUTHKEY" in r.stdout
+
+
+def test_a_program_and_its_multiprocessing_children_need_no_setup():
+    exporter = Child(_share_peer.setup)  # a spawned child: it inherited this process's authkey
+    try:
+        share = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
+        with gs.open(share) as view:
+            out = bytearray(4)
+            view.get(out)
+            assert out == bytes(range(4))
+    finally:
+        exporter.close()
+
+
+def _impostor(accepted: list) -> tuple[socket.socket, threading.Thread]:
+    """A listener that answers hello as an exporter would, without the key,
+    and records everything an importer sends it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            try:
+                while True:
+                    msg = _control.recv(conn, 10)
+                    accepted.append(msg)
+                    if msg.get("op") == "hello":
+                        _control.send(conn, {"op": "hello", "ok": True, "v": _control.PROTOCOL, "pid": 1,
+                                             "nonce": bytes(16), "proof": bytes(32)})
+            except (EOFError, OSError, gs.GpuShareError):
+                return
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return listener, t
+
+
+def test_an_importer_tells_an_impostor_nothing_and_refuses_it():
+    real = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    seen: list = []
+    listener, t = _impostor(seen)
+    try:
+        fields = dict(zip(gs.Share._NAMES, real._fields_, strict=True))
+        fields["control"] = (("127.0.0.1", listener.getsockname()[1]),)
+        fields["exporter_pid"] = 1  # not a process of this node's: TCP, no local socket
+        forged = gs.Share._make(*fields.values())
+        with pytest.raises(gs.AccessDeniedError, match="could not prove it holds"):
+            gs.open(forged, exclude=["same-process"], timeout=10)
+        t.join(10)
+        assert [m.get("op") for m in seen] == ["hello"]  # the share's token never left this process
+        assert all(real.token not in json.dumps(_control.encode(m)).encode() for m in seen)
+    finally:
+        listener.close()
+        real.revoke()
+
+
+def test_the_exporter_refuses_a_wrong_proof_before_reading_anything_else():
+    share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+    host, port = share.control[0]
+    with socket.create_connection((host, port), timeout=10) as s:
+        mine = _auth.new_nonce()
+        _control.send(s, {"op": "hello", "v": _control.PROTOCOL, "nonce": mine})
+        hello = _control.recv(s, 10)
+        assert _auth.verify("exporter", mine, hello["nonce"], hello["proof"])  # the exporter proved itself
+        _control.send(s, {"op": "auth", "proof": bytes(32)})
+        reply = _control.recv(s, 10)
+        assert reply["code"] == "denied" and "payload" not in reply
+        with pytest.raises((EOFError, ConnectionResetError)):
+            _control.send(s, {"op": "open", "id": 1, "share": share.share_id, "token": share.token,
+                              "path": "ucx-rma"})
+            _control.recv(s, 10)  # hung up: nothing more is read
+    share.revoke()
+
+
+def test_set_authkey_checks_its_key_and_goes_back_to_the_default():
+    with pytest.raises(gs.InvalidInputError, match="expected 16 to 4096"):
+        gs.set_authkey(b"short")
+    with pytest.raises(gs.InvalidInputError, match="bytes or str"):
+        gs.set_authkey(1234)
+    gs.set_authkey("a key of at least sixteen bytes")
+    try:
+        assert _auth.key() == b"a key of at least sixteen bytes"
+    finally:
+        gs.set_authkey(None)
+    import multiprocessing
+
+    assert _auth.key() == bytes(multiprocessing.current_process().authkey)
