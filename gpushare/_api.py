@@ -625,7 +625,8 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
         mapped = host_fd.import_host(desc, fds=given)
     else:
         cuda = share.device != "host"
-        mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda)
+        mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda,
+                                          timeout=timeout)
     return View._make(share, path, "", mapped=mapped)
 
 

@@ -125,7 +125,8 @@ def export_buffer(buffer: Any, *, handle_type: _types.HandleType | None = None) 
     )
 
 
-def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool = False) -> Any:
+def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool = False,
+                  timeout: float | None = None) -> Any:
     """Map the memory a descriptor names into this process.
 
     Mirrors cuda.core's ``Buffer.from_ipc_descriptor()``: the allocations are
@@ -145,6 +146,9 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         another ``CUDA_VISIBLE_DEVICES``); else device 0.  The calling
         thread's current context is left as it was.  Must be ``None`` for
         host memory.
+    timeout : float, optional
+        Seconds the exporter's broker may take to hand the file descriptors
+        over (5 by default).
     readonly : bool, default False
         Map device memory with read-only access (``posix-fd`` and ``fabric``;
         legacy CUDA IPC cannot and refuses).
@@ -178,10 +182,10 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         if descriptor.device == "host":
             if device is not None:
                 raise InvalidInputError(f"device={device} given for a descriptor of host memory")
-            return host_fd.import_host(descriptor)
+            return host_fd.import_host(descriptor, **_timeout(timeout))
         from ._paths import cuda_vmm
 
-        return cuda_vmm.import_device(descriptor, device, readonly=readonly)
+        return cuda_vmm.import_device(descriptor, device, readonly=readonly, **_timeout(timeout))
     if isinstance(descriptor, CudaIpcBufferDescriptor):
         from ._paths import cuda_ipc
 
@@ -189,7 +193,7 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
     if isinstance(descriptor, CudaPoolBufferDescriptor):
         from ._paths import cuda_ipc
 
-        return cuda_ipc.import_pool(descriptor, device, readonly=readonly)
+        return cuda_ipc.import_pool(descriptor, device, readonly=readonly, **_timeout(timeout))
     try:
         fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
     except InvalidInputError:
@@ -199,3 +203,11 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
     from ._paths import cuda_vmm
 
     return cuda_vmm.import_device(fabric, device, readonly=readonly)
+
+
+def _timeout(timeout: float | None) -> dict:
+    if timeout is None:
+        return {}
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidInputError("timeout must be a positive number of seconds")
+    return {"timeout": float(timeout)}

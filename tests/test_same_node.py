@@ -210,6 +210,10 @@ def test_silent_broker_times_out(no_leaks):
         with pytest.raises(gs.ExporterUnreachableError, match="no answer within 0.3 s"):
             host_fd.import_host(silent, timeout=0.3)
         assert time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        with pytest.raises(gs.ExporterUnreachableError, match="no answer within 0.4 s"):
+            gs.import_buffer(silent, timeout=0.4)  # the public call keeps its timeout too
+        assert time.monotonic() - t0 < 3
     finally:
         mute.close()
 

@@ -247,7 +247,8 @@ _imported_pools: dict[tuple[int, int], list[Any]] = {}
 _imported_ptrs: dict[tuple[int, int, bytes], list[Any]] = {}
 
 
-def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
+def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly: bool = False,
+                timeout: float | None = None) -> Any:
     """Import pool memory: the pool once per exporter's pool, each allocation
     once; a cuda.core ``Buffer`` of the described range whose close frees
     the imported pointer (and the pool with its last pointer)."""
@@ -268,7 +269,8 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
     with _cuda.on_device(ordinal), _lock:
         pool_entry = _imported_pools.get(pool_key)
         if pool_entry is None:
-            (fd,) = fetch_fds(desc.address, desc.export_id, desc.token, 1, pid=desc.pid)
+            (fd,) = fetch_fds(desc.address, desc.export_id, desc.token, 1, pid=desc.pid,
+                              **({} if timeout is None else {"timeout": timeout}))
             try:
                 pool = _cuda.check(drv.cuMemPoolImportFromShareableHandle(fd, t, 0),
                                    "cuMemPoolImportFromShareableHandle")

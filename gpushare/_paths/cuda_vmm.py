@@ -363,7 +363,7 @@ def export_device(buf: Any, handle_type: str | None) -> Any:
 
 
 def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,
-                  *, readonly: bool = False) -> Any:
+                  *, readonly: bool = False, timeout: float = _broker.TIMEOUT) -> Any:
     """Map the allocations ``desc`` names into one reservation; a cuda.core
     ``Buffer`` whose close unmaps and releases them.  The mapping is
     accessible to the chosen device only, read-only when ``readonly``."""
@@ -385,7 +385,8 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
         try:
             if isinstance(desc, PosixFdBufferDescriptor):
                 check_same_node(desc)
-                fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid)
+                fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid,
+                                        timeout=timeout)
                 try:
                     for i, fd in enumerate(fds):
                         handles.append(
