@@ -334,6 +334,14 @@ class _Session(Protocol):
         self.nonces: tuple[bytes, bytes] | None = None
         #: The region-server key of each ucx-rma lease, revoked when it ends.
         self.keys: dict[int, bytes] = {}
+        #: The path of each lease.
+        self.paths: dict[int, str] = {}
+        #: share id -> [export, unused retries, paths tried]: an open the
+        #: importer could not use ("failed") still counts, but buys one
+        #: uncounted open of a path this connection has not tried for that
+        #: share, so a fallback stays one import and a peer cannot collect a
+        #: payload per message (each path at most once per counted import).
+        self.retries: dict[str, list[Any]] = {}
         self._next_lease = 1
 
     # -- protocol ---------------------------------------------------------
@@ -354,6 +362,8 @@ class _Session(Protocol):
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         leases, self.leases = self.leases, {}
         keys, self.keys = self.keys, {}
+        retries, self.retries = self.retries, {}
+        self.paths = {}
         with self.exporter._lock:
             self.exporter._sessions.discard(self)
         for lease, export in leases.items():  # the importer closed, died or misbehaved
@@ -362,6 +372,10 @@ class _Session(Protocol):
                     export.rma_revoke(keys[lease])
                 export.opens -= 1
                 export.after_close()
+        for export, unused, _ in retries.values():
+            if unused:  # a failed open never retried: its policy applies now
+                with export.lock:
+                    export.after_close()
 
     # -- messages ---------------------------------------------------------
     def authenticate(self, conn: Connection, hello: dict) -> str | None:
@@ -453,9 +467,11 @@ class _Session(Protocol):
             self._refuse(conn, rid, "limit", f"this connection holds {MAX_LEASES} leases already")
             return
         path = msg.get("path")
+        entry = self.retries.get(export.share_id)
+        retry = entry is not None and entry[1] > 0 and path not in entry[2]
         with export.lock:
             refusal = export.refusal()
-            if refusal is not None:
+            if refusal is not None and not (retry and refusal == "exhausted"):
                 self._refuse(conn, rid, refusal, _REFUSALS[refusal])
                 return
             if path not in export.offers or path == "same-process":
@@ -485,9 +501,14 @@ class _Session(Protocol):
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             export.opens += 1
-            export.total += 1
+            if retry:
+                entry[1] -= 1
+                entry[2].add(path)
+            else:
+                export.total += 1
         self._next_lease += 1
         self.leases[lease] = export
+        self.paths[lease] = path
         if key is not None:
             self.keys[lease] = key
         conn.deadline = None
@@ -496,20 +517,27 @@ class _Session(Protocol):
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
-        offer (``failed``: the open does not count)."""
+        offer (``failed``: the open still counts, but the connection may open
+        one path of that share it has not tried without counting)."""
         export = self.leases.pop(lease, None) if isinstance(lease, int) else None
         if export is None:
             return  # already ended: nothing to do
         key = self.keys.pop(lease, None)
+        path = self.paths.pop(lease, None)
         log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
                  " (the importer could not use the path)" if failed else "")
         with export.lock:
             if key is not None:
                 export.rma_revoke(key)  # that importer's access to the memory ends now
             export.opens -= 1
+            waits = False
             if failed:
-                export.total -= 1
-            export.after_close()
+                entry = self.retries.setdefault(export.share_id, [export, 0, set()])
+                entry[1] += 1
+                entry[2].add(path)
+                waits = export.opens == 0  # the importer falls back next: the policy waits for that open
+            if not waits:
+                export.after_close()
         self._idle(conn)
 
 

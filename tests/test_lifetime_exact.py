@@ -1,0 +1,68 @@
+"""A share's import count cannot be moved by messages an importer chooses."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+
+import numpy as np
+
+import gpushare as gs
+from gpushare import _auth, _control
+
+from _procs import Child, wait_for
+import _share_peer
+
+
+def _session(share: gs.Share) -> socket.socket:
+    """A control connection that has passed the challenge (this process holds the key)."""
+    host, port = share.control[0]
+    s = socket.create_connection((host, port), timeout=10)
+    mine = _auth.new_nonce()
+    _control.send(s, {"op": "hello", "v": _control.PROTOCOL, "nonce": mine})
+    hello = _control.recv(s, 10)
+    _control.send(s, {"op": "auth", "proof": _auth.proof("importer", mine, hello["nonce"])})
+    return s
+
+
+def test_failed_messages_buy_at_most_one_payload_per_path():
+    buf = gs.allocate(4096, device="host")
+    share = gs.export(buf, lifetime=1)
+    assert share.offers == ("same-process", "host-fd", "ucx-rma")
+    payloads = []
+    with _session(share) as s:
+        for i, path in enumerate(["ucx-rma", "ucx-rma", "host-fd", "host-fd", "ucx-rma", "host-fd"]):
+            _control.send(s, {"op": "open", "id": i, "share": share.share_id, "token": share.token, "path": path})
+            reply = _control.recv(s, 10)
+            if reply.get("ok"):
+                payloads.append(path)
+                _control.send(s, {"op": "failed", "lease": reply["lease"]})  # "could not use it"
+            else:
+                assert reply["code"] == "exhausted", reply
+    assert payloads == ["ucx-rma", "host-fd"]  # one per path, not one per message
+    from gpushare._exporter import registered
+
+    assert wait_for(lambda: registered(share) is None)  # the connection's end applied the policy: retired
+    buf.close()
+
+
+def test_a_real_fallback_under_lifetime_1_is_one_import():
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "host", 4096, {"lifetime": 1})
+        exporter.call("stop_broker")  # host-fd cannot be served: the importer falls back
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gs.SlowPathWarning)
+            with gs.open(share) as view:
+                assert view.path == "ucx-rma" and "host-fd failed" in view.why
+                out = bytearray(4)
+                view.get(out)
+                assert out == bytes(range(4))
+        try:
+            gs.open(share)
+        except gs.ClosedError as exc:
+            assert "as many times as its lifetime allows" in str(exc) or "no longer available" in str(exc)
+        else:
+            raise AssertionError("a lifetime=1 share opened twice")
+    finally:
+        exporter.close()
