@@ -472,6 +472,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                 _raise_refusal(reply)
             try:
                 view = _import(share, path, reply.get("payload"), left(), fds, device)
+            except AccessDeniedError:
+                lease.failed()
+                raise  # a refusal is final: no other path may grant what this one refused
             except GpuShareError as exc:
                 failures.append(f"{path} failed: {exc}")
                 log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])

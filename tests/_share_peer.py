@@ -119,6 +119,10 @@ def _import_desc(state: dict, desc: Any) -> bytes:
         buf.close()
 
 
+def _views(state: dict) -> list[str]:
+    return sorted(state["views"])
+
+
 def _close(state: dict, name: str) -> None:
     state["views"].pop(name).close()
 
@@ -263,6 +267,7 @@ HANDLERS = {
     "open_close": _open_close,
     "import_close": _import_close,
     "close": _close,
+    "views": _views,
     "stop_broker": _stop_broker,
     "export": _export,
     "die": _die,

@@ -66,3 +66,39 @@ def test_a_real_fallback_under_lifetime_1_is_one_import():
             raise AssertionError("a lifetime=1 share opened twice")
     finally:
         exporter.close()
+
+
+def _setup_as_nobody() -> dict:
+    import encodings.idna  # noqa: F401 - what the process needs later, loaded while it may read it
+    import os
+
+    import gpushare._api
+    import gpushare._importer
+    import gpushare._paths.broker
+    import gpushare._paths.host_fd
+    import gpushare._ucx._server  # noqa: F401
+
+    gpushare._api._candidates  # noqa: B018
+    os.setgid(65534)
+    os.setuid(65534)
+    return _share_peer.setup()
+
+
+def test_a_refused_import_does_not_fall_back_to_a_path_that_grants_more():
+    import os
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run an importer as another user")
+    buf = gs.allocate(4096, device="host")
+    share = gs.export(buf, lifetime="revoked")
+    other = Child(_setup_as_nobody)  # same program (same key), another user id
+    try:
+        with pytest.raises(Exception, match="AccessDeniedError"):
+            other.call("open", "x", share)
+        assert other.call("views") == []  # and nothing else was opened in its place
+    finally:
+        other.close()
+        share.revoke()
+        buf.close()
