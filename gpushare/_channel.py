@@ -49,7 +49,7 @@ from ._errors import (
     InvalidInputError,
     WaitTimeoutError,
 )
-from ._share import Share, node_key
+from ._share import Share, node_key, strict_json
 
 __all__ = ["ChannelHandle", "Producer", "Consumer", "Step", "channel", "subscribe"]
 
@@ -376,15 +376,7 @@ class ChannelHandle:
         InvalidInputError
             Anything but a well-formed handle of a format this gpushare reads.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidInputError(f"ChannelHandle.from_bytes expects bytes, not {type(data).__name__}")
-        data = bytes(data)
-        if len(data) > _MAX_HANDLE_BYTES:
-            raise InvalidInputError(f"channel handle is {len(data)} bytes; at most {_MAX_HANDLE_BYTES}")
-        try:
-            obj = json.loads(data.decode("ascii"), parse_constant=_refuse, parse_float=_refuse)
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise InvalidInputError("channel handle bytes are not ASCII JSON from ChannelHandle.to_bytes") from None
+        obj = strict_json(data, _MAX_HANDLE_BYTES, "ChannelHandle.from_bytes", "channel handle")
         if not isinstance(obj, dict) or obj.get("format") != _WIRE_TAG or set(obj) - {"format"} != set(cls._NAMES):
             raise InvalidInputError("channel handle bytes do not hold the fields of a channel handle")
         token, shares = obj["token"], obj["shares"]
@@ -404,10 +396,6 @@ class ChannelHandle:
     def __repr__(self) -> str:
         return (f"<gpushare.ChannelHandle {self.channel_id[:8]} {self.slots} slots of {self.shape} "
                 f"{self.typestr} on {self.device}, {self.consumers} consumers, producer pid {self.producer_pid}>")
-
-
-def _refuse(text: str) -> Any:
-    raise ValueError(f"{text} is not allowed")
 
 
 def _rebuild_handle(*fields: Any) -> ChannelHandle:

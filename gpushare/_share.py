@@ -326,16 +326,7 @@ class Share:
         InvalidInputError
             Anything but a well-formed share of a format this gpushare reads.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidInputError(f"Share.from_bytes expects bytes, not {type(data).__name__}")
-        data = bytes(data)
-        if len(data) > MAX_SHARE_BYTES:
-            raise InvalidInputError(f"share is {len(data)} bytes; at most {MAX_SHARE_BYTES}")
-        try:
-            obj = json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                             parse_float=_no_float)
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise InvalidInputError("share bytes are not a share from Share.to_bytes (not ASCII JSON)") from None
+        obj = strict_json(data, MAX_SHARE_BYTES, "Share.from_bytes", "share")
         if not isinstance(obj, dict) or obj.get("format") != _WIRE_TAG:
             raise InvalidInputError(f"share bytes do not start a {_WIRE_TAG!r} object")
         keys = set(obj) - {"format"}
@@ -372,6 +363,21 @@ class Share:
     def __repr__(self) -> str:
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
+
+
+def strict_json(data: Any, limit: int, caller: str, what: str) -> Any:
+    """Bytes from another process read as bounded, strict JSON: ASCII, at most
+    ``limit`` bytes, no duplicate keys, floats or constants (``NaN``)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{caller} expects bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > limit:
+        raise InvalidInputError(f"{what} is {len(data)} bytes; at most {limit}")
+    try:
+        return json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_float=_no_float)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InvalidInputError(f"{what} bytes are not ASCII JSON from {caller.split('.')[0]}.to_bytes") from None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
