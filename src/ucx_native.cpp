@@ -207,6 +207,18 @@ void releaseNoGil(std::shared_ptr<T>& p)
   p.reset();
 }
 
+// Stop a worker's progress thread, joining it without the GIL (it may be
+// waiting for the GIL to run a callback) unless Python is going away.
+void stopProgressNoGil(const std::shared_ptr<ucxx::Worker>& w)
+{
+  if (pyFinalizing() || !PyGILState_Check()) {
+    w->stopProgressThread();
+    return;
+  }
+  nb::gil_scoped_release release;
+  w->stopProgressThread();
+}
+
 // ---------------------------------------------------------------------------
 // Completion state shared by a request and the callback libucxx calls.
 
@@ -681,13 +693,7 @@ class Agent {
   void shutdown()
   {
     if (!worker) return;
-    auto w = worker;
-    if (pyFinalizing() || !PyGILState_Check()) {
-      w->stopProgressThread();
-    } else {
-      nb::gil_scoped_release release;
-      w->stopProgressThread();
-    }
+    stopProgressNoGil(worker);
     releaseNoGil(worker);
     releaseNoGil(context);
   }
@@ -1531,13 +1537,7 @@ class Node {
   void shutdown()
   {
     if (!worker) return;
-    auto w = worker;
-    if (pyFinalizing() || !PyGILState_Check()) {
-      w->stopProgressThread();
-    } else {
-      nb::gil_scoped_release release;
-      w->stopProgressThread();
-    }
+    stopProgressNoGil(worker);
     {
       std::unique_lock<std::shared_mutex> lock(tableMutex);
       for (auto& [id, r] : regions) {

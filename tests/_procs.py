@@ -106,3 +106,13 @@ def wait_for(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def idle_cpu_seconds(seconds: float) -> float:
+    """CPU seconds this whole process (every thread) used while it slept ``seconds``."""
+    import os
+
+    t0 = os.times()
+    time.sleep(seconds)
+    t1 = os.times()
+    return (t1.user - t0.user) + (t1.system - t0.system)

@@ -77,13 +77,9 @@ def _die(state: dict) -> None:
 
 
 def _idle_cpu(state: dict, seconds: float) -> float:
-    """CPU seconds the whole process used while idle."""
-    import time
+    from _procs import idle_cpu_seconds
 
-    t0 = os.times()
-    time.sleep(seconds)
-    t1 = os.times()
-    return (t1.user - t0.user) + (t1.system - t0.system)
+    return idle_cpu_seconds(seconds)
 
 
 HANDLERS: dict[str, Any] = {

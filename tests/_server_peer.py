@@ -73,11 +73,9 @@ def _stats(state: dict) -> dict:
 
 
 def _idle_cpu(state: dict, seconds: float) -> float:
-    """CPU seconds this whole process (every thread) used while idle."""
-    t0 = os.times()
-    time.sleep(seconds)
-    t1 = os.times()
-    return (t1.user - t0.user) + (t1.system - t0.system)
+    from _procs import idle_cpu_seconds
+
+    return idle_cpu_seconds(seconds)
 
 
 HANDLERS: dict[str, Any] = {
