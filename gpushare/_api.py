@@ -28,7 +28,7 @@ from ._errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
-from ._exporter import Export, get_exporter, new_ids, registered, weak_or_none
+from ._exporter import Export, get_exporter, new_ids, registered, track_auto, weak_or_none
 from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
 from ._types import Lifetime, PathName
 
@@ -48,14 +48,14 @@ _HANDLE_TYPE = {"fabric": "fabric", "posix-fd": "posix-fd", "cuda-ipc": "cuda-ip
 
 def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
     if isinstance(lifetime, bool):
-        raise InvalidInputError("lifetime must be 'closed', 'revoked', 'none' or a positive int")
+        raise InvalidInputError("lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int")
     if isinstance(lifetime, int):
         if not 1 <= lifetime <= 999_999_999:
             raise InvalidInputError(f"lifetime={lifetime}: a number of imports must be between 1 and 999999999")
         return lifetime, f"imports={lifetime}"
     if lifetime in LIFETIMES:
         return lifetime, lifetime
-    raise InvalidInputError(f"lifetime must be 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
+    raise InvalidInputError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
 
 
 def _own_fd_registration(fds: list[int], desc: Any) -> tuple[Any, tuple[int, list[int]]]:
@@ -153,7 +153,7 @@ def _release_registrations(regs: list) -> None:
     regs.clear()
 
 
-def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = None,
+def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = None,
            readonly: bool | None = None) -> Share:
     """Offer ``obj``'s memory to other processes; return the :class:`Share` to send them.
 
@@ -166,12 +166,18 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
         Memory gpushare did not allocate is offered only where it can be
         served: other CUDA memory on cuda-ipc and ucx-rma, other host memory
         on ucx-rma.  It must be C-contiguous.
-    lifetime : {"closed", "revoked", "none"} or int
-        How long the exporter keeps ``obj`` alive and openable: until every
-        importer has closed it (``"closed"``, the default; counted from the
-        first import), until ``N`` imports have been made and closed, until
-        :meth:`Share.revoke`, or not at all (``"none"``: the exporter holds
-        only a weak reference, and opens fail once ``obj`` is gone).
+    lifetime : {"auto", "closed", "revoked", "none"} or int
+        How long the exporter keeps ``obj`` alive and openable.  ``"auto"``
+        (the default): while this process holds the returned :class:`Share`
+        (it keeps ``obj`` alive, like a reference), while any import is
+        open, until the first import of a share that was pickled or sent as
+        bytes, and after that while ``obj`` itself is still alive here; so a
+        share handed to N Pool workers stays openable until the last one has
+        opened it.  ``"closed"``: until every importer has closed it
+        (counted from the first import).  ``N``: until ``N`` imports have
+        been made and closed.  ``"revoked"``: until :meth:`Share.revoke`.
+        ``"none"``: the exporter holds only a weak reference, and opens fail
+        once ``obj`` is gone.  See docs/lifetimes.md.
     paths : iterable of str, optional
         Offer only these paths (``"ucx-rma"`` and ``"same-process"`` are
         always possible).
@@ -244,9 +250,12 @@ def export(obj: Any, *, lifetime: Lifetime = "closed", paths: PathList | None = 
     log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
              "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
-    return Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
-                       device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
-                       dlpack_dtype, strides)
+    share = Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
+                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
+                        dlpack_dtype, strides)
+    if policy == "auto":
+        track_auto(obj, share, record)
+    return share
 
 
 def _device_ordinal(address: int, hint: Any) -> int:
@@ -437,9 +446,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             refusal = export.refusal()
             target = export.target()
         if refusal is not None:
-            from ._exporter import _REFUSALS
+            from ._exporter import refusal_text
 
-            raise ClosedError(f"cannot open share: {_REFUSALS[refusal]}")
+            raise ClosedError(f"cannot open share: {refusal_text(refusal, export.policy)}")
         why = "same-process: this process exported it; the original object is handed back"
         log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, "same-process", why, target=target)

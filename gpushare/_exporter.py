@@ -75,7 +75,7 @@ class Export:
     memory_type: str
     offers: tuple[str, ...]
     descriptors: dict[str, Any]
-    policy: Any  # "closed" | "revoked" | "none" | int
+    policy: Any  # "auto" | "closed" | "revoked" | "none" | int
     obj: Any = None
     obj_ref: Any = None
     opens: int = 0
@@ -84,6 +84,10 @@ class Export:
     retired: bool = False
     readonly: bool = False
     registrations: list = field(default_factory=list)
+    #: Lifetime "auto": a weak reference to the Share that export() returned,
+    #: and whether it (or a copy) left the process, pickled or as bytes.
+    share_ref: Any = None
+    sent: bool = False
     #: The share's memory in this process's region server (ucx-rma), made on
     #: the first ucx-rma open; every lease over it holds a key of its own.
     region: Any = None
@@ -114,7 +118,10 @@ class Export:
         """Apply the lifetime policy after an import closed (lock held)."""
         if self.opens > 0:
             return
-        if self.policy == "closed" and self.total >= 1:
+        if self.policy == "auto":
+            self.close_remote()
+            self.settle()
+        elif self.policy == "closed" and self.total >= 1:
             self.retire()
         elif isinstance(self.policy, int) and self.total >= self.policy:
             self.retire()
@@ -122,6 +129,28 @@ class Export:
             # No remote view is open: the region goes (its registration would
             # keep the object alive); a later ucx-rma open adds it again.
             self.close_remote()
+
+    def needed(self) -> bool:
+        """Lifetime "auto": whether the exporting process may still hand the
+        share out: it holds the Share export() returned, or a share that left
+        the process awaits its first import (lock held)."""
+        return (self.share_ref is not None and self.share_ref() is not None) or (self.sent and self.total == 0)
+
+    def settle(self) -> None:
+        """Lifetime "auto" with no import open: keep ``obj`` while the share is
+        :meth:`needed`; else hold it only weakly, openable while the exporting
+        process still uses the object, and end once it is gone (lock held)."""
+        if self.policy != "auto" or self.retired or self.revoked or self.opens > 0 or self.needed():
+            return
+        self.obj = None
+        if self.obj_ref is None or self.obj_ref() is None:
+            self.retire()
+
+    def hold(self) -> None:
+        """An open of an "auto" share: the object is held strongly again while
+        the lease lasts (lock held; :meth:`refusal` said the object lives)."""
+        if self.obj is None:
+            self.obj = self.target()
 
     def close_remote(self) -> None:
         region, self.region = self.region, None
@@ -243,11 +272,11 @@ class Exporter:
         with self._lock:
             if self._exports.get(export.share_id) is export:
                 del self._exports[export.share_id]
-            self._ended[export.share_id] = (export.token, reason)
+            self._ended[export.share_id] = (export.token, reason, export.policy)
             while len(self._ended) > MAX_ENDED:
                 self._ended.popitem(last=False)
 
-    def ended(self, share_id: str) -> tuple[bytes, str] | None:
+    def ended(self, share_id: str) -> tuple[bytes, str, Any] | None:
         with self._lock:
             return self._ended.get(share_id)
 
@@ -443,25 +472,25 @@ class _Session(Protocol):
     def _idle(self, conn: Connection) -> None:
         conn.deadline = None if self.leases else time.monotonic() + IDLE_TIMEOUT
 
-    def _lookup(self, msg: dict) -> tuple[Export | None, str | None]:
-        """The export an open names, or the refusal code."""
+    def _lookup(self, msg: dict) -> tuple[Export | None, str | None, Any]:
+        """The export an open names, or the refusal code (and the ended share's policy)."""
         share_id, token = msg.get("share"), msg.get("token")
         if not isinstance(share_id, str) or not isinstance(token, bytes):
-            return None, "bad"
+            return None, "bad", None
         export = self.exporter.get(share_id)
         if export is not None:
-            return (export, None) if hmac.compare_digest(token, export.token) else (None, "denied")
+            return (export, None, None) if hmac.compare_digest(token, export.token) else (None, "denied", None)
         ended = self.exporter.ended(share_id)
         if ended is None:
-            return None, "unknown"
-        return (None, ended[1]) if hmac.compare_digest(token, ended[0]) else (None, "denied")
+            return None, "unknown", None
+        return (None, ended[1], ended[2]) if hmac.compare_digest(token, ended[0]) else (None, "denied", None)
 
     def _open(self, conn: Connection, rid: Any, msg: dict) -> None:
-        export, code = self._lookup(msg)
+        export, code, policy = self._lookup(msg)
         if export is None:
             if code == "denied":
                 log.warning("refused an open of share %.8s: wrong token", msg.get("share"))
-            self._refuse(conn, rid, code or "unknown", _REFUSALS[code or "unknown"])
+            self._refuse(conn, rid, code or "unknown", refusal_text(code or "unknown", policy))
             return
         if len(self.leases) >= MAX_LEASES:
             self._refuse(conn, rid, "limit", f"this connection holds {MAX_LEASES} leases already")
@@ -472,7 +501,7 @@ class _Session(Protocol):
         with export.lock:
             refusal = export.refusal()
             if refusal is not None and not (retry and refusal == "exhausted"):
-                self._refuse(conn, rid, refusal, _REFUSALS[refusal])
+                self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
                 return
             if path not in export.offers or path == "same-process":
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
@@ -501,6 +530,8 @@ class _Session(Protocol):
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             export.opens += 1
+            if export.policy == "auto":
+                export.hold()
             if retry:
                 entry[1] -= 1
                 entry[2].add(path)
@@ -556,9 +587,34 @@ _REFUSALS = {
     "denied": "wrong token for this share",
     "bad": "malformed open request",
     "revoked": "the share was revoked by its exporter",
-    "retired": "the share is no longer available: its lifetime ended (every importer closed it, or the object is gone)",
+    "retired": "the share is no longer available: its lifetime ended",
     "exhausted": "the share was opened as many times as its lifetime allows",
 }
+
+#: What would have fitted, by policy, for a share whose lifetime ended.
+_FITS = {
+    "auto": ("no import was open and the exporting process held neither the Share nor the object any more; "
+             "keep a reference to one of them there until every importer has opened it (or export with "
+             "lifetime=N or 'revoked' and call share.revoke())"),
+    "closed": ("lifetime 'closed' ends as soon as every importer so far has closed it; for a share that "
+               "several processes open one after another (Pool workers, Queue readers) use the default "
+               "lifetime='auto', lifetime=N or 'revoked'"),
+    "none": ("lifetime 'none' held the object weakly and it was garbage collected in the exporter; "
+             "lifetime='auto' (the default) keeps it while the exporter holds the Share"),
+}
+
+
+def refusal_text(code: str, policy: Any) -> str:
+    """Why an open is refused, and for a share whose lifetime ended, which
+    lifetime would have fitted."""
+    text = _REFUSALS[code]
+    if code == "retired" and policy in _FITS:
+        return f"{text}: {_FITS[policy]}"
+    if code in ("retired", "exhausted") and isinstance(policy, int):
+        return (f"{text}: lifetime={policy} allows {policy} import{'s' if policy > 1 else ''} and "
+                f"{'they were' if code == 'exhausted' else 'all were made and closed'}; to hand it to more "
+                "processes, export it with a larger N, or with lifetime='auto' (the default) or 'revoked'")
+    return text
 
 _instance: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, abandon=Exporter.abandon)
 
@@ -613,6 +669,32 @@ def _peer(conn: Any) -> str:
 
 def new_ids() -> tuple[str, bytes]:
     return secrets.token_hex(16), secrets.token_bytes(32)
+
+
+def track_auto(obj: Any, share: Any, export: Export) -> None:
+    """Lifetime "auto": watch the Share export() returned and the object, and
+    settle the export (:meth:`Export.settle`) in the service thread when
+    either goes or the share leaves the process."""
+    service = get_service()
+
+    def settle() -> None:
+        with export.lock:
+            export.settle()
+
+    def gone(_: Any) -> None:
+        # Weak-reference callbacks run wherever the last reference went,
+        # possibly under locks of their own: settle in the service thread.
+        service.call_soon(settle)
+
+    def sent() -> None:
+        export.sent = True
+
+    try:
+        export.obj_ref = weakref.ref(obj, gone)
+    except TypeError:
+        export.obj_ref = None  # bytes, bytearray: kept only while the share is needed
+    export.share_ref = weakref.ref(share, gone)
+    share._on_send(sent)
 
 
 def weak_or_none(obj: Any, export: Export) -> Any:

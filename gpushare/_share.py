@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from . import _descriptors
@@ -26,7 +27,7 @@ __all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
 #: Every path, fastest first.
 PATHS = PATH_NAMES
 #: Lifetime policy names (an int N means "until N imports have closed").
-LIFETIMES = ("closed", "revoked", "none")
+LIFETIMES = ("auto", "closed", "revoked", "none")
 
 SHARE_FORMAT = 1
 #: The most bytes :meth:`Share.from_bytes` reads.
@@ -77,7 +78,8 @@ class Share:
     fields are validated one by one.
     """
 
-    __slots__ = ("_fields_",)
+    # _sent: in the exporting process, told when the share leaves it (lifetime "auto").
+    __slots__ = ("_fields_", "_sent", "__weakref__")
     _BASE = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
              "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
     #: Fields a share may leave out (on the wire and in pickles), with their defaults.
@@ -170,12 +172,23 @@ class Share:
                 raise InvalidInputError(f"share dlpack_dtype {dlpack_dtype} does not fit typestr {typestr}")
         self = object.__new__(cls)
         object.__setattr__(self, "_fields_", tuple(fields))
+        object.__setattr__(self, "_sent", None)
         return self
+
+    def _on_send(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` when this share is pickled, copied or turned into bytes."""
+        object.__setattr__(self, "_sent", hook)
+
+    def _leaving(self) -> None:
+        hook = self._sent
+        if hook is not None:
+            hook()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Share is immutable")
 
     def __reduce__(self) -> tuple[Any, ...]:
+        self._leaving()
         return (_rebuild_share, self._fields_[:len(self._BASE)] if self._plain() else self._fields_)
 
     def _plain(self) -> bool:
@@ -246,7 +259,7 @@ class Share:
 
     @property
     def lifetime(self) -> str:
-        """The exporter's policy: ``"closed"``, ``"revoked"``, ``"none"`` or ``"imports=N"``."""
+        """The exporter's policy: ``"auto"``, ``"closed"``, ``"revoked"``, ``"none"`` or ``"imports=N"``."""
         return self._fields_[11]
 
     @property
@@ -294,6 +307,7 @@ class Share:
         -------
         bytes
         """
+        self._leaving()
         f = dict(zip(Share._NAMES, self._fields_, strict=True))
         for name, default in Share._OPTIONAL:
             if f[name] == default:

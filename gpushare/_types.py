@@ -32,7 +32,7 @@ PathName: TypeAlias = Literal["same-process", "fabric", "posix-fd", "cuda-ipc", 
 #: How same-node memory is handed over by :func:`gpushare.export_buffer`.
 HandleType: TypeAlias = Literal["posix-fd", "fabric", "cuda-ipc"]
 #: A named lifetime policy of :func:`gpushare.export`.
-LifetimeName: TypeAlias = Literal["closed", "revoked", "none"]
+LifetimeName: TypeAlias = Literal["auto", "closed", "revoked", "none"]
 #: A lifetime policy: a name, or a number of imports.
 Lifetime: TypeAlias = LifetimeName | int
 #: Where memory lives: a CUDA device ordinal, or host memory (``"cpu"`` is a synonym of ``"host"``).

@@ -116,3 +116,16 @@ def idle_cpu_seconds(seconds: float) -> float:
     time.sleep(seconds)
     t1 = os.times()
     return (t1.user - t0.user) + (t1.system - t0.system)
+
+
+class Box:
+    """A weak-referenceable holder of a NumPy array (for lifetime checks)."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.a = np.arange(n, dtype=np.uint64).astype(np.uint8)
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self.a.__array_interface__

@@ -110,7 +110,7 @@ def test_no_connection_outlives_its_open(exporter, kind, path):
 def test_registry_returns_to_its_start_after_shares_end(exporter):
     exporter.call("export", "numpy", 64, {"lifetime": "revoked"})  # starts the exporter
     start = exporter.call("stats")
-    closed = [exporter.call("export", "host", 4096) for _ in range(20)]
+    closed = [exporter.call("export", "host", 4096, {"lifetime": "closed"}) for _ in range(20)]
     counted = [exporter.call("export", "numpy", 4096, {"lifetime": 2}) for _ in range(10)]
     revoked = [exporter.call("export", "host", 4096, {"lifetime": "revoked"}) for _ in range(10)]
     grown = exporter.call("stats")

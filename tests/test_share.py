@@ -17,7 +17,7 @@ import pytest
 import gpushare as gs
 from gpushare._exporter import registered
 
-from _procs import Child, wait_for as _wait_for
+from _procs import Box, Child, wait_for as _wait_for
 import _share_peer
 
 MiB = 1 << 20
@@ -28,17 +28,6 @@ def peer():
     child = Child(_share_peer.setup)
     yield child
     child.close()
-
-
-class Box:
-    """A weak-referenceable holder of a NumPy array (for lifetime checks)."""
-
-    def __init__(self, n: int) -> None:
-        self.a = np.arange(n, dtype=np.uint64).astype(np.uint8)
-
-    @property
-    def __array_interface__(self):
-        return self.a.__array_interface__
 
 
 # ---------------------------------------------------------------- plain data
@@ -236,9 +225,9 @@ def test_failed_probe_falls_back_with_a_warning():
 # ---------------------------------------------------------------- lifetimes
 
 
-def test_default_lifetime_ends_when_every_importer_closed(peer):
+def test_closed_lifetime_ends_when_every_importer_closed(peer):
     box = Box(4096)
-    share = gs.export(box)
+    share = gs.export(box, lifetime="closed")
     ref = weakref.ref(box)
     del box
     gc.collect()
@@ -250,7 +239,7 @@ def test_default_lifetime_ends_when_every_importer_closed(peer):
     assert ref() is not None  # one importer still has it open
     peer.call("close", "l2")
     assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
-    with pytest.raises(gs.ClosedError, match="no longer available"):
+    with pytest.raises(gs.ClosedError, match="no longer available.*lifetime='auto', lifetime=N or 'revoked'"):
         gs.open(share, exclude=["same-process"])
 
 
@@ -319,6 +308,7 @@ def test_importer_death_counts_as_closed():
         assert child.call("open", "doomed", share)["path"] == "ucx-rma"
         export = registered(share)
         assert export.opens == 1
+        del share  # lifetime "auto": the share ends with its last import once nothing here holds it
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.join(10)
     finally:
