@@ -6,10 +6,12 @@ itself never goes through the pickle.
 
 * Pool: the parent shares an input buffer from ``gpushare.allocate(...,
   device="host")`` (workers map it: host-fd) and a plain NumPy output array
-  (workers reach it with UCX RMA: ucx-rma).  Each task reads its chunk of the
-  input without a copy and puts the chunk, doubled, into the output.  Both
-  shares use ``lifetime="revoked"``: many workers open them at different
-  times, and the parent revokes them when the map is done.
+  (the parent copies into workers' buffers and out of them with the kernel's
+  cross-memory attach: cma).  Each task reads its chunk of the input without
+  a copy and puts the chunk, doubled, into the output.  Both shares keep the
+  default lifetime, ``"auto"``: many workers open them at different times,
+  and they stay openable while the parent holds the shares; they end when
+  the parent drops them.
 * Queue: the parent puts three shares, each exported with ``lifetime=1`` (one
   import), on a queue; a consumer process opens each, reads it, adds one to
   every byte with ``view.put`` and answers on a second queue.
@@ -41,7 +43,7 @@ def pool_task(args: tuple[Any, Any, int]) -> tuple[int, str, str, int]:
     """One Pool task: read chunk ``i`` of the input, write it doubled to the output."""
     share_in, share_out, i = args
     with gs.open(share_in) as src, gs.open(share_out) as dst:
-        if src.path == "ucx-rma":  # not mapped here: copy out
+        if src.path in ("cma", "ucx-rma"):  # not mapped here: copy out
             chunk = np.empty(CHUNK, np.uint8)
             src.get(chunk, offset=i * CHUNK)
         else:  # mapped: a zero-copy view of the exporter's memory
@@ -70,12 +72,11 @@ def run_pool(ctx: Any) -> bool:
     src = np.asarray(inp)
     src[:] = np.arange(src.size, dtype=np.uint64) % 251
     out = np.zeros(TASKS * CHUNK, np.uint16)
-    share_in = gs.export(inp, lifetime="revoked")
-    share_out = gs.export(out, lifetime="revoked")
+    share_in = gs.export(inp)  # lifetime="auto": open while this process holds the share
+    share_out = gs.export(out)
     with ctx.Pool(2) as pool:
         results = pool.map(pool_task, [(share_in, share_out, i) for i in range(TASKS)], chunksize=1)
-    share_in.revoke()
-    share_out.revoke()
+    del share_in, share_out  # no import is open: both shares end here
     ok = True
     for i, (pid, path_in, path_out, checksum) in enumerate(results):
         want = int(src[i * CHUNK : (i + 1) * CHUNK].sum(dtype=np.uint64))

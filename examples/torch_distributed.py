@@ -12,8 +12,9 @@ filled: an all-gather done through shared memory rather than the collective.
 Without CUDA (torch's CPU build works) the ranks use the gloo backend on
 127.0.0.1 and share two buffers each: one on ``gpushare.allocate(...,
 device="host")`` memory, which other ranks map (host-fd) and use as a
-zero-copy tensor, and a plain torch CPU tensor, which only UCX remote memory
-access can serve (ucx-rma: ``view.get`` / ``view.put``).  With one CUDA
+zero-copy tensor, and a plain torch CPU tensor, which the owner copies
+into and out of the other ranks' buffers with the kernel's cross-memory
+attach (cma: ``view.get`` / ``view.put``; ucx-rma across nodes).  With one CUDA
 device per rank they use the nccl backend and a CUDA tensor on the rank's
 device (legacy CUDA IPC on one node; ``torch.as_tensor(view)`` maps it).
 
@@ -79,7 +80,7 @@ def read_and_write(rank: int, owner: int, world: int, name: str, share: gs.Share
         ok = bool(torch.equal(whole[owner], slot_data(owner, device)))
         mine = slot_data(rank, device)
         zero_copy = ""
-        if view.path == "ucx-rma":
+        if view.path in ("cma", "ucx-rma"):
             view.put(mine, offset=rank * SLOT * 4)  # flushed when put returns
         else:
             if view.device == "host":

@@ -217,7 +217,10 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
             "only over gpushare.allocate host memory, such as gpushare.empty arrays)"
         )
     # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
-    offers = ["same-process"] + [p for p in PATHS if p in descs] + ([] if strides else ["ucx-rma"])
+    offers = ["same-process"] + [p for p in PATHS if p in descs]
+    if not strides:
+        # Host memory the mapped paths cannot serve goes by cross-memory attach on its node.
+        offers += (["cma"] if memory_type == "host" and "host-fd" not in descs else []) + ["ucx-rma"]
     if wanted is not None:
         offers = [p for p in offers if p in wanted]
         if not offers:
@@ -296,8 +299,8 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
     natural: list[str] = []
     for path in PATHS:
         if path not in share.offers:
-            if path == "ucx-rma" and share.strides is not None:
-                left_out.append("not ucx-rma: the share is a strided array, which goes only where it is mapped")
+            if path in _types.COPIED_PATHS and share.strides is not None:
+                left_out.append(f"not {path}: the share is a strided array, which goes only where it is mapped")
             elif share.device == "host" and path == "host-fd":
                 left_out.append("not host-fd: not offered, the memory is not from gpushare.allocate(device='host')")
             elif share.device != "host" and path == "posix-fd":
@@ -309,8 +312,12 @@ def _candidates(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], lis
         why_not = None
         if path == "same-process" and (share.exporter_pid != here or not same_node or registered(share) is None):
             why_not = f"exporter is process {share.exporter_pid}" + ("" if same_node else " on another node")
-        elif path in ("posix-fd", "cuda-ipc", "host-fd") and not same_node:
+        elif path in ("posix-fd", "cuda-ipc", "host-fd", "cma") and not same_node:
             why_not = "exporter is on another node (or network namespace)"
+        elif path == "cma":
+            from ._paths import cma
+
+            why_not = cma.available()
         elif path == "fabric":
             why_not = _fabric_mismatch(share.fabric)
         elif path == "cuda-ipc" and share.readonly:
@@ -480,7 +487,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), left(), fds, device)
+                view = _import(share, path, reply.get("payload"), left(), fds, device, lease)
             except AccessDeniedError:
                 lease.failed()
                 raise  # a refusal is final: no other path may grant what this one refused
@@ -495,10 +502,16 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             why = _explain(path, share, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(lease, why)
+            slow = None
             if failures and natural and natural.index(path) > 0:
+                slow = f"gpushare fell back to {path}: {'; '.join(failures)}"
+            elif path == "ucx-rma" and share.node == node_key() and prefer is None and exclude is None and not (
+                    os.environ.get("GPUSHARE_PATHS") or os.environ.get("GPUSHARE_EXCLUDE_PATHS")):
+                slow = ("gpushare serves this same-node peer over ucx-rma, a network transport: "
+                        + "; ".join(left_out or ["no same-node path is offered for this memory"]))
+            if slow is not None:
                 try:
-                    warnings.warn(SlowPathWarning(f"gpushare fell back to {path}: {'; '.join(failures)}"),
-                                  stacklevel=2)
+                    warnings.warn(SlowPathWarning(slow), stacklevel=2)
                 except BaseException:
                     view.close()  # the warning was turned into an error: leave nothing open
                     raise
@@ -578,6 +591,8 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
         "cuda-ipc": ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
                      "(a legacy handle, or its pool's export)"),
         "host-fd": "same node; host memory mapped through memfds",
+        "cma": ("same node; the exporter copies with the kernel's cross-memory attach (process_vm_readv/writev), "
+                "checking each transfer; copies with get/put"),
         "ucx-rma": "remote memory access through UCX, each transfer checked by the exporter; copies with get/put",
     }[path]
     parts = [f"{path}: {reason}"] + failures + left_out
@@ -585,7 +600,7 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
 
 
 def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
-            device: int | None = None) -> View:
+            device: int | None = None, lease: Any = None) -> View:
     """Turn an exporter's offer into a view; ``fds`` (owned, closed here)
     came with the offer over a same-node control connection."""
     if fds and path != "host-fd":
@@ -593,16 +608,20 @@ def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int
             os.close(fd)
         raise InvalidInputError(f"exporter sent file descriptors with a {path} offer")
     try:
-        return _import_offer(share, path, payload, timeout, fds, device)
+        return _import_offer(share, path, payload, timeout, fds, device, lease)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
-                  device: int | None) -> View:
+                  device: int | None, lease: Any = None) -> View:
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
+    if path == "cma":
+        if payload or lease is None or share.device != "host":
+            raise InvalidInputError("exporter sent a malformed cma offer")
+        return View._make(share, path, "", peer=lease)  # the exporter copies, over the lease
     if path == "ucx-rma":
         from ._ucx import _server
 
@@ -687,6 +706,22 @@ def _dtype_note(share: Share) -> str:
     return f"; exported as bytes: dtype {share.dtype_name} has no portable form"
 
 
+class _Done:
+    """A request that completed at once (nothing to move)."""
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def __await__(self) -> Any:
+        return iter(())
+
+
 class _Pin:
     """Held by a DLPack tensor made from a view: the mapping lives while it does."""
 
@@ -710,11 +745,11 @@ def _release_view(use: _MappingUse | None, lease: list) -> None:
 class View:
     """An open share: made by :func:`gpushare.open`.
 
-    Mapped views (every path but ucx-rma) are zero-copy: host ones expose
+    Mapped views (every path but cma and ucx-rma) are zero-copy: host ones expose
     ``__array_interface__`` (``numpy.asarray(view)``), :meth:`memoryview`
     and ``__dlpack__``; CUDA ones ``__cuda_array_interface__`` and
     ``__dlpack__``; all with the exporter's dtype, shape and strides, and
-    read-only where the share is.  A ucx-rma view is not mapped: use
+    read-only where the share is.  A cma or ucx-rma view is not mapped: use
     :meth:`get` and :meth:`put`.  Views are context managers, also
     asynchronous ones (``async with``).
 
@@ -727,7 +762,7 @@ class View:
     ----------
     path : str
         The path taken: ``"same-process"``, ``"fabric"``, ``"posix-fd"``,
-        ``"cuda-ipc"``, ``"host-fd"`` or ``"ucx-rma"``.
+        ``"cuda-ipc"``, ``"host-fd"``, ``"cma"`` or ``"ucx-rma"``.
     why : str
         One line: why this path, and why not the better ones.
     nbytes : int
@@ -834,8 +869,8 @@ class View:
     def _local(self) -> _buffers.LocalBuffer:
         """The mapped memory as a local buffer (not for ucx-rma)."""
         self._check()
-        if self.path == "ucx-rma":
-            raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
+        if self.path in _types.COPIED_PATHS:
+            raise UnsupportedError(f"a {self.path} view is not mapped in this process: use view.get() and view.put()")
         if self._target is not None:
             return _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
         mapped = self._mapped
@@ -848,7 +883,7 @@ class View:
         self._check()
         if self.device != "host":
             raise UnsupportedError("memoryview() needs host memory; this view is CUDA memory")
-        if self.path == "ucx-rma":
+        if self.path in _types.COPIED_PATHS:
             self._local()
         if self._target is not None:
             lb = _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
@@ -892,8 +927,8 @@ class View:
         from . import _dlpack
 
         self._check()
-        if self.path == "ucx-rma":
-            raise UnsupportedError("a ucx-rma view is not mapped in this process: use view.get() and view.put()")
+        if self.path in _types.COPIED_PATHS:
+            raise UnsupportedError(f"a {self.path} view is not mapped in this process: use view.get() and view.put()")
         if copy is True:
             raise BufferError("a view exports its memory without copying (copy=True is not supported)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
@@ -935,6 +970,18 @@ class View:
                 f"{local.nbytes} bytes at offset {offset} run past the shared {self.nbytes} bytes"
             )
         return local, offset
+
+    def _cma(self, buf: Any, offset: int, direction: str) -> Any:
+        """Ask the exporter to copy between ``buf`` and the share (cma path):
+        a request; ``buf`` stays pinned until the copy ends."""
+        local, offset = self._span(buf, offset, direction == "get")
+        if local.memory_type != "host":
+            local.release()
+            raise UnsupportedError("a cma view copies to and from host memory only; stage CUDA memory on the host")
+        if local.nbytes == 0:
+            local.release()
+            return _Done()
+        return self._peer.copy(direction, offset, local)
 
     def _copy(self, buf: Any, offset: int, direction: str, stream: Any) -> Any:
         """Start a copy between ``buf`` and the mapped memory; a request for
@@ -1006,6 +1053,9 @@ class View:
             with _rma_errors(self.share):
                 self._peer.get(*self._region, offset, dst, timeout)
             return
+        if self.path == "cma":
+            self._cma(dst, offset, "get").wait(timeout)
+            return
         request = self._copy(dst, offset, "get", stream)
         if request is not None:
             request.wait(timeout)
@@ -1023,6 +1073,9 @@ class View:
             self._span(src, offset, False)[0].release()
             with _rma_errors(self.share):
                 self._peer.put(*self._region, offset, src, timeout)
+            return
+        if self.path == "cma":
+            self._cma(src, offset, "put").wait(timeout)
             return
         request = self._copy(src, offset, "put", stream)
         if request is not None:
@@ -1051,6 +1104,9 @@ class View:
                     await self._peer.get_async(*self._region, offset, buf)
                 else:
                     await self._peer.put_async(*self._region, offset, buf)
+            return
+        if self.path == "cma":
+            await self._cma(buf, offset, direction)
             return
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)

@@ -96,6 +96,9 @@ def _start(items: Iterable[Any], direction: str) -> BatchRequest:
             peer = view._peer
             remote.setdefault(id(peer), (peer, []))[1].append((*view._region, offset, buf))
             continue
+        if view.path == "cma":  # every item one request on its connection, all sent before any is awaited
+            parts.append(view._cma(buf, offset, direction))
+            continue
         request = view._copy(buf, offset, direction, None)
         if request is not None:
             parts.append(request)

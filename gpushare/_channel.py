@@ -1472,7 +1472,7 @@ def _release_consumer(held: list, views: list) -> None:
 
 def _consumer_array(view: Any, handle: ChannelHandle) -> Any:
     """A typed array over a mapped slot, or None when the slot is read by copy."""
-    if view.path == "ucx-rma":
+    if view.path in ("ucx-rma", "cma"):
         return None
     if view.device == "host":
         return _array_of(view, handle.shape, handle.typestr, "host", readonly=True)

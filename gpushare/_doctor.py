@@ -50,13 +50,13 @@ def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
     return order[0], "; ".join(left_out)
 
 
-def _probe(conn: Any, data: bytes, paths: list[str], expected: bytes) -> None:
-    """The second process of :func:`live_check`: open the share over each path."""
+def _probe(conn: Any, tries: list[tuple[str, bytes]], expected: bytes) -> None:
+    """The second process of :func:`live_check`: open each share over its path."""
     import gpushare as gs
 
-    share = gs.Share.from_bytes(data)
     results = {}
-    for path in paths:
+    for path, data in tries:
+        share = gs.Share.from_bytes(data)
         try:
             with gs.open(share, prefer=[path], timeout=20) as view:
                 if view.path != path:
@@ -75,14 +75,16 @@ def live_check(timeout: float = 60.0) -> dict[str, str]:
     path host memory can take; return what happened on each ("works" or why not)."""
     import gpushare as gs
 
-    paths = ["host-fd", "ucx-rma"]
+    paths = ["host-fd", "cma", "ucx-rma"]
     buf = gs.allocate(4096, device="host")
     expected = bytes(range(256)) * 16
     buf.memoryview()[:] = expected
-    share = gs.export(buf, lifetime="revoked")
+    plain = bytearray(expected)  # memory gpushare did not allocate
+    share, plain_share = gs.export(buf, lifetime="revoked"), gs.export(plain, lifetime="revoked")
+    tries = [("host-fd", share.to_bytes()), ("cma", plain_share.to_bytes()), ("ucx-rma", share.to_bytes())]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_probe, args=(child, share.to_bytes(), paths, expected), daemon=True)
+    proc = ctx.Process(target=_probe, args=(child, tries, expected), daemon=True)
     try:
         proc.start()
         child.close()
@@ -99,6 +101,7 @@ def live_check(timeout: float = 60.0) -> dict[str, str]:
             proc.join(5)
         parent.close()
         share.revoke()
+        plain_share.revoke()
         buf.close()
 
 
@@ -114,7 +117,7 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     cuda_devices = caps["cuda"]["devices"] or []
     scenarios = [
         ("host memory from gpushare.allocate", "host", ("host-fd", "ucx-rma")),
-        ("other host memory (a NumPy array)", "host", ("ucx-rma",)),
+        ("other host memory (a NumPy array)", "host", ("cma", "ucx-rma")),
     ]
     if cuda_devices:
         types = cuda_devices[0].get("handle_types", [])

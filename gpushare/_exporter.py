@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _auth, _control
-from ._errors import ClosedError, GpuShareError, InvalidInputError, WaitTimeoutError
+from ._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError, WaitTimeoutError
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
 
@@ -365,6 +365,8 @@ class _Session(Protocol):
         self.keys: dict[int, bytes] = {}
         #: The path of each lease.
         self.paths: dict[int, str] = {}
+        #: Each cma lease's pinned memory and the importer's pid (from the kernel).
+        self.cma: dict[int, tuple[Any, int]] = {}
         #: share id -> [export, unused retries, paths tried]: an open the
         #: importer could not use ("failed") still counts, but buys one
         #: uncounted open of a path this connection has not tried for that
@@ -393,6 +395,7 @@ class _Session(Protocol):
         keys, self.keys = self.keys, {}
         retries, self.retries = self.retries, {}
         self.paths = {}
+        self.cma = {}  # copies in flight keep their memory pinned until they finish
         with self.exporter._lock:
             self.exporter._sessions.discard(self)
         for lease, export in leases.items():  # the importer closed, died or misbehaved
@@ -464,6 +467,8 @@ class _Session(Protocol):
                                      "proof": _auth.proof("exporter", importer_nonce, exporter_nonce)}))
         elif op == "open":
             self._open(conn, rid, msg)
+        elif op == "cma":
+            self._cma(conn, rid, msg)
         elif op in ("close", "failed"):
             self._end(conn, msg.get("lease"), failed=op == "failed")
         else:
@@ -508,10 +513,14 @@ class _Session(Protocol):
                 return
             fds: list[int] = []
             key = None
+            pinned = None
             try:
                 if path == "ucx-rma":
                     address, region_id, key = export.rma_offer()
                     payload = {"address": address, "region": region_id, "key": key}
+                elif path == "cma":
+                    pinned = self._cma_offer(conn, export)
+                    payload = {}
                 else:
                     desc = export.descriptors[path]
                     payload = {"descriptor": [desc.handle_type, *desc._fields()]}
@@ -542,9 +551,67 @@ class _Session(Protocol):
         self.paths[lease] = path
         if key is not None:
             self.keys[lease] = key
+        if pinned is not None:
+            self.cma[lease] = pinned
         conn.deadline = None
         conn.send(frame, fds)
         log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
+
+    def _cma_offer(self, conn: Connection, export: Export) -> tuple[Any, int]:
+        """A cma lease: the share's memory, pinned for the lease, and the
+        importer's pid as the kernel gives it (lock held)."""
+        from . import _buffers
+        from ._paths import cma
+
+        if not self.local:
+            raise UnsupportedError("cma needs a control connection over the exporter's Unix socket (this "
+                                   "node, this user)")
+        why = cma.available()
+        if why is not None:
+            raise UnsupportedError(why)
+        pid = _peer_pid(conn)
+        cma.check_access(pid)
+        return _buffers.resolve(export.target(), writable=False), pid
+
+    def _cma(self, conn: Connection, rid: Any, msg: dict) -> None:
+        """An importer's get or put over its cma lease: checked here (lease,
+        bounds, read-only, revocation), copied by the copy threads, answered
+        when the bytes have moved."""
+        from ._paths import cma
+
+        lease = msg.get("lease")
+        entry = self.cma.get(lease) if type(lease) is int else None
+        if entry is None:
+            self._refuse(conn, rid, "closed", "this connection holds no open cma lease by that id")
+            return
+        export = self.leases[lease]
+        direction, offset, n, address = msg.get("dir"), msg.get("offset"), msg.get("n"), msg.get("addr")
+        if direction not in ("get", "put") or not all(type(v) is int for v in (offset, n, address)) or not (
+                0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
+            self._refuse(conn, rid, "bad", "malformed cma request")
+            return
+        if offset + n > export.nbytes:
+            self._refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {export.nbytes}")
+            return
+        with export.lock:
+            refusal = "revoked" if export.revoked else ("retired" if export.retired else None)
+        if refusal is not None:
+            self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
+            return
+        if direction == "put" and export.readonly:
+            self._refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
+            return
+        pinned, pid = entry
+
+        def job() -> None:  # holds ``pinned``: the memory stays while the copy runs
+            try:
+                cma.copy(pid, pinned.address + offset, address, n, into_remote=direction == "get")
+                reply = {"id": rid, "ok": True}
+            except GpuShareError as exc:
+                reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
+            conn.send(_control.pack(reply))
+
+        cma.copier().submit(job)
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -555,6 +622,7 @@ class _Session(Protocol):
             return  # already ended: nothing to do
         key = self.keys.pop(lease, None)
         path = self.paths.pop(lease, None)
+        self.cma.pop(lease, None)  # copies in flight keep the memory pinned until they finish
         log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
                  " (the importer could not use the path)" if failed else "")
         with export.lock:
@@ -652,6 +720,13 @@ def revoke(share: Any) -> None:
         export.close_mapped()
         export.obj = None
         export.end("revoked")
+
+
+def _peer_pid(conn: Any) -> int:
+    """The pid of the process at the other end of a Unix control connection,
+    from the kernel (``SO_PEERCRED``)."""
+    sock = getattr(conn, "sock", conn)
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 
 
 def _peer(conn: Any) -> str:

@@ -21,14 +21,16 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import _control
-from ._errors import AccessDeniedError, ExporterUnreachableError, GpuShareError, InvalidInputError
+from ._errors import AccessDeniedError, ClosedError, ExporterUnreachableError, GpuShareError, InvalidInputError
+from ._errors import OutOfBoundsError, WaitTimeoutError
 from ._process import PerProcess
 from ._service import Connection, Protocol, Timer, get_service
 
-__all__ = ["Lease", "get_importer"]
+__all__ = ["Lease", "Transfer", "get_importer"]
 
 #: Seconds a connection with no open view is kept for a reopen.
 IDLE_LINGER = 2.0
@@ -39,12 +41,29 @@ class _Lost(Exception):
 
 
 class _Waiter:
-    __slots__ = ("event", "fds", "reply")
+    __slots__ = ("event", "fds", "reply", "_callbacks", "_lock")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.reply: dict | None = None
         self.fds: list[int] = []
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._lock:
+            self.event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread) once the reply came, or now if it has."""
+        with self._lock:
+            if not self.event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
 
 class _Link(Protocol):
@@ -66,11 +85,13 @@ class _Link(Protocol):
         self.dead: str | None = None
         self.answered = False
         self._abandoned: set[int] = set()  # requests whose caller gave up waiting
+        self._kept: dict[int, Any] = {}  # what a request's reply frees (its buffer, pinned until then)
         self._linger: Timer | None = None
 
     # -- any thread ---------------------------------------------------------
-    def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
-        """Send one request and wait for its reply, and the fds that came with it."""
+    def submit(self, message: dict, keep: Any = None) -> tuple[int, _Waiter]:
+        """Send one request; its reply comes to the returned waiter, and
+        ``keep`` is referenced until it does (or the connection ends)."""
         rid = next(self.importer.ids)
         waiter = _Waiter()
         with self.lock:
@@ -78,8 +99,15 @@ class _Link(Protocol):
                 raise _Lost(self.dead)
             self._stop_linger()
             self.pending[rid] = waiter
+            if keep is not None:
+                self._kept[rid] = keep
             conn = self.conn
         conn.send(_control.pack({**message, "id": rid}))
+        return rid, waiter
+
+    def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
+        """Send one request and wait for its reply, and the fds that came with it."""
+        rid, waiter = self.submit(message)
         if not waiter.event.wait(timeout):
             with self.lock:
                 if self.pending.pop(rid, None) is not None:
@@ -135,6 +163,7 @@ class _Link(Protocol):
             got, self._fds = self._fds[:count], self._fds[count:]
             with self.lock:
                 waiter = self.pending.pop(rid, None)  # type: ignore[arg-type]
+                self._kept.pop(rid, None)  # type: ignore[arg-type]
                 late = waiter is None and rid in self._abandoned
                 if waiter is None and not late:
                     _close_all(got)
@@ -151,7 +180,7 @@ class _Link(Protocol):
                 continue
             waiter.fds = got
             waiter.reply = message
-            waiter.event.set()
+            waiter.set()
         if self._fds and not conn.rbuf:
             raise InvalidInputError(f"exporter pid {self.exporter_pid} sent fds with no reply")
 
@@ -162,11 +191,12 @@ class _Link(Protocol):
             if self.dead is None:
                 self.dead = f"the connection closed ({exc})" if exc else "the exporter closed the connection"
             waiters, self.pending = list(self.pending.values()), {}
+            self._kept.clear()  # the exporter's copies end with the connection
             self.leases.clear()  # the exporter ended them with the connection
             self._stop_linger()
         self.importer._drop(self)
         for waiter in waiters:
-            waiter.event.set()
+            waiter.set()
 
     def deadline_passed(self, conn: Connection) -> None:
         pass  # no deadline is set: requests time out in their callers
@@ -191,6 +221,89 @@ class Lease:
         """The offer could not be used: the open does not count."""
         if self._pid == os.getpid():
             self._link.end_lease(self.id, "failed")
+
+    def copy(self, direction: str, offset: int, local: Any) -> Transfer:
+        """Ask the exporter to copy between the share at ``offset`` and
+        ``local`` (a pinned buffer of this process, referenced until the
+        copy ends) over this cma lease."""
+        if self._pid != os.getpid():
+            raise ClosedError("this view was opened before a fork, by the parent process: open the share again "
+                              "in this process")
+        message = {"op": "cma", "lease": self.id, "dir": direction, "offset": offset, "addr": local.address,
+                   "n": local.nbytes}
+        try:
+            waiter = self._link.submit(message, keep=local)[1]
+        except _Lost as exc:
+            raise ClosedError(f"the exporter (pid {self._link.exporter_pid}) closed the connection ({exc}): "
+                              "this view cannot be used any more") from None
+        return Transfer(self._link.exporter_pid, waiter, direction)
+
+
+class Transfer:
+    """One cma copy asked of an exporter: ``wait(timeout)``, ``done()``,
+    ``exception()`` and ``await``, as the other requests."""
+
+    __slots__ = ("_pid", "_waiter", "_direction")
+
+    def __init__(self, pid: int, waiter: _Waiter, direction: str) -> None:
+        self._pid = pid
+        self._waiter = waiter
+        self._direction = direction
+
+    def done(self) -> bool:
+        return self._waiter.event.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The copy's error once it is done (``None`` if it succeeded or runs)."""
+        if not self.done():
+            return None
+        reply = self._waiter.reply
+        if reply is None:
+            return ClosedError(f"the exporter (pid {self._pid}) closed the connection before the {self._direction} "
+                               "finished: this view cannot be used any more")
+        if reply.get("ok") is True:
+            return None
+        code, message = reply.get("code"), str(reply.get("message", ""))[:300]
+        if code in ("revoked", "retired", "closed"):
+            return ClosedError(f"exporter refused the {self._direction}: {message}")
+        if code == "bounds":
+            return OutOfBoundsError(f"exporter refused the {self._direction}: {message}")
+        if code == "denied":
+            return AccessDeniedError(f"exporter refused the {self._direction}: {message}")
+        if code == "bad":
+            return InvalidInputError(f"exporter refused the {self._direction}: {message}")
+        return GpuShareError(f"the exporter's {self._direction} failed: {message}")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the bytes have moved; raise the copy's error.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` seconds pass first; the copy stays in flight and
+            its buffer in use until it ends.
+        """
+        if not self._waiter.event.wait(timeout):
+            raise WaitTimeoutError(f"the exporter's {self._direction} did not finish within {timeout} s; it stays "
+                                   "in flight, and its buffer in use, until it ends")
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+
+    def __await__(self) -> Any:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+        self._waiter.then(wake)
+        yield from future.__await__()
+        exc = self.exception()
+        if exc is not None:
+            raise exc
 
 
 class Importer:

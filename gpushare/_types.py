@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 #: A path between two processes, fastest first in :data:`PATH_NAMES`.
-PathName: TypeAlias = Literal["same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "ucx-rma"]
+PathName: TypeAlias = Literal["same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "cma", "ucx-rma"]
 #: How same-node memory is handed over by :func:`gpushare.export_buffer`.
 HandleType: TypeAlias = Literal["posix-fd", "fabric", "cuda-ipc"]
 #: A named lifetime policy of :func:`gpushare.export`.
@@ -38,7 +38,9 @@ Lifetime: TypeAlias = LifetimeName | int
 #: Where memory lives: a CUDA device ordinal, or host memory (``"cpu"`` is a synonym of ``"host"``).
 Device: TypeAlias = int | Literal["host", "cpu"]
 
-PATH_NAMES: tuple[PathName, ...] = ("same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "ucx-rma")
+PATH_NAMES: tuple[PathName, ...] = ("same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "cma", "ucx-rma")
+#: Paths that do not map the memory: the importer copies with get/put.
+COPIED_PATHS: tuple[PathName, ...] = ("cma", "ucx-rma")
 HANDLE_TYPES: tuple[HandleType, ...] = ("posix-fd", "fabric", "cuda-ipc")
 _OLD_HANDLE_TYPES = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}
 

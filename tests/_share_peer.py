@@ -253,6 +253,55 @@ def _revoke_all(state: dict, shares: list) -> None:
         share.revoke()
 
 
+def _no_ptrace(state: dict) -> bool:
+    """Give up CAP_SYS_PTRACE (effective and permitted), as a process of an
+    ordinary user has it: True when it is gone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, for two 32-bit words
+    if libc.capget(header, data) != 0:
+        return False
+    bit = 1 << 19  # CAP_SYS_PTRACE
+    data[0] &= ~bit
+    data[1] &= ~bit
+    if libc.capset(header, data) != 0:
+        return False
+    libc.capget(header, data)
+    return not data[0] & bit
+
+
+def _undumpable(state: dict) -> None:
+    """Mark this process not dumpable: only a process with CAP_SYS_PTRACE may
+    then read or write its memory."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
+def _forge_cma(state: dict, name: str, direction: str, offset: int, n: int, address: int | None = None,
+               closed: bool = False) -> str:
+    """Ask the exporter for a cma copy the view's own checks would refuse
+    (past its end, a put on a read-only share, a bad address, after the
+    view closed): what it says."""
+    from gpushare import _buffers
+
+    view = state["views"][name]
+    if closed:
+        view.close()
+    buf = bytearray(max(n, 1))
+    local = _buffers.resolve(buf, writable=True)
+    if address is not None:
+        local.address = address
+    local.nbytes = n
+    try:
+        view._peer.copy(direction, offset, local).wait(10)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "copied"
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -279,4 +328,7 @@ HANDLERS = {
     "drop_exports": _drop_exports,
     "export_desc": _export_desc,
     "revoke_all": _revoke_all,
+    "no_ptrace": _no_ptrace,
+    "undumpable": _undumpable,
+    "forge_cma": _forge_cma,
 }

@@ -325,7 +325,7 @@ def test_a_non_contiguous_array_is_refused_with_the_fix():
 def test_a_broken_ucx_connection_says_the_exporter_went_away():
     exporter = Child(_share_peer.setup)
     share = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
-    view = gs.open(share)
+    view = gs.open(share, prefer="ucx-rma")
     try:
         assert view.path == "ucx-rma"
         assert exporter.close(timeout=30) == 0
@@ -338,7 +338,7 @@ def test_a_broken_ucx_connection_says_the_exporter_went_away():
 
 def test_a_revoked_ucx_share_says_the_exporter_closed_it():
     share = gs.export(np.zeros(4096, np.uint8), lifetime="revoked")
-    view = gs.open(share, exclude="same-process")
+    view = gs.open(share, exclude="same-process,cma")
     try:
         assert view.path == "ucx-rma"
         view.get(bytearray(16))

@@ -26,8 +26,8 @@ def test_share_arrays_host_memory():
     out = run_example("share_arrays.py", "--host")
     assert "exporter: arrays are numpy" in out
     assert "importer: allocated: path=host-fd" in out
-    assert "importer: plain: path=ucx-rma" in out
-    assert re.search(r"importer: plain: why=ucx-rma: .*not host-fd: not offered", out)
+    assert "importer: plain: path=cma" in out
+    assert re.search(r"importer: plain: why=cma: .*not host-fd: not offered", out)
     assert out.count("match=True") == 2
     assert out.count("sees the importer's writes: True") == 2
 
@@ -44,10 +44,10 @@ def test_share_arrays_cupy():
 
 def test_multiprocessing_pool_and_queue():
     out = run_example("multiprocessing_pool_queue.py")
-    assert out.count("input via host-fd, output via ucx-rma, checksum ok") == 8
+    assert out.count("input via host-fd, output via cma, checksum ok") == 8
     assert "pool: parent sees every chunk doubled: True" in out
     for k in range(3):
-        assert f"queue: item{k} via ucx-rma: consumer read it: True, parent sees its write: True" in out
+        assert f"queue: item{k} via cma: consumer read it: True, parent sees its write: True" in out
 
 
 def test_torch_distributed_exchange():
@@ -57,7 +57,7 @@ def test_torch_distributed_exchange():
     for rank, owner in ((0, 1), (1, 0)):
         assert (f"rank {rank}: allocated of rank {owner} via host-fd: slot ok: True, "
                 "zero-copy read ok: True") in out
-        assert f"rank {rank}: tensor of rank {owner} via ucx-rma: slot ok: True" in out
+        assert f"rank {rank}: tensor of rank {owner} via cma: slot ok: True" in out
         for name in ("allocated", "tensor"):
             assert f"rank {rank}: {name}: all 2 slots filled: True" in out
 

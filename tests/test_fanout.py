@@ -39,7 +39,7 @@ def _check(report: dict, a: np.ndarray, paths: tuple[str, ...]) -> None:
 
 @pytest.fixture(scope="module")
 def arrays():
-    plain = (np.arange(3000, dtype=np.float32) * 0.5).reshape(30, 100)  # not gpushare's: ucx-rma
+    plain = (np.arange(3000, dtype=np.float32) * 0.5).reshape(30, 100)  # not gpushare's: cma
     mapped = gs.zeros((64, 8), dtype=np.int16)  # gpushare's: host-fd
     mapped[:] = np.arange(512, dtype=np.int16).reshape(64, 8)
     return plain, mapped
@@ -53,7 +53,7 @@ def test_pool_workers_all_open_a_share_with_the_default_lifetime(method, arrays)
     with mp.get_context(method).Pool(3) as pool:
         reports = pool.map(_fanout_worker.read, [plain_share, mapped_share] * 4, chunksize=1)
     for i, report in enumerate(reports):
-        _check(report, plain if i % 2 == 0 else mapped, ("ucx-rma",) if i % 2 == 0 else ("host-fd",))
+        _check(report, plain if i % 2 == 0 else mapped, ("cma",) if i % 2 == 0 else ("host-fd",))
     assert registered(plain_share) is not None  # still held here: still openable
 
 
@@ -64,7 +64,7 @@ def test_process_pool_executor_workers_all_open_a_temporary_share(method, arrays
         # The share and its array exist only in the argument list.
         reports = list(ex.map(_fanout_worker.read, [gs.export(plain.copy())] * 5))
     for report in reports:
-        _check(report, plain, ("ucx-rma",))
+        _check(report, plain, ("cma",))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -111,7 +111,7 @@ def test_auto_keeps_the_object_while_the_share_is_held_and_ends_with_it(peer):
     del box
     export = registered(share)
     for i in range(3):  # one importer after another: each finds it open
-        assert peer.call("open", f"a{i}", share)["path"] == "ucx-rma"
+        assert peer.call("open", f"a{i}", share)["path"] == "cma"
         assert peer.call("digest", f"a{i}") == hashlib.sha256(bytes(np.arange(4096, dtype=np.uint64)
                                                                     .astype(np.uint8))).hexdigest()
         peer.call("close", f"a{i}")
@@ -184,7 +184,7 @@ def test_auto_unweakrefable_object_is_kept_while_the_share_is(peer):
     del data
     peer.call("open", "b1", share)
     peer.call("close", "b1")
-    assert peer.call("open", "b2", share)["path"] == "ucx-rma"
+    assert peer.call("open", "b2", share)["path"] == "cma"
     assert peer.call("digest", "b2") == hashlib.sha256(bytes(range(256)) * 16).hexdigest()
     peer.call("close", "b2")
     export = registered(share)

@@ -132,7 +132,7 @@ def test_doctor_reports_capabilities_and_decisions():
     data = json.loads(r.stdout)
     assert {d["path"] for d in data["decisions"]} >= {"host-fd", "ucx-rma"}
     assert r.returncode == 0 and data["ok"] is True
-    assert data["live_check"] == {"host-fd": "works", "ucx-rma": "works"}
+    assert data["live_check"] == {"host-fd": "works", "cma": "works", "ucx-rma": "works"}
 
 
 def test_demo_json_and_progress():
@@ -165,7 +165,7 @@ def test_cli_version_and_plain_help():
 
 
 def test_doctor_fails_when_no_path_works_between_two_processes():
-    env = dict(os.environ, GPUSHARE_EXCLUDE_PATHS="host-fd,ucx-rma")
+    env = dict(os.environ, GPUSHARE_EXCLUDE_PATHS="host-fd,cma,ucx-rma")
     r = subprocess.run([sys.executable, "-m", "gpushare", "doctor"], capture_output=True, text=True, timeout=120,
                        env=env)
     assert r.returncode == 1, r.stdout + r.stderr

@@ -89,15 +89,16 @@ def test_broker_and_control_serve_fds_numbered_above_1024(exporter, monkeypatch)
     assert exporter.call("stats")["exporter"]["local_sessions"] == 0
 
 
-@pytest.mark.parametrize("kind,path", [("numpy", "ucx-rma"), ("host", "host-fd")])
+@pytest.mark.parametrize("kind,path", [("numpy", "ucx-rma"), ("numpy", "cma"), ("host", "host-fd")])
 def test_no_connection_outlives_its_open(exporter, kind, path):
     share = exporter.call("export", kind, MiB, {"lifetime": "revoked"})
     importer = Child(_share_peer.setup)
+    how = {"prefer": path}
     try:
-        assert importer.call("cycle", share, 1) == path
+        assert importer.call("cycle", share, 1, how) == path
         time.sleep(SETTLE)
         before = (importer.call("stats")["sockets"], exporter.call("stats")["sockets"])
-        assert importer.call("cycle", share, 200, timeout=300) == path
+        assert importer.call("cycle", share, 200, how, timeout=300) == path
         time.sleep(SETTLE)
         after = (importer.call("stats")["sockets"], exporter.call("stats")["sockets"])
         assert after == before
@@ -120,7 +121,7 @@ def test_registry_returns_to_its_start_after_shares_end(exporter):
             assert view.path == "host-fd"
     for share in counted:
         for _ in range(2):
-            with gs.open(share, exclude=["same-process"]) as view:
+            with gs.open(share, exclude=["same-process", "cma"]) as view:
                 assert view.path == "ucx-rma"
     exporter.call("revoke_all", revoked)
     assert _wait_for(lambda: exporter.call("stats")["exporter"]["exports"] == start["exporter"]["exports"])
@@ -330,7 +331,7 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
             dropped = True
         assert dropped
     with gs.open(share, exclude=["same-process"]) as view:  # and it serves others
-        assert view.path == "ucx-rma"
+        assert view.path == "cma"
     share.revoke()
 
 
@@ -378,12 +379,12 @@ def test_a_shares_region_is_added_on_its_first_remote_open_and_removed_when_no_v
     assert export.region is None  # exporting registers nothing
     importer = Child(_share_peer.setup)
     try:
-        assert importer.call("open", "a", share)["path"] == "ucx-rma"
+        assert importer.call("open", "a", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"
         assert export.region is not None
         assert importer.call("get", "a", 0, 4) == bytes(range(4))
         importer.call("close", "a")
         assert _wait_for(lambda: export.region is None, 10)
-        assert importer.call("open", "b", share)["path"] == "ucx-rma"  # added again
+        assert importer.call("open", "b", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"  # added again
         assert importer.call("get", "b", 4, 4) == bytes(range(4, 8))
         share.revoke()  # and removed when the share ends
         assert export.region is None

@@ -30,6 +30,10 @@ def peer():
     child.close()
 
 
+#: The paths that copy plain memory: cma on this node by default, ucx-rma when asked for.
+COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"}, "ucx-rma", id="ucx-rma")]
+
+
 # ---------------------------------------------------------------- plain data
 
 
@@ -40,7 +44,7 @@ def test_share_is_plain_immutable_data():
     assert again == share and hash(again) == hash(share)
     assert share.nbytes == 4000 and share.shape == (10, 100) and share.typestr == "<f4"
     assert share.device == "host"
-    assert share.offers == ("same-process", "ucx-rma")
+    assert share.offers == ("same-process", "cma", "ucx-rma")
     with pytest.raises(AttributeError):
         share.nbytes = 5
     with pytest.raises(TypeError):
@@ -134,11 +138,12 @@ def test_host_fd_between_processes_is_zero_copy_both_ways(peer):
     peer.call("close", "hfd")
 
 
-def test_numpy_array_goes_over_ucx_rma(peer):
+@pytest.mark.parametrize("how, path", COPIED)
+def test_numpy_array_goes_over_a_copying_path(peer, how, path):
     arr = np.arange(MiB, dtype=np.uint32)
     share = gs.export(arr)
-    info = peer.call("open", "rma", share)
-    assert info["path"] == "ucx-rma"
+    info = peer.call("open", "rma", share, how)
+    assert info["path"] == path and info["warnings"] == []
     assert "not host-fd: not offered" in info["why"]
     assert peer.call("get", "rma", 4 * 10, 8) == arr[10:12].tobytes()
     peer.call("put", "rma", 0, np.array([123456789], np.uint32).tobytes())
@@ -146,12 +151,13 @@ def test_numpy_array_goes_over_ucx_rma(peer):
     peer.call("close", "rma")
 
 
-def test_remote_view_refuses_zero_copy_and_checks_bounds():
+@pytest.mark.parametrize("how, path", COPIED)
+def test_remote_view_refuses_zero_copy_and_checks_bounds(how, path):
     child = Child(_share_peer.setup)
     try:
         share = child.call("export", "numpy", 4096)
-        with gs.open(share) as view:
-            assert view.path == "ucx-rma"
+        with gs.open(share, **how) as view:
+            assert view.path == path
             with pytest.raises(gs.UnsupportedError, match="use view.get"):
                 np.asarray(view)
             with pytest.raises(gs.OutOfBoundsError):
@@ -269,17 +275,18 @@ def test_lifetime_none_keeps_nothing_alive(peer):
         gs.export(bytearray(10), lifetime="none")
 
 
-def test_revocation_stops_remote_access_but_not_existing_mappings(peer):
+@pytest.mark.parametrize("how, path", COPIED)
+def test_revocation_stops_remote_access_but_not_existing_mappings(peer, how, path):
     arr = np.ones(MiB, np.uint8)
     buf = gs.allocate(MiB, device="host")
     rma_share = gs.export(arr, lifetime="revoked")
     fd_share = gs.export(buf, lifetime="revoked")
-    assert peer.call("open", "rv-rma", rma_share)["path"] == "ucx-rma"
+    assert peer.call("open", "rv-rma", rma_share, how)["path"] == path
     assert peer.call("open", "rv-fd", fd_share)["path"] == "host-fd"
     rma_share.revoke()
     fd_share.revoke()
     # Remote access stops at once...
-    with pytest.raises(Exception, match="UCX|Connection|connection|reset|failed"):
+    with pytest.raises(Exception, match="ClosedError.*revoked" if path == "cma" else "UCX|Connection|connection|reset|failed"):
         peer.call("get", "rv-rma", 0, 16)
     # ...but a mapping already made on this node cannot be taken back.
     np.asarray(buf)[:4] = 5
@@ -305,7 +312,7 @@ def test_importer_death_counts_as_closed():
     del box
     child = Child(_share_peer.setup)
     try:
-        assert child.call("open", "doomed", share)["path"] == "ucx-rma"
+        assert child.call("open", "doomed", share)["path"] == "cma"
         export = registered(share)
         assert export.opens == 1
         del share  # lifetime "auto": the share ends with its last import once nothing here holds it
@@ -373,12 +380,13 @@ def test_exporter_restarts_after_fork():
         assert view.path == "same-process"
 
 
-def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
+@pytest.mark.parametrize("how, path", COPIED)
+def test_views_refuse_use_after_fork_and_the_child_starts_fresh(how, path):
     exporter = Child(_share_peer.setup)
     try:
         share = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
-        view = gs.open(share)
-        assert view.path == "ucx-rma"
+        view = gs.open(share, **how)
+        assert view.path == path
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -387,8 +395,8 @@ def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
                     view.get(bytearray(8))
                 except gs.ClosedError as exc:
                     code = 0 if "fork" in str(exc) else 2
-                if code == 0:  # a fresh open in the child works, on its own UCX worker
-                    with gs.open(share) as again:
+                if code == 0:  # a fresh open in the child works, on its own connection
+                    with gs.open(share, **how) as again:
                         out = bytearray(8)
                         again.get(out)
                         code = 0 if out == bytes(range(8)) else 4
@@ -405,11 +413,13 @@ def test_views_refuse_use_after_fork_and_the_child_starts_fresh():
         exporter.close()
 
 
-def test_exporter_stalling_or_dying_mid_transfer_fails_in_bounded_time():
+@pytest.mark.parametrize("how, path", COPIED)
+def test_exporter_stalling_or_dying_mid_transfer_fails_in_bounded_time(how, path):
     exporter = Child(_share_peer.setup)
     try:
         share = exporter.call("export", "numpy", 8 * MiB, {"lifetime": "revoked"})
-        view = gs.open(share)
+        view = gs.open(share, **how)
+        assert view.path == path
         os.kill(exporter.proc.pid, signal.SIGSTOP)
         dst = bytearray(8 * MiB)
         start = time.monotonic()
@@ -417,7 +427,7 @@ def test_exporter_stalling_or_dying_mid_transfer_fails_in_bounded_time():
             view.get(dst, timeout=1.0)
         os.kill(exporter.proc.pid, signal.SIGKILL)
         exporter.proc.join(10)
-        with pytest.raises(gs.UCXError):
+        with pytest.raises(gs.ClosedError if path == "cma" else gs.UCXError):
             view.get(bytearray(16), timeout=30)
         assert time.monotonic() - start < 40
         view.close()
@@ -478,7 +488,7 @@ def test_lifetime_none_does_not_keep_the_object_alive_after_remote_opens(peer):
     box = Box(4096)
     share = gs.export(box, lifetime="none")
     ref = weakref.ref(box)
-    assert peer.call("open", "n-rma", share)["path"] == "ucx-rma"
+    assert peer.call("open", "n-rma", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"
     peer.call("close", "n-rma")
     export = registered(share)
     assert _wait_for(lambda: export.region is None)
@@ -549,7 +559,7 @@ def test_control_channel_survives_garbage(payload):
     # The exporter still serves real importers.
     child = Child(_share_peer.setup)
     try:
-        assert child.call("open", "after-garbage", share)["path"] == "ucx-rma"
+        assert child.call("open", "after-garbage", share)["path"] == "cma"
         assert child.call("get", "after-garbage", 0, 4) == bytes(range(4))
     finally:
         child.close()
@@ -572,16 +582,17 @@ def test_cuda_paths_are_chosen_only_where_cuda_can_map():
         assert any("cannot map CUDA memory" in why for why in left_out)
 
 
-def test_exporter_exits_cleanly_with_views_open():
+@pytest.mark.parametrize("how, path", COPIED)
+def test_exporter_exits_cleanly_with_views_open(how, path):
     exporter = Child(_share_peer.setup)
     share = exporter.call("export", "numpy", MiB, {"lifetime": "revoked"})
-    view = gs.open(share)
+    view = gs.open(share, **how)
     try:
-        assert view.path == "ucx-rma"
+        assert view.path == path
         start = time.monotonic()
         assert exporter.close(timeout=30) == 0  # a normal exit, not a kill after a hang
         assert time.monotonic() - start < 30
-        with pytest.raises(gs.UCXError):
+        with pytest.raises(gs.ClosedError if path == "cma" else gs.UCXError):
             view.get(bytearray(16), timeout=30)
         with pytest.raises(gs.ExporterUnreachableError):
             gs.open(share, timeout=5)

@@ -38,7 +38,7 @@ def _importer(shares, results) -> None:
         out = []
         for share in shares:
             with gs.open(share, timeout=30) as view:
-                if view.path == "ucx-rma":
+                if view.path in ("cma", "ucx-rma"):
                     arr = np.empty(view.shape, view.typestr)
                     view.get(arr)
                     dl = None
@@ -53,7 +53,7 @@ def _importer(shares, results) -> None:
                     del tensor
                 out.append({"path": view.path, "why": view.why, "typestr": arr.dtype.str, "shape": arr.shape,
                             "bytes": arr.tobytes(), "dlpack": dl, "writeable": arr.flags.writeable})
-                if view.path != "ucx-rma" and not share.readonly:
+                if view.path not in ("cma", "ucx-rma") and not share.readonly:
                     arr.view(np.uint8).reshape(-1)[0] ^= 0xFF  # the exporter must see this
                 del arr
         results.put(("ok", out))
@@ -109,9 +109,9 @@ def test_shareable_arrays_take_every_path_typed():
     b[...] = -a
     shares = [gs.export(a, readonly=True), gs.export(b[2:]), gs.export(gs.empty(3, np.complex128) * 0 + 1j)]
     assert [s.offers for s in shares[:2]] == [("same-process", "host-fd", "ucx-rma")] * 2
-    assert shares[2].offers == ("same-process", "ucx-rma")  # arithmetic made a plain NumPy array
+    assert shares[2].offers == ("same-process", "cma", "ucx-rma")  # arithmetic made a plain NumPy array
     seen = _open_elsewhere(*shares)
-    assert [s["path"] for s in seen] == ["host-fd", "host-fd", "ucx-rma"]
+    assert [s["path"] for s in seen] == ["host-fd", "host-fd", "cma"]
     assert seen[0]["bytes"] == a.tobytes() and seen[0]["writeable"] is False
     assert seen[0]["dlpack"] == ((0, 16, 1), (4, 8), True)  # read-only reaches DLPack consumers too
     assert (seen[1]["shape"], seen[1]["typestr"]) == ((2, 8), "<i2")
@@ -134,7 +134,7 @@ def test_dlpack_only_dtypes_round_trip_through_dlpack():
     assert seen[0]["path"] == "host-fd" and seen[0]["dlpack"][:2] == ((4, 16, 1), (2, 4))
     assert seen[0]["bytes"] == (np.arange(8, dtype=np.uint16) + 0x3F80).tobytes()  # as read before writing
     assert "dtype bfloat16 travels as DLPack (4, 16, 1)" in seen[0]["why"]
-    assert seen[1]["path"] == "ucx-rma" and seen[1]["bytes"] == bytes(range(6))
+    assert seen[1]["path"] == "cma" and seen[1]["bytes"] == bytes(range(6))
     for s in shares:
         s.revoke()
 
@@ -162,7 +162,7 @@ def test_a_strided_view_travels_with_its_strides_where_it_is_mapped():
     x[...] = np.arange(24, dtype=np.float32).reshape(4, 6)
     cols = x[1:, ::2]
     share = gs.export(cols, lifetime="revoked")
-    assert share.offers == ("same-process", "host-fd")  # get/put move bytes: no ucx-rma
+    assert share.offers == ("same-process", "host-fd")  # get/put move bytes: no cma, no ucx-rma
     assert (share.shape, share.strides, share.offset, share.nbytes) == ((3, 3), (24, 8), 24, 68)
     assert Share.from_bytes(share.to_bytes()) == share and pickle.loads(pickle.dumps(share)) == share
     path, shape, strides, values, dl_strides, dl_values, refused = _in_child(_strided_importer, share)
@@ -302,7 +302,7 @@ def _async_importer(share, results) -> None:
 def test_open_async_and_async_with_in_another_process():
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
     share = gs.export(arr)
-    assert _in_child(_async_importer, share) == (arr.tobytes(), "ucx-rma", False, True)
+    assert _in_child(_async_importer, share) == (arr.tobytes(), "cma", False, True)
     share.revoke()
 
 
