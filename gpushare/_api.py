@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -383,7 +384,7 @@ def _raise_refusal(reply: dict) -> None:
 
 
 def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,  # noqa: A001
-         timeout: float = 10.0, device: _types.Device | None = None) -> View:
+         timeout: float = 10.0, device: _types.Device | None = None, prefault: bool = False) -> View:
     """Open a share from any process that can reach the exporter.
 
     The best path for this pair is tried first, then the next ones if a
@@ -407,6 +408,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         map it on (``"host"``/``"cpu"`` are accepted for host shares only).  By default the calling thread's current device, where it
         can reach the memory; else the memory's own device, matched by UUID.
         The calling thread's current device is left as it was.
+    prefault : bool, default False
+        For host memory mapped into this process (host-fd): fault in every
+        page during the open (``MADV_POPULATE_READ``), so that the first
+        copy or store pays no page faults.  Ignored on other paths.
 
     Raises
     ------
@@ -423,6 +428,8 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidInputError("timeout must be a positive number of seconds")
+    if not isinstance(prefault, bool):
+        raise InvalidInputError("prefault must be a bool")
     if _types.is_host(device):
         if share.device != "host":
             raise InvalidInputError(
@@ -488,6 +495,14 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                 _raise_refusal(reply)
             try:
                 view = _import(share, path, reply.get("payload"), left(), fds, device, lease)
+                if prefault and view.device == "host" and view._mapped is not None:
+                    from ._paths import host_fd
+
+                    try:
+                        host_fd.prefault(view._mapped)
+                    except OSError as exc:
+                        view.close()
+                        raise GpuShareError(f"could not fault in the mapping ({exc.strerror})") from None
             except AccessDeniedError:
                 lease.failed()
                 raise  # a refusal is final: no other path may grant what this one refused
@@ -815,6 +830,9 @@ class View:
         self._closed = False
         self._cai_taken = False
         self._use = _MappingUse(mapped) if mapped is not None else None
+        # Mapped host memory: get/put of NumPy arrays take a short path (see _fast_array).
+        self._fast_ok = mapped is not None and self.device == "host" and share.strides is None
+        self._fast: Any = None
         self._finalizer = weakref.finalize(self, _release_view, self._use, self._lease)
         return self
 
@@ -839,6 +857,8 @@ class View:
         further use at once.
         """
         self._target = None
+        self._fast_ok = False
+        self._fast = None
         if self._finalizer.alive and not self._closed:
             log.debug("closing the %s view of share %s", self.path, self.share.share_id[:8])
         self._closed = True
@@ -971,6 +991,31 @@ class View:
             )
         return local, offset
 
+    def _fast_copy(self, buf: Any, offset: Any, get: bool) -> bool:
+        """Copy between a mapped host view and a C-contiguous NumPy array
+        within bounds with ``numpy.copyto``: a few microseconds a call less
+        than the general path, and faster than libc's memmove for large
+        copies.  False (nothing done) for anything else: the general path
+        checks it and says what is wrong."""
+        np_ = sys.modules.get("numpy")
+        if (not self._fast_ok or self._closed or np_ is None or type(buf) is not np_.ndarray
+                or type(offset) is not int):
+            return False
+        flags = buf.flags
+        n = buf.nbytes
+        if not flags.c_contiguous or (get and not flags.writeable) or not 0 <= offset <= self.nbytes - n:
+            return False
+        shared = self._fast
+        if shared is None:
+            raw = (ctypes.c_uint8 * self.nbytes).from_address(self._mapped.ptr + self.share.offset)
+            shared = self._fast = np_.ctypeslib.as_array(raw)
+        mine = buf if buf.dtype == np_.uint8 and buf.ndim == 1 else buf.reshape(-1).view(np_.uint8)
+        if get:
+            np_.copyto(mine, shared[offset:offset + n])
+        else:
+            np_.copyto(shared[offset:offset + n], mine)
+        return True
+
     def _cma(self, buf: Any, offset: int, direction: str) -> Any:
         """Ask the exporter to copy between ``buf`` and the share (cma path):
         a request; ``buf`` stays pinned until the copy ends."""
@@ -1048,6 +1093,8 @@ class View:
 
         The bytes are in ``dst`` when this returns.
         """
+        if stream is None and self._fast_copy(dst, offset, True):
+            return
         if self.path == "ucx-rma":
             self._span(dst, offset, True)[0].release()  # checks bounds and the buffer
             with _rma_errors(self.share):
@@ -1069,6 +1116,8 @@ class View:
         bytes in its memory).
         """
         self._check_writable()
+        if stream is None and self._fast_copy(src, offset, False):
+            return
         if self.path == "ucx-rma":
             self._span(src, offset, False)[0].release()
             with _rma_errors(self.share):

@@ -238,7 +238,7 @@ class _HostOwner:
         self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (buffer.ptr, False), "version": 3}
 
 
-def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
+def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_pages: Any = "auto") -> Any:
     """A new array in memory other processes can map: uninitialised.
 
     Parameters
@@ -251,6 +251,8 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
         ``"host"`` (or ``"cpu"``): a NumPy array over
         :func:`gpushare.allocate` host memory.  An int: a :class:`CudaArray`
         over CUDA virtual memory of that device.
+    huge_pages : {"auto", "thp", "hugetlb", False}, default "auto"
+        For host arrays: as for :func:`gpushare.allocate`.
 
     Returns
     -------
@@ -272,27 +274,27 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
     if _types.is_host(device):
         import numpy as np
 
-        buf = allocate(max(nbytes, 1), device="host")
+        buf = allocate(max(nbytes, 1), device="host", huge_pages=huge_pages)
         return np.asarray(_HostOwner(buf, dims, typestr))
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a CUDA device ordinal")
-    buf = allocate(max(nbytes, 1), device=device)
+    buf = allocate(max(nbytes, 1), device=device, huge_pages=huge_pages)
     return CudaArray._make(buf, int(buf.handle), dims, typestr, device)
 
 
-def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host") -> Any:
+def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_pages: Any = "auto") -> Any:
     """:func:`empty`, filled with zeros.
 
     Parameters
     ----------
-    shape, dtype, device
+    shape, dtype, device, huge_pages
         As for :func:`empty`.
 
     Returns
     -------
     numpy.ndarray or CudaArray
     """
-    arr = empty(shape, dtype, device=device)
+    arr = empty(shape, dtype, device=device, huge_pages=huge_pages)
     if isinstance(arr, CudaArray):
         from ._paths import _cuda
 

@@ -611,7 +611,10 @@ class _Session(Protocol):
                 reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
             conn.send(_control.pack(reply))
 
-        cma.copier().submit(job)
+        if n <= cma.INLINE:
+            job()  # a short copy: on this thread, which saves a hand-over to a copy thread
+        else:
+            cma.copier().submit(job)
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the

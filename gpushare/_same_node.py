@@ -23,7 +23,8 @@ from ._paths import host_fd
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
 
-def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = None) -> Any:
+def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = None,
+             huge_pages: Any = "auto") -> Any:
     """Allocate memory that another process can import.
 
     Parameters
@@ -40,6 +41,16 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
         mapped contiguously in address order.  Rounded up to the CUDA
         allocation granularity; for host memory, a multiple of the page size.
         One allocation by default.
+    huge_pages : {"auto", "thp", "hugetlb", False}, default "auto"
+        Host memory only.  ``"auto"``: advise transparent huge pages for a
+        buffer of 2 MiB or more, as NumPy does for its large arrays (they back
+        it where the system's ``transparent_hugepage/shmem_enabled`` honours
+        the advice; ``buf.huge_pages`` says whether it does).  ``"thp"``:
+        advise them at any size.  ``"hugetlb"``: take reserved huge pages
+        (``vm.nr_hugepages``), faulted in at once; :class:`UnsupportedError`
+        where there are not enough.  ``False``: ordinary pages.  Fewer pages
+        make allocation, first touch and importers' first copies cheaper
+        (see docs/benchmarks.md).
 
     Returns
     -------
@@ -59,7 +70,10 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
     if chunk_size is not None:
         chunk_size = _integer(chunk_size, "chunk_size")
     if _types.is_host(device):
-        return host_fd.allocate_host(size, chunk_size=chunk_size)
+        return host_fd.allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
+    if huge_pages != "auto":
+        raise InvalidInputError("huge_pages= is for host memory; CUDA virtual memory uses the device's own "
+                                "large pages (its allocation granularity)")
     if isinstance(device, str):
         raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a device ordinal")
     ordinal = _integer(device, "device")

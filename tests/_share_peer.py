@@ -138,8 +138,8 @@ def _export(state: dict, kind: str, size: int, kwargs: dict | None = None) -> An
 
     import gpushare as gs
 
-    if kind == "host":
-        obj = gs.allocate(size, device="host")
+    if kind in ("host", "host4k"):  # host4k: ordinary pages whatever the system's huge-page settings
+        obj = gs.allocate(size, device="host", huge_pages="auto" if kind == "host" else False)
         np.asarray(obj)[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)
     else:
         obj = np.arange(size, dtype=np.uint64).astype(np.uint8)

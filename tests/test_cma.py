@@ -103,15 +103,18 @@ def test_batches_and_asyncio_over_cma(peer):
 
 
 def test_cma_copies_run_on_two_threads_whatever_the_number_of_views():
-    arrays = [np.full(4096, i % 256, np.uint8) for i in range(64)]
+    from gpushare._paths import cma
+
+    size = 2 * cma.INLINE  # copies this large leave the service thread
+    arrays = [np.full(size, i % 256, np.uint8) for i in range(16)]
     shares = [gs.export(x) for x in arrays]
     views = [gs.open(s, exclude=["same-process"]) for s in shares]
     try:
         before = threading.active_count()
-        out = bytearray(4096)
+        out = bytearray(size)
         for i, v in enumerate(views):
             v.get(out)
-            assert out[0] == i % 256
+            assert out[0] == out[-1] == i % 256
         assert threading.active_count() - before <= 2
         assert sum(t.name.startswith("gpushare-cma") for t in threading.enumerate()) == 2
     finally:

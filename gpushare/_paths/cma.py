@@ -32,6 +32,11 @@ __all__ = ["available", "check_access", "copy", "copier"]
 
 log = logging.getLogger("gpushare")
 
+#: Copies up to this size run on the service thread (tens of microseconds);
+#: larger ones on the copy threads, so the control channel keeps answering
+#: and two large copies run at once.
+INLINE = 1 << 20
+
 #: Bytes the exporter moves per system call (the kernel pins the pages of
 #: each call; bounded pieces keep one transfer from pinning gigabytes).
 PIECE = 64 << 20
@@ -120,10 +125,10 @@ def copy(pid: int, local: int, remote: int, n: int, *, into_remote: bool) -> Non
 
 class _Copier:
     """The exporter's copy threads: two per process, whatever the number of
-    shares and importers.  Copies never run on the service thread, so a
-    large one, or one into memory whose page faults are slow, does not hold
-    up the control channel.  Daemon threads: a copy that never ends does not
-    hold up the interpreter's exit."""
+    shares and importers.  Copies larger than :data:`INLINE` run here, not
+    on the service thread, so they do not hold up the control channel.
+    Daemon threads: a copy that never ends does not hold up the
+    interpreter's exit."""
 
     THREADS = 2
 

@@ -17,6 +17,7 @@ while a ``memoryview`` or NumPy array still uses it, which is what keeps
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -57,19 +58,34 @@ def _mmap_fixed() -> Any:
     return _libc_mmap
 
 
+def huge_page_size() -> int:
+    """The size of a huge page mapped by one page-table entry (2 MiB on x86-64)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE = huge_page_size()
+
+
 def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mmap, int]:
     """Map each fd (whole, from offset 0) back to back; returns the owning
-    ``mmap`` and the base address.  On failure nothing stays mapped."""
+    ``mmap`` and the base address.  A buffer of a huge page or more starts
+    on a huge-page boundary, so that huge pages (hugetlb memfds, or
+    transparent ones) can back it.  On failure nothing stays mapped."""
     total = sum(sizes)
+    align = HUGE if total >= HUGE else PAGE
     region = mmap.mmap(
         -1,
-        total,
+        total + align - PAGE,
         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
         prot=mmap.PROT_READ | mmap.PROT_WRITE,
     )
     try:
         anchor = ctypes.c_char.from_buffer(region)
-        base = ctypes.addressof(anchor)
+        base = _round_up(ctypes.addressof(anchor), align)
         del anchor  # releases the buffer export again
         fixed = _mmap_fixed()
         offset = 0
@@ -149,7 +165,7 @@ class HostBuffer:
     memory.  A buffer nobody closed is released when it is garbage collected.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_ptr", "_res", "_size", "_sizes")
+    __slots__ = ("__weakref__", "_finalizer", "_huge", "_off", "_ptr", "_res", "_size", "_sizes")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
@@ -164,10 +180,21 @@ class HostBuffer:
         self = object.__new__(cls)
         self._res = _Resources(region, fds)
         self._ptr = ptr
+        anchor = ctypes.c_char.from_buffer(region)
+        self._off = ptr - ctypes.addressof(anchor)  # where the buffer starts in its reservation
+        del anchor
         self._size = size
         self._sizes = sizes
+        self._huge: str | None = None
         self._finalizer = weakref.finalize(self, _release, self._res)
         return self
+
+    @property
+    def huge_pages(self) -> str | None:
+        """How the allocation asked for huge pages: ``"hugetlb"`` (reserved
+        huge pages, certain), ``"thp"`` (transparent huge pages advised, and
+        this system's shmem setting honours the advice), or ``None``."""
+        return self._huge
 
     @property
     def size(self) -> int:
@@ -208,7 +235,7 @@ class HostBuffer:
 
     def memoryview(self) -> memoryview:
         """A writable byte view of the buffer (the buffer protocol)."""
-        return memoryview(self._region())[: self._size]
+        return memoryview(self._region())[self._off : self._off + self._size]
 
     def __buffer__(self, flags: int) -> memoryview:
         return self.memoryview()
@@ -249,17 +276,44 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def allocate_host(size: int, *, chunk_size: int | None = None) -> HostBuffer:
+#: ``huge_pages=`` values of :func:`allocate_host`.
+HUGE_PAGES = ("auto", "hugetlb", "thp", False)
+_MFD_HUGETLB = 0x0004  # Linux; os does not export it
+
+
+def shmem_thp() -> str:
+    """This system's setting for transparent huge pages in shared memory."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
+def allocate_host(size: int, *, chunk_size: int | None = None, huge_pages: Any = "auto") -> HostBuffer:
     """A memfd-backed host buffer of ``size`` bytes in allocations of at most
-    ``chunk_size`` bytes (a multiple of the page size; one allocation by default)."""
+    ``chunk_size`` bytes (a multiple of the page size; one allocation by default).
+
+    ``huge_pages``: ``"auto"`` advises transparent huge pages for a buffer of
+    a huge page or more (as NumPy does for its large arrays; they back it
+    where the system's shmem setting allows); ``"thp"`` advises them at any
+    size; ``"hugetlb"`` takes reserved huge pages (``vm.nr_hugepages``) and
+    raises :class:`UnsupportedError` where there are not enough; ``False``
+    uses ordinary pages."""
+    if huge_pages not in HUGE_PAGES or isinstance(huge_pages, bool) and huge_pages:
+        raise InvalidInputError(f"huge_pages is {huge_pages!r}; expected 'auto', 'thp', 'hugetlb' or False")
     if size <= 0 or size >= MAX_SIZE:
         raise InvalidInputError(f"size is {size}; expected 1 to 2**63 - 1")
+    unit = HUGE if huge_pages == "hugetlb" else PAGE
     if chunk_size is None:
-        chunk = _round_up(size, PAGE)
+        chunk = _round_up(size, unit)
     else:
-        if chunk_size <= 0 or chunk_size % PAGE:
+        if chunk_size <= 0 or chunk_size % unit:
             raise InvalidInputError(
-                f"chunk_size is {chunk_size}; expected a positive multiple of the page size {PAGE}"
+                f"chunk_size is {chunk_size}; expected a positive multiple of the "
+                f"{'huge ' if unit == HUGE else ''}page size {unit}"
             )
         chunk = chunk_size
     count = -(-size // chunk)
@@ -267,22 +321,88 @@ def allocate_host(size: int, *, chunk_size: int | None = None) -> HostBuffer:
         raise InvalidInputError(
             f"size {size} in chunks of {chunk} makes {count} allocations; at most {MAX_ALLOCATIONS}"
         )
-    sizes = [chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), PAGE)]
+    sizes = [chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), unit)]
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (_MFD_HUGETLB if huge_pages == "hugetlb" else 0)
     fds: list[int] = []
     try:
         for n in sizes:
-            fd = os.memfd_create("gpushare", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = os.memfd_create("gpushare", flags)
             fds.append(fd)
             os.ftruncate(fd, n)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         region, ptr = _map_contiguously(fds, sizes)
+        if huge_pages == "hugetlb":
+            _populate(ptr, sum(sizes), write=True)  # reserved pages are taken now, or it fails here
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        if huge_pages != "hugetlb":
+            raise
+        raise UnsupportedError(
+            f"cannot allocate {sum(sizes)} bytes of reserved huge pages ({exc.strerror}): this system has "
+            f"{_hugetlb_free()} free huge pages of {HUGE} bytes; reserve more with "
+            "`sysctl vm.nr_hugepages=N` (as root), or use huge_pages='thp' or 'auto'"
+        ) from None
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     buf = HostBuffer._create(region, ptr, size, tuple(sizes), fds)
+    if huge_pages == "hugetlb":
+        buf._huge = "hugetlb"
+    elif huge_pages == "thp" or (huge_pages == "auto" and sum(sizes) >= HUGE):
+        region.madvise(mmap.MADV_HUGEPAGE, buf._off, sum(sizes))
+        if shmem_thp() in ("always", "within_size", "advise", "force"):
+            buf._huge = "thp"
     _allocated.add(buf)
     return buf
+
+
+def _hugetlb_free() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    return line.split()[1]
+    except OSError:
+        pass
+    return "no"
+
+
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
+_madvise: Any = None
+
+
+def _populate(ptr: int, length: int, *, write: bool) -> None:
+    """Fault in ``length`` bytes at ``ptr`` now (page tables and, for a
+    write, the pages themselves), in the kernel: no page fault on first use."""
+    global _madvise
+    if _madvise is None:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise = fn
+    if _madvise(ptr, length, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:
+            raise OSError(err, os.strerror(err))
+        # A kernel before 5.14: touch one byte per page instead.
+        raw = (ctypes.c_char * length).from_address(ptr)
+        for i in range(0, length, PAGE):
+            if write:
+                raw[i] = raw[i]
+            else:
+                raw[i]  # noqa: B018 - the read is the point
+
+
+def prefault(buf: HostBuffer) -> None:
+    """Fault in every page of an imported (or allocated) buffer now, so that
+    the first copy or store pays no page faults.  A read fault is enough:
+    a shared mapping of shared memory gets writable entries from it, and
+    it maps pages that are already there around each fault."""
+    if buf.is_closed:
+        raise ClosedError("the host buffer is closed")
+    _populate(buf.ptr, sum(buf.sizes), write=False)
 
 
 #: Buffers this process allocated (and can export), to find the one an array lies in.
