@@ -77,6 +77,27 @@ def _torch_sum(state: dict, name: str) -> int:
     return int(t.to(torch.int64).sum())
 
 
+def _torch_read(state: dict, name: str) -> dict:
+    """Read a view into torch: a copy with ``view.get`` into a tensor of the
+    share's dtype (named for DLPack-only dtypes), and, where the path maps
+    memory, ``torch.from_dlpack`` of the view, into which it then writes 7
+    at element 0 (as the share's dtype)."""
+    import torch
+
+    view = state["views"][name]
+    dtype = getattr(torch, view.share.dtype_name) if view.share.dtype_name else {
+        "<f4": torch.float32, "<i8": torch.int64, "<f8": torch.float64, "|u1": torch.uint8}[view.typestr]
+    copy = torch.empty(view.shape, dtype=dtype)
+    view.get(copy)
+    out = {"copy": (str(copy.dtype), tuple(copy.shape), copy.view(torch.uint8).numpy().tobytes()), "mapped": None}
+    if view.path not in ("cma", "ucx-rma"):
+        mapped = torch.from_dlpack(view)
+        out["mapped"] = (str(mapped.dtype), tuple(mapped.shape), mapped.view(torch.uint8).numpy().tobytes())
+        mapped.view(-1)[0] = 7
+        del mapped
+    return out
+
+
 def _get_in_thread(state: dict, name: str, offset: int, n: int) -> bytes:
     from _procs import in_thread
 
@@ -312,6 +333,7 @@ HANDLERS = {
     "import_desc": _import_desc,
     "cupy_stream_roundtrip": _cupy_stream_roundtrip,
     "torch_sum": _torch_sum,
+    "torch_read": _torch_read,
     "get_in_thread": _get_in_thread,
     "open_close": _open_close,
     "import_close": _import_close,
