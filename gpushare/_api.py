@@ -98,6 +98,15 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None,
 
     if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
         obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
+    if memory_type == "cuda" and span[1]:
+        from ._paths import cuda_vmm
+
+        if not cuda_vmm.is_vmm_buffer(obj):
+            # A CuPy or torch array (a slice, a typed view) over gpushare.allocate
+            # memory: the importer maps the whole buffer and views its part.
+            found = cuda_vmm.containing(*span)
+            if found is not None:
+                obj, offset = found
     if memory_type == "host" and not isinstance(obj, HostBuffer):
         # An array over gpushare.allocate memory (a typed view, a slice):
         # the importer maps the whole buffer and views its part of it.
@@ -656,9 +665,8 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
         raise InvalidInputError("exporter sent a malformed descriptor")
     desc = _rebuild(*fields)
     size = getattr(desc, "size", None)
-    # A share of part of a host buffer maps the whole buffer and views its part.
-    if size != share.nbytes and not (share.device == "host" and isinstance(size, int)
-                                     and size >= share.offset + share.nbytes):
+    # A share of part of a buffer maps the whole buffer and views its part.
+    if size != share.nbytes and not (isinstance(size, int) and size >= share.offset + share.nbytes):
         raise InvalidInputError(f"descriptor is {size if size is not None else '?'} bytes; the share says "
                                 f"{share.nbytes} at offset {share.offset}")
     if fds:
@@ -896,7 +904,8 @@ class View:
         mapped = self._mapped
         if self.device == "host":
             return _buffers.LocalBuffer(mapped.ptr + self.share.offset, self.nbytes, "host", False, mapped)
-        return _buffers.LocalBuffer(int(mapped.handle), self.nbytes, "cuda", False, mapped, device=self.device)
+        return _buffers.LocalBuffer(int(mapped.handle) + self.share.offset, self.nbytes, "cuda", False, mapped,
+                                    device=self.device)
 
     def memoryview(self) -> memoryview:
         """A writable byte view of mapped host memory."""

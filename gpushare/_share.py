@@ -158,8 +158,6 @@ class Share:
         if not isinstance(readonly, bool):
             raise InvalidInputError("share readonly must be a bool")
         _int(offset, "offset", 0, _MAX_NBYTES - nbytes)
-        if offset and device != "host":
-            raise InvalidInputError("share offset is for host memory only")
         if dtype_name is not None and (not isinstance(dtype_name, str) or not _DTYPE_NAME.match(dtype_name)):
             raise InvalidInputError(f"share dtype_name {dtype_name!r:.40} is not a dtype name")
         if dlpack_dtype is not None:
@@ -274,7 +272,8 @@ class Share:
 
     @property
     def offset(self) -> int:
-        """Where the exported array starts in the buffer the host-fd path maps (0 for most shares)."""
+        """Where the exported array starts in the buffer the mapped paths map
+        (part of a ``gpushare.allocate`` buffer: a slice, a typed view); 0 for most shares."""
         return self._fields_[14]
 
     @property

@@ -409,18 +409,38 @@ def _described(arr: Any) -> dict:
 
 
 def new_array(state: dict, name: str, shape: tuple, dtype: str, zeros: bool, fill: int | None = None) -> dict:
-    """gs.zeros or gs.empty on device 0; optionally fill its bytes."""
+    """gs.zeros or gs.empty on device 0; optionally fill its bytes (an int:
+    every byte; bytes: the whole array)."""
     import gpushare as gs
 
     arr = (gs.zeros if zeros else gs.empty)(shape, dtype, device=0)
     state["bufs"][name] = arr
-    if fill is not None:
+    if isinstance(fill, bytes):
+        write_at(state, arr.ptr, fill)
+    elif fill is not None:
         with on_device(0):
             ok(drv().cuMemsetD8(arr.ptr, fill, arr.nbytes), "cuMemsetD8")
             ok(drv().cuCtxSynchronize(), "cuCtxSynchronize")
     out = _described(arr)
     out["bytes"] = read_ptr(arr.ptr, arr.nbytes)
     return out
+
+
+class _CaiSlice:
+    """Part of a CUDA array, as CuPy or torch would hand it over: only
+    ``__cuda_array_interface__``, holding the array it is part of."""
+
+    def __init__(self, base: Any, byte_offset: int, shape: tuple, typestr: str) -> None:
+        self.base = base
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": None, "version": 3,
+                                         "data": (base.ptr + byte_offset, False), "stream": None}
+
+
+def slice_array(state: dict, name: str, of: str, byte_offset: int, shape: tuple, typestr: str) -> dict:
+    """A view of part of array ``of`` (by byte offset), kept as ``name``."""
+    part = state["bufs"][name] = _CaiSlice(state["bufs"][of], byte_offset, shape, typestr)
+    cai = part.__cuda_array_interface__
+    return {"shape": cai["shape"], "typestr": cai["typestr"], "ptr": cai["data"][0]}
 
 
 def view_array(state: dict, name: str) -> dict:

@@ -26,6 +26,26 @@ def test_zeros_on_a_device_is_a_typed_cuda_array_that_posix_fd_carries(spawn):  
     assert seen["bytes"] == b"\x2a" * 30
 
 
+def test_part_of_a_cuda_array_keeps_the_mapped_path_with_its_offset(spawn):  # noqa: F811
+    exporter, importer = spawn(), spawn()
+    whole = bytes(range(256)) * 4  # 1 KiB: 16 rows of 16 float32
+    made = exporter.call("new_array", "a", (16, 16), "<f4", False, whole)
+    part = exporter.call("slice_array", "rows", "a", 4 * 64, (8, 16), "<f4")  # rows 4 to 11, as CuPy slices
+    assert part["shape"] == (8, 16) and part["ptr"] == made["ptr"] + 256
+    share = exporter.call("export", "rows")
+    assert share.offers == ("same-process", "posix-fd", "ucx-rma")  # not only ucx-rma, as plain CUDA memory gets
+    assert (share.offset, share.nbytes, share.shape) == (256, 512, (8, 16))
+    opened = importer.call("open_view", "v", share)
+    assert opened["path"] == "posix-fd" and opened["warnings"] == []
+    seen = importer.call("view_array", "v")
+    assert (seen["shape"], seen["typestr"]) == ((8, 16), "<f4")
+    assert seen["bytes"] == whole[256:768]  # the part, through its own pointer
+    assert importer.call("view_get", "v", 8, 4) == whole[264:268]
+    importer.call("view_put", "v", 0, b"\xee" * 4)
+    assert exporter.call("read_at", made["ptr"] + 252, 8) == whole[252:256] + b"\xee" * 4  # at the part's start
+    importer.call("close_view", "v")
+
+
 def test_a_cuda_channel_delivers_every_step_in_place(spawn):  # noqa: F811
     producer, consumer = spawn(), spawn()
     handle = producer.call("channel_create", (2, 8), "<u2", 2)

@@ -18,6 +18,7 @@ import ctypes
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -302,7 +303,27 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
         mr = _mapping_class()(ordinal, ptr, handles, sizes, types, fabric_reason, True)
         # Buffer.from_handle records the current context's default stream
         # for deallocation: it needs the context pushed above.
-        return Buffer.from_handle(ptr, size, mr=mr)
+        buf = Buffer.from_handle(ptr, size, mr=mr)
+    _allocated.add(buf)
+    return buf
+
+
+#: VMM buffers this process allocated (and can export), to find the one a CUDA array lies in.
+_allocated: weakref.WeakSet = weakref.WeakSet()
+
+
+def containing(address: int, nbytes: int) -> tuple[Any, int] | None:
+    """The open VMM buffer this process allocated that holds ``nbytes``
+    bytes at ``address`` (a slice or typed view of an array over it, made by
+    CuPy, torch or ``gpushare.empty``), and the offset in it."""
+    for buf in list(_allocated):
+        mr = getattr(buf, "memory_resource", None)
+        if mr is None or getattr(mr, "closed", True) or not getattr(mr, "exporter", False):
+            continue
+        start = int(buf.handle)
+        if start <= address and address + nbytes <= start + int(buf.size):
+            return buf, address - start
+    return None
 
 
 def is_vmm_buffer(buf: Any) -> bool:
