@@ -1682,6 +1682,11 @@ NB_MODULE(_native, m)
 {
   m.doc() = "gpushare's thin binding of libucxx (MemoryHandle, RemoteKey, RequestMem).";
 
+  // A forked child keeps its parent's native objects alive on purpose (their
+  // destructors would join threads the child does not have): no report of them.
+  m.def("quiet_leaks", []() { nb::set_leak_warnings(false); },
+        "Do not report native objects still alive at exit (a forked child keeps its parent's).");
+
   static nb::object nativeErrorType;
   nativeErrorType = nb::steal(PyErr_NewExceptionWithDoc(
     "gpushare._ucx._native.NativeError",

@@ -323,6 +323,26 @@ def _forge_cma(state: dict, name: str, direction: str, offset: int, n: int, addr
     return "copied"
 
 
+def _fork_sleeper(state: dict, seconds: float) -> int:
+    """Fork a child that sleeps (holding whatever it inherited) and exits."""
+    import time
+
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    state.setdefault("sleepers", []).append(pid)
+    return pid
+
+
+def _kill_sleepers(state: dict) -> None:
+    import signal
+
+    for pid in state.pop("sleepers", []):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -353,4 +373,6 @@ HANDLERS = {
     "no_ptrace": _no_ptrace,
     "undumpable": _undumpable,
     "forge_cma": _forge_cma,
+    "fork_sleeper": _fork_sleeper,
+    "kill_sleepers": _kill_sleepers,
 }

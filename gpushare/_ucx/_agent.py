@@ -29,7 +29,7 @@ from .._errors import (
     native_errors,
     translate,
 )
-from ._loader import native
+from ._loader import keep_forever, native
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
 
@@ -811,6 +811,23 @@ class Endpoint(_Connection):
         return f"<gpushare.ucx.Endpoint {'closed' if self._closed else 'open'}>"
 
 
+#: Agents of this process; in a forked child their native objects are kept,
+#: never destroyed (see :func:`keep_forever`).
+_live_agents: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for agent in list(_live_agents):
+        if agent._pid == os.getpid():
+            continue
+        keep_forever(agent._native)
+        for obj in list(agent._endpoints) + list(agent._handles):
+            keep_forever(obj._native)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Agent:
     """One UCX context and worker, with a progress thread.
 
@@ -879,6 +896,7 @@ class Agent:
             self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,
             self._quarantine, self._lock,
         )
+        _live_agents.add(self)
 
     # -- state ---------------------------------------------------------------
 

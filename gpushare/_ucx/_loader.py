@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import types
+from typing import Any
 
-__all__ = ["native"]
+__all__ = ["native", "keep_forever"]
 
 
 @functools.cache
@@ -21,3 +23,13 @@ def native() -> types.ModuleType:
     from . import _native
 
     return _native
+
+
+def keep_forever(obj: Any) -> None:
+    """Never destroy native object ``obj`` in this process, not even when
+    the interpreter exits and clears its modules.  For a forked child: its
+    parent's UCX objects must not run their destructors there, which would
+    join threads the child does not have (C++ then aborts the process) and
+    close the parent's connections.  Nothing reports them as leaked."""
+    native().quiet_leaks()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))

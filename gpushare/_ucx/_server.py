@@ -46,7 +46,7 @@ from ._agent import (
     mt_config,
     wake_timeout_ms,
 )
-from ._loader import native
+from ._loader import keep_forever, native
 
 __all__ = ["Server", "Region", "Client", "Peer", "server", "client", "node_config", "KEY_BYTES"]
 
@@ -116,13 +116,11 @@ class _Node:
             lb.release()
 
 
-_leaked: list[Any] = []  # a parent's native objects, never destroyed in a forked child
-
-
 def _abandon(node: _Node) -> None:
     # No lock: a thread of the parent may have held it when the process forked.
-    _leaked.append(node.native)
-    _leaked.extend(p._native for p in list(node.peers.values()))
+    keep_forever(node.native)
+    for p in list(node.peers.values()):
+        keep_forever(p._native)
 
 
 _NODE: PerProcess[_Node] = PerProcess(_Node, stop=_Node.stop, abandon=_abandon)

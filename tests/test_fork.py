@@ -1,0 +1,121 @@
+"""Fork-safe importers: a forked child holds none of its parent's leases,
+never destroys the parent's native objects, and exits quickly however it
+exits (sys.exit runs the interpreter's exit handlers), leaving the parent's
+views working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare._exporter import registered
+
+from _procs import Child, wait_for
+import _share_peer
+
+COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"}, "ucx-rma", id="ucx-rma"),
+          pytest.param({}, "host-fd", id="host-fd")]
+
+#: The importer: a program of its own (a forked child's sys.exit runs the
+#: interpreter's whole exit there, as in any program).
+_IMPORTER = r"""
+import json, os, sys, time
+import gpushare as gs
+
+share = gs.Share.from_bytes(bytes.fromhex(sys.argv[1]))
+how = json.loads(sys.argv[2])
+view = gs.open(share, **how)
+out = bytearray(8)
+view.get(out)
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        view.close()  # a no-op for the parent's lease
+        with gs.open(share, **how) as again:  # the child's own connection
+            buf = bytearray(8)
+            again.get(buf)
+            code = 0 if buf == bytes(range(8)) else 4
+    except BaseException:
+        code = 3
+    sys.exit(code)  # the interpreter's exit: atexit handlers, finalizers
+_, status = os.waitpid(pid, 0)
+took = time.monotonic() - start
+view.get(out, 8)  # the parent's view, after the child's exit
+view.put(b"after", 100)
+print(json.dumps({"path": view.path, "child": os.waitstatus_to_exitcode(status), "took": took,
+                  "after": list(out)}))
+view.close()
+"""
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+def test_a_child_that_exits_with_sys_exit_leaves_the_parents_view_working(how, path, monkeypatch):
+    key = os.urandom(16).hex()
+    monkeypatch.setenv("GPUSHARE_AUTHKEY", key)  # this process and the importer program
+    src = gs.empty(64 * 1024, np.uint8) if path == "host-fd" else np.zeros(64 * 1024, np.uint8)
+    src[:256] = np.arange(256)
+    share = gs.export(src)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", _IMPORTER, share.to_bytes().hex(), json.dumps(how)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["path"] == path and got["child"] == 0
+    assert got["took"] < 5, f"the forked child took {got['took']:.1f} s to exit"
+    assert got["after"] == list(range(8, 16))
+    assert bytes(src[100:105]) == b"after"
+    export = registered(share)
+    assert wait_for(lambda: export.opens == 0)  # the parent's lease and the child's, both ended
+
+
+def test_a_forked_child_does_not_keep_the_parents_lease_alive():
+    arr = np.arange(4096, dtype=np.uint8)
+    share = gs.export(arr, lifetime="closed")
+    peer = Child(_share_peer.setup)
+    try:
+        peer.call("open", "v", share)
+        export = registered(share)
+        assert export.opens == 1
+        # The importer forks a child that just lives on, then the importer closes.
+        peer.call("fork_sleeper", 30)
+        peer.call("close", "v")
+        assert wait_for(lambda: export.retired, 5), "the forked child kept the lease"
+    finally:
+        peer.call("kill_sleepers")
+        peer.close()
+
+
+_AGENT_FORK = r"""
+import os, sys, time
+import gpushare.ucx as gu
+
+agent = gu.Agent(progress="blocking")
+buf = bytearray(4096)
+handle = agent.create_memory_handle(len(buf), buf)
+peer = gu.Agent(progress="blocking")
+ep = peer.connect(agent.address)
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the parent's agents, endpoint and handle die with the child's interpreter
+_, status = os.waitpid(pid, 0)
+took = time.monotonic() - start
+print(os.waitstatus_to_exitcode(status), took, agent.address == agent.address, ep.closed)
+"""
+
+
+def test_a_child_exiting_never_destroys_its_parents_ucx_agents():
+    r = subprocess.run([sys.executable, "-c", _AGENT_FORK], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr
+    code, took, works, closed = r.stdout.split()
+    assert code == "0" and float(took) < 5 and works == "True" and closed == "False"
+    assert "leaked" not in r.stderr and "terminate" not in r.stderr
