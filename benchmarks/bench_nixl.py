@@ -1,6 +1,7 @@
-"""gpushare's region server against NIXL's UCX backend, same transport, one run.
+"""gpushare's region server against NIXL's UCX backend, same transport, same run.
 
-Run: ``python benchmarks/bench_nixl.py`` (``--quick`` for a short run).
+Run: ``python benchmarks/bench_nixl.py [--runs 5]`` (``--quick`` for fewer
+iterations per run).
 NIXL is optional: ``pip install nixl-cu13`` (module ``nixl_cu13``; its UCX
 backend works on host memory without a GPU).  Without it the script says so
 and exits 0.
@@ -14,8 +15,10 @@ waits for it, so each figure is what one synchronous caller gets:
 * a batch of 64 x 64 KiB: one request of 64 descriptors (NIXL) against one
   ``get_batch``/``put_batch`` (gpushare).
 
-Unit: MiB/s (2**20 bytes per second) everywhere; the ratio is gpushare /
-NIXL (above 1: gpushare faster).  Differences to keep in mind: NIXL moves
+Each figure is the median of ``--runs`` runs (lowest-highest) of either
+library, each run in processes of its own.  Unit: MiB/s (2**20 bytes per
+second) everywhere; the ratio is gpushare / NIXL of the medians (above 1:
+gpushare faster).  Differences to keep in mind: NIXL moves
 data with one-sided RMA and checks nothing on the target per request, and
 its target runs a polling progress thread (one busy core); gpushare's
 exporter checks every request (region, key, range) and sleeps while idle;
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -132,6 +136,11 @@ def gpushare_run(quick: bool) -> dict:
     return results
 
 
+def _fmt(values: list[float]) -> str:
+    """The median of the runs, then the lowest and the highest of them."""
+    return f"{statistics.median(values):7.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
 def _label(size) -> str:
     if size == "batch":
         return f"{BATCH} x {BATCH_SIZE // KiB} KiB"
@@ -140,7 +149,8 @@ def _label(size) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer iterations, one trial")
+    p.add_argument("--runs", type=int, default=5, help="runs of each library (median, lowest-highest)")
+    p.add_argument("--quick", action="store_true", help="fewer iterations per run")
     args = p.parse_args()
     try:
         import nixl_cu13  # noqa: F401
@@ -148,16 +158,17 @@ def main() -> int:
         print("NIXL is not installed (pip install nixl-cu13): skipping the comparison.")
         return 0
     os.environ["UCX_TLS"] = "tcp"  # both sides, both libraries, inherited by the spawned processes
-    trials = 1 if args.quick else 3
-    nixl = [nixl_run(args.quick) for _ in range(trials)]
-    ours = [gpushare_run(args.quick) for _ in range(trials)]
-    print(f"UCX_TLS=tcp, host memory, {os.cpu_count()} CPUs; best of {trials}; MiB/s; ratio = gpushare / NIXL\n")
-    print(f"{'op':>4} {'size':>14} {'gpushare':>10} {'NIXL':>10} {'ratio':>6}")
+    nixl = [nixl_run(args.quick) for _ in range(args.runs)]
+    ours = [gpushare_run(args.quick) for _ in range(args.runs)]
+    print(f"UCX_TLS=tcp, host memory, {os.cpu_count()} CPUs; median of {args.runs} runs (lowest-highest); "
+          "MiB/s; ratio = gpushare / NIXL of the medians\n")
+    print(f"{'op':>4} {'size':>14} {'gpushare':>22} {'NIXL':>22} {'ratio':>6}")
     for op in ("get", "put"):
         for size in [*SIZES, "batch"]:
-            g = max(r[(op, size)] for r in ours)
-            n = max(r[(op, size)] for r in nixl)
-            print(f"{op:>4} {_label(size):>14} {g:10.0f} {n:10.0f} {g / n:6.2f}")
+            g = [r[(op, size)] for r in ours]
+            n = [r[(op, size)] for r in nixl]
+            print(f"{op:>4} {_label(size):>14} {_fmt(g):>22} {_fmt(n):>22} "
+                  f"{statistics.median(g) / statistics.median(n):6.2f}")
     return 0
 
 

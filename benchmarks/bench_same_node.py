@@ -12,8 +12,13 @@ It also prints the time of a bare request and reply between the two
 processes: a gpushare open asks the exporter's broker for the fds, so it can
 never be faster than that, while a shared_memory attach asks no one.
 
+A run times ``--reps`` opens of each kind (a tenth of them, at least one,
+for pickling 64 MiB and more) and takes their median; every figure printed
+is the median of ``--runs`` runs (lowest-highest), and every ratio a ratio
+of those medians.  Unit: microseconds.
+
 Targets: open at most 2x the shared_memory attach; at least 100x faster than
-pickling at 64 MiB.  Run: ``python benchmarks/bench_same_node.py [--large] [--reps N]``.
+pickling at 64 MiB.  Run: ``python benchmarks/bench_same_node.py [--large] [--runs 5] [--reps N]``.
 """
 
 from __future__ import annotations
@@ -72,8 +77,13 @@ def _child(conn) -> None:
         conn.send(times)
 
 
-def _best(times: list[float]) -> float:
+def _median(times: list[float]) -> float:
     return statistics.median(times)
+
+
+def _fmt(values: list[float]) -> str:
+    """The median of the runs, then the lowest and the highest of them, in microseconds."""
+    return f"{statistics.median(values) * 1e6:8.1f} ({min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})"
 
 
 def round_trip(conn, reps: int) -> float:
@@ -82,7 +92,7 @@ def round_trip(conn, reps: int) -> float:
     conn.send(("ping", None, reps))
     for _ in range(reps):
         conn.send(conn.recv())
-    return _best(conn.recv())
+    return _median(conn.recv())
 
 
 def measure(conn, size: int, reps: int) -> dict[str, float]:
@@ -90,14 +100,14 @@ def measure(conn, size: int, reps: int) -> dict[str, float]:
     np.asarray(buf)[:] = 1
     desc = gs.export_buffer(buf)
     conn.send(("gpushare", desc, reps))
-    gs_time = _best(conn.recv())
+    gs_time = _median(conn.recv())
     buf.close()
 
     shm = shared_memory.SharedMemory(create=True, size=size)
     try:
         np.ndarray((size,), dtype=np.uint8, buffer=shm.buf)[:] = 1
         conn.send(("shm", (shm.name, size), reps))
-        shm_time = _best(conn.recv())
+        shm_time = _median(conn.recv())
     finally:
         shm.close()
         shm.unlink()
@@ -110,7 +120,7 @@ def measure(conn, size: int, reps: int) -> dict[str, float]:
         starts.append(time.perf_counter())
         conn.send(arr)
     ends = conn.recv()
-    pickle_time = _best([e - s for s, e in zip(starts, ends, strict=True)])
+    pickle_time = _median([e - s for s, e in zip(starts, ends, strict=True)])
     return {"gpushare": gs_time, "shm": shm_time, "pickle": pickle_time}
 
 
@@ -122,13 +132,13 @@ def measure_device(conn, size: int, reps: int, device: int) -> dict[str, float]:
     out = {}
     vmm = gs.allocate(size, device=device)
     conn.send(("device", gs.export_buffer(vmm, handle_type="posix-fd"), reps))
-    out["posix-fd"] = _best(conn.recv())
+    out["posix-fd"] = _median(conn.recv())
     vmm.close()
     dev = Device(device)
     dev.set_current()
     pooled = dev.allocate(size)
     conn.send(("device", gs.export_buffer(pooled, handle_type="cuda-ipc"), reps))
-    out["cuda-ipc"] = _best(conn.recv())
+    out["cuda-ipc"] = _median(conn.recv())
     pooled.close()
     return out
 
@@ -136,7 +146,8 @@ def measure_device(conn, size: int, reps: int, device: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="also 1 GiB (needs about 4 GiB of memory)")
-    parser.add_argument("--reps", type=int, default=50, help="repetitions per measurement (median)")
+    parser.add_argument("--runs", type=int, default=5, help="runs of every measurement (median, lowest-highest)")
+    parser.add_argument("--reps", type=int, default=50, help="repetitions per measurement in a run (median)")
     parser.add_argument(
         "--device", type=int, default=None, help="also time device buffers on this CUDA device"
     )
@@ -149,10 +160,15 @@ def main() -> None:
     proc.start()
     try:
         print(
-            f"{'size':>8} {'gpushare':>11} {'shm attach':>11} {'pickle':>11} {'gs/shm':>7} {'pickle/gs':>10}"
+            f"median of {args.runs} runs (lowest-highest), a run the median of {args.reps} opens; microseconds"
+        )
+        print(
+            f"{'size':>8} {'gpushare':>24} {'shm attach':>24} {'pickle':>32} {'gs/shm':>7} {'pickle/gs':>10}"
         )
         for size in sizes:
-            r = measure(conn, size, args.reps)
+            runs = [measure(conn, size, args.reps) for _ in range(args.runs)]
+            r = {key: [run[key] for run in runs] for key in runs[0]}
+            med = {key: statistics.median(values) for key, values in r.items()}
             label = (
                 f"{size // GiB} GiB"
                 if size >= GiB
@@ -161,17 +177,19 @@ def main() -> None:
                 else f"{size // KiB} KiB"
             )
             print(
-                f"{label:>8} {r['gpushare'] * 1e6:>9.1f}us {r['shm'] * 1e6:>9.1f}us {r['pickle'] * 1e6:>9.1f}us"
-                f" {r['gpushare'] / r['shm']:>7.2f} {r['pickle'] / r['gpushare']:>10.1f}"
+                f"{label:>8} {_fmt(r['gpushare']):>24} {_fmt(r['shm']):>24} {_fmt(r['pickle']):>32}"
+                f" {med['gpushare'] / med['shm']:>7.2f} {med['pickle'] / med['gpushare']:>10.1f}"
             )
         print("targets: gs/shm <= 2.00; pickle/gs >= 100 at 64 MiB")
         if args.device is not None:
-            print(f"device {args.device}: {'size':>8} {'posix-fd':>11} {'cuda-ipc':>11}")
+            print(f"device {args.device}: {'size':>8} {'posix-fd':>26} {'cuda-ipc':>26}")
             for size in sizes:
-                r = measure_device(conn, size, args.reps, args.device)
-                print(f"{'':>9} {size:>8} {r['posix-fd'] * 1e6:>9.1f}us {r['cuda-ipc'] * 1e6:>9.1f}us")
+                runs = [measure_device(conn, size, args.reps, args.device) for _ in range(args.runs)]
+                r = {key: [run[key] for run in runs] for key in runs[0]}
+                print(f"{'':>9} {size:>8} {_fmt(r['posix-fd']):>26} {_fmt(r['cuda-ipc']):>26}")
+        floor = [round_trip(conn, 200) for _ in range(args.runs)]
         print(
-            f"a bare request/reply between these processes takes {round_trip(conn, 200) * 1e6:.1f}us: "
+            f"a bare request/reply between these processes takes {_fmt(floor).strip()} us: "
             "the floor under an open that asks the exporter's broker"
         )
     finally:

@@ -1,6 +1,7 @@
 """gpushare's UCX put/get against ucx_perftest, same transport, same run.
 
-Run: ``python benchmarks/bench_ucx.py`` (``--quick`` for a short run).
+Run: ``python benchmarks/bench_ucx.py [--runs 3]`` (``--quick`` for fewer
+iterations per run).
 
 For each transport setting, ucx_perftest (shipped in the libucx wheel) and
 gpushare run between two processes on this machine with the same UCX_TLS and
@@ -36,8 +37,10 @@ Settings measured:
 as the sharing API does today, with and without the shared-memory
 transports, and with one region server.
 
-Unit: MiB/s (2**20 bytes per second) for every bandwidth, as perftest
-reports it; microseconds for latencies; operations per second for rates.
+Every figure, gpushare's and perftest's alike, is the median of ``--runs``
+runs (lowest-highest), and every ratio a ratio of medians.  Unit: MiB/s
+(2**20 bytes per second) for every bandwidth, as perftest reports it;
+microseconds for latencies; operations per second for rates.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -233,7 +237,7 @@ def server_batch_rate(peer, cap, iters: int) -> float:
     return BATCH * iters / (time.perf_counter() - t0)
 
 
-def run_server(sizes, trials: int, quick: bool) -> None:
+def run_server(sizes, runs: int, quick: bool) -> None:
     from gpushare import _ucx
 
     name, tls, eh = "server", "tcp", True
@@ -243,65 +247,69 @@ def run_server(sizes, trials: int, quick: bool) -> None:
     refs = {}
     for size in sizes:
         n = _iters(size, quick)
-        refs[size] = max(perftest("ucp_am_bw", size, n, tls, eh, "sleep")[0] for _ in range(trials))
+        refs[size] = [perftest("ucp_am_bw", size, n, tls, eh, "sleep")[0] for _ in range(runs)]
     li = 2000 if quick else 10000
-    lat = min(perftest("ucp_am_lat", 8, li, tls, eh, "sleep")[1] for _ in range(trials))
-    rate = max(perftest("ucp_am_bw", 8, 20 * li, tls, eh, "sleep")[2] for _ in range(trials))
-    batch_ref = max(perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep")[0]
-                    for _ in range(trials))
+    ping_pong = [2 * perftest("ucp_am_lat", 8, li, tls, eh, "sleep")[1] for _ in range(runs)]
+    rate = [perftest("ucp_am_bw", 8, 20 * li, tls, eh, "sleep")[2] for _ in range(runs)]
+    batch_ref = [perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep")[0]
+                 for _ in range(runs)]
     with spawned(_server_exporter, max(max(sizes), BATCH * BATCH_SIZE)) as (address, cap):
         peer = _ucx.client().connect(address, timeout=30)
         lane = next((ln.strip("# ").strip() for ln in peer.transport_info().splitlines() if "lane[0]" in ln), "?")
         print(f"   gpushare peer: {lane}")
-        print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>15} {'perftest MiB/s':>15} {'ratio':>6}")
+        print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
         for size in sizes:
             n = _iters(size, quick)
             for op in ("get", "put"):
-                got = max(server_bw(peer, cap, op, size, n) for _ in range(trials))
-                print(f"   {_fmt(size):>8} {op:>4} {got:15.0f} {refs[size]:15.0f} {got / refs[size]:6.2f}")
+                got = [server_bw(peer, cap, op, size, n) for _ in range(runs)]
+                print(f"   {_label(size):>8} {op:>4} {_fmt(got):>22} {_fmt(refs[size]):>22} "
+                      f"{_ratio(got, refs[size]):6.2f}")
         nb = max(4, _iters(BATCH * BATCH_SIZE, quick))
-        got = max(server_batch_bw(peer, cap, nb) for _ in range(trials))
-        print(f"   {BATCH} x {BATCH_SIZE // KiB} KiB get_batch: {got:.0f} MiB/s, perftest {BATCH_SIZE // KiB} KiB "
-              f"am_bw {batch_ref:.0f} MiB/s, ratio {got / batch_ref:.2f}")
-        rtt = min(server_rtt(peer, cap, li) for _ in range(trials))
-        print(f"   8 B get round trip: gpushare {rtt:.1f} us, perftest ping-pong {2 * lat:.1f} us, "
-              f"ratio {rtt / (2 * lat):.2f} (lower is better)")
-        got_rate = max(server_rate(peer, cap, 10 * li) for _ in range(trials))
-        print(f"   8 B get rate, {WINDOW} in flight: gpushare {got_rate:.0f}/s, perftest 8 B am_bw {rate:.0f}/s, "
-              f"ratio {got_rate / rate:.2f}")
-        got_rate = max(server_batch_rate(peer, cap, li // 10) for _ in range(trials))
-        print(f"   8 B get rate, get_batch of {BATCH}: gpushare {got_rate:.0f}/s, ratio {got_rate / rate:.2f}\n")
+        got = [server_batch_bw(peer, cap, nb) for _ in range(runs)]
+        print(f"   {BATCH} x {BATCH_SIZE // KiB} KiB get_batch: {_fmt(got).strip()} MiB/s, "
+              f"perftest {BATCH_SIZE // KiB} KiB am_bw {_fmt(batch_ref).strip()} MiB/s, "
+              f"ratio {_ratio(got, batch_ref):.2f}")
+        rtt = [server_rtt(peer, cap, li) for _ in range(runs)]
+        print(f"   8 B get round trip: gpushare {_fmt(rtt, 1).strip()} us, "
+              f"perftest ping-pong {_fmt(ping_pong, 1).strip()} us, "
+              f"ratio {_ratio(rtt, ping_pong):.2f} (lower is better)")
+        got_rate = [server_rate(peer, cap, 10 * li) for _ in range(runs)]
+        print(f"   8 B get rate, {WINDOW} in flight: gpushare {_fmt(got_rate).strip()} ops/s, "
+              f"perftest 8 B am_bw {_fmt(rate).strip()} ops/s, ratio {_ratio(got_rate, rate):.2f}")
+        got_rate = [server_batch_rate(peer, cap, li // 10) for _ in range(runs)]
+        print(f"   8 B get rate, get_batch of {BATCH}: gpushare {_fmt(got_rate).strip()} ops/s, "
+              f"ratio {_ratio(got_rate, rate):.2f}\n")
         peer.close()
 
 
-def run(settings, sizes, trials: int, quick: bool) -> None:
+def run(settings, sizes, runs: int, quick: bool) -> None:
     from gpushare import ucx
 
-    print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; best of {trials} trials; "
-          "MiB/s throughout\n")
+    print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; median of {runs} runs "
+          "(lowest-highest); MiB/s for bandwidths, us for latencies, operations/s for rates\n")
     for name, tls, eh in settings:
         if name == "server":
             try:
-                run_server(sizes, trials, quick)
+                run_server(sizes, runs, quick)
             except Exception as exc:  # noqa: BLE001
                 print(f"   setting failed: {exc}\n")
             continue
         print(f"== {name} (UCX_TLS={tls}, error handling {'on' if eh else 'off'})")
         progress = "polling" if "polling" in name else "blocking"
         # perftest first: never beside spinning progress threads.
-        refs = {}
+        refs: dict[tuple[str, int], list[float] | Exception] = {}
         for size in sizes:
             n = _iters(size, quick)
             for op, test in (("put", "ucp_put_bw"), ("get", "ucp_get")):
                 try:
-                    refs[(op, size)] = max(perftest(test, size, n, tls, eh)[0] for _ in range(trials))
+                    refs[(op, size)] = [perftest(test, size, n, tls, eh)[0] for _ in range(runs)]
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     refs[(op, size)] = exc
         li = 2000 if quick else 10000
         try:
-            ref_lat = min(perftest("ucp_get", 8, li, tls, eh)[1] for _ in range(trials))
+            ref_lat = [perftest("ucp_get", 8, li, tls, eh)[1] for _ in range(runs)]
         except Exception:  # noqa: BLE001 - the latency line says so
-            ref_lat = float("nan")
+            ref_lat = [float("nan")]
         try:
             with spawned(_exporter, tls, eh, max(sizes), progress) as (address, key):
                 with ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
@@ -309,19 +317,21 @@ def run(settings, sizes, trials: int, quick: bool) -> None:
                     rk = ep.unpack_remote_key(key)
                     lane = next((ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[0]" in ln), "?")
                     print(f"   gpushare endpoint: {lane}")
-                    print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>15} {'perftest MiB/s':>15} {'ratio':>6}")
+                    print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
                     for size in sizes:
                         n = _iters(size, quick)
                         for op in ("put", "get"):
                             ref = refs[(op, size)]
                             if isinstance(ref, Exception):
-                                print(f"   {size:>8} {op:>4} perftest failed: {ref}")
+                                print(f"   {_label(size):>8} {op:>4} perftest failed: {ref}")
                                 continue
-                            got = max(gpushare_bw(ep, rk, op, size, n) for _ in range(trials))
-                            print(f"   {_fmt(size):>8} {op:>4} {got:15.0f} {ref:15.0f} {got / ref:6.2f}")
-                    got_lat = min(gpushare_lat(ep, rk, li) for _ in range(trials))
-                    print(f"   8 B get latency: gpushare {got_lat:.1f} us, perftest {ref_lat:.1f} us, "
-                          f"ratio {got_lat / ref_lat:.2f} (lower is better)\n")
+                            got = [gpushare_bw(ep, rk, op, size, n) for _ in range(runs)]
+                            print(f"   {_label(size):>8} {op:>4} {_fmt(got):>22} {_fmt(ref):>22} "
+                                  f"{_ratio(got, ref):6.2f}")
+                    got_lat = [gpushare_lat(ep, rk, li) for _ in range(runs)]
+                    print(f"   8 B get latency: gpushare {_fmt(got_lat, 1).strip()} us, "
+                          f"perftest {_fmt(ref_lat, 1).strip()} us, "
+                          f"ratio {_ratio(got_lat, ref_lat):.2f} (lower is better)\n")
                     ep.close()
         except Exception as exc:  # noqa: BLE001
             print(f"   setting failed: {exc}\n")
@@ -369,33 +379,50 @@ def _setup_cost_child(conn, kind: str, count: int) -> None:
     conn.recv()
 
 
-def run_setup_cost(count: int = 100) -> None:
-    print(f"== what serving {count} regions costs the exporter (added threads, fds, RSS; CPU over 5 s idle)")
+def run_setup_cost(runs: int, count: int = 100) -> None:
+    print(f"== what serving {count} regions costs the exporter (added threads, fds, RSS; CPU over 5 s idle); "
+          f"median of {runs} runs (lowest-highest)")
     for kind in ("agent, shared memory too", "agent, TCP only (default now)", "server"):
         what = "one region each on its own agent" if kind != "server" else "one server, one region each"
-        with spawned(_setup_cost_child, kind, count) as (dt, threads, fds, rss, idle):
-            print(f"   {kind:<30} {what}: {dt * 1e3 / count:6.2f} ms per region, +{threads} threads, "
-                  f"+{fds} fds, +{rss:.1f} MiB RSS, idle CPU {idle * 1e3:.1f} ms in 5 s")
+        rows = []
+        for _ in range(runs):
+            with spawned(_setup_cost_child, kind, count) as row:
+                rows.append(row)
+        ms, threads, fds, rss, idle = ([r[i] for r in rows] for i in range(5))
+        print(f"   {kind:<30} {what}: {_fmt([t * 1e3 / count for t in ms], 2).strip()} ms per region, "
+              f"+{_fmt(threads).strip()} threads, +{_fmt(fds).strip()} fds, +{_fmt(rss, 1).strip()} MiB RSS, "
+              f"idle CPU {_fmt([t * 1e3 for t in idle], 1).strip()} ms in 5 s")
     print()
 
 
-def _fmt(size: int) -> str:
+def _fmt(values: list[float], digits: int = 0) -> str:
+    """The median of the runs, then the lowest and the highest of them."""
+    return f"{statistics.median(values):7.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def _ratio(ours: list[float], theirs: list[float]) -> float:
+    """The ratio of the medians."""
+    return statistics.median(ours) / statistics.median(theirs)
+
+
+def _label(size: int) -> str:
     return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer iterations and trials")
+    p.add_argument("--runs", type=int, default=3, help="runs of every measurement (median, lowest-highest)")
+    p.add_argument("--quick", action="store_true", help="fewer iterations per run")
     p.add_argument("--setting", choices=[s[0] for s in SETTINGS], action="append",
                    help="only these settings (repeatable)")
     p.add_argument("--setup-cost", action="store_true",
                    help="only what 100 regions cost: per-share agents against one server")
     args = p.parse_args()
     if args.setup_cost:
-        run_setup_cost()
+        run_setup_cost(args.runs)
         return 0
     settings = [s for s in SETTINGS if not args.setting or s[0] in args.setting]
-    run(settings, SIZES, trials=1 if args.quick else 3, quick=args.quick)
+    run(settings, SIZES, runs=args.runs, quick=args.quick)
     return 0
 
 

@@ -202,7 +202,16 @@ def _stats(state: dict) -> dict:
         "importer": importer.stats() if importer else None,
         "broker": len(b) if b else 0,
         "cpu_s": sum(os.times()[:2]),
+        "rss_kib": _rss_kib(),
     }
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
 
 
 def _open_many(state: dict, name: str, shares: list, count: int, kwargs: dict | None = None) -> list[str]:
