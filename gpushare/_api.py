@@ -1099,6 +1099,11 @@ class View:
         timeout : float or None
             Seconds to wait; :class:`WaitTimeoutError` when they pass (the
             copy stays in flight and ``dst`` in use until it completes).
+            Whatever the timeout, a copy the exporter serves (cma, ucx-rma)
+            ends with :class:`ExporterUnreachableError` once the exporter
+            has left a sign-of-life request unanswered for
+            ``GPUSHARE_PEER_TIMEOUT`` seconds (default 3; about 4 s after it
+            stopped, froze or was cut off).
 
         The bytes are in ``dst`` when this returns.
         """
@@ -1107,7 +1112,7 @@ class View:
         if self.path == "ucx-rma":
             self._span(dst, offset, True)[0].release()  # checks bounds and the buffer
             with _rma_errors(self.share):
-                self._peer.get(*self._region, offset, dst, timeout)
+                self._peer.get(*self._region, offset, dst, timeout, alive=self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
             self._cma(dst, offset, "get").wait(timeout)
@@ -1130,7 +1135,7 @@ class View:
         if self.path == "ucx-rma":
             self._span(src, offset, False)[0].release()
             with _rma_errors(self.share):
-                self._peer.put(*self._region, offset, src, timeout)
+                self._peer.put(*self._region, offset, src, timeout, alive=self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
             self._cma(src, offset, "put").wait(timeout)

@@ -469,6 +469,8 @@ class _Session(Protocol):
             self._open(conn, rid, msg)
         elif op == "cma":
             self._cma(conn, rid, msg)
+        elif op == "ping":  # an importer waiting on a transfer asks for a sign of life
+            conn.send(_control.pack({"id": rid, "ok": True}))
         elif op in ("close", "failed"):
             self._end(conn, msg.get("lease"), failed=op == "failed")
         else:

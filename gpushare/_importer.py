@@ -34,6 +34,23 @@ __all__ = ["Lease", "Transfer", "get_importer"]
 
 #: Seconds a connection with no open view is kept for a reopen.
 IDLE_LINGER = 2.0
+#: Seconds of silence from an exporter, while a transfer waits on it, after
+#: which the importer asks it for a sign of life (a ``ping``).
+QUIET = 1.0
+
+
+def peer_timeout() -> float:
+    """Seconds an exporter may leave a ping unanswered before a waiting
+    transfer gives up on it as stopped, frozen or cut off
+    (``GPUSHARE_PEER_TIMEOUT``, default 3)."""
+    value = os.environ.get("GPUSHARE_PEER_TIMEOUT", "3")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise InvalidInputError(f"GPUSHARE_PEER_TIMEOUT is {value!r}; expected seconds") from None
+    if not 0 < seconds < 1e6:
+        raise InvalidInputError(f"GPUSHARE_PEER_TIMEOUT is {value!r}; expected a positive number of seconds")
+    return seconds
 
 
 class _Lost(Exception):
@@ -86,6 +103,8 @@ class _Link(Protocol):
         self.answered = False
         self._abandoned: set[int] = set()  # requests whose caller gave up waiting
         self._kept: dict[int, Any] = {}  # what a request's reply frees (its buffer, pinned until then)
+        self.heard = time.monotonic()  # when the exporter last sent anything
+        self._ping_at: float | None = None  # when the unanswered ping went out
         self._linger: Timer | None = None
 
     # -- any thread ---------------------------------------------------------
@@ -152,7 +171,39 @@ class _Link(Protocol):
         if self.conn is not None:
             self.conn.close()
 
+    def check_alive(self) -> None:
+        """For a thread waiting on a transfer: raise
+        :class:`ExporterUnreachableError` when the exporter has left a ping
+        unanswered for :func:`peer_timeout` seconds (stopped, frozen, cut
+        off); send one after :data:`QUIET` seconds of silence."""
+        now = time.monotonic()
+        if now - self.heard < QUIET:
+            return
+        with self.lock:
+            dead = self.dead
+            ping_at = self._ping_at
+            if ping_at is not None and self.heard >= ping_at:
+                ping_at = self._ping_at = None  # answered since
+        if dead is not None:
+            raise ExporterUnreachableError(f"the exporter (pid {self.exporter_pid}) is gone: {dead}")
+        if ping_at is None:
+            with self.lock:
+                self._ping_at = now
+            try:
+                self.submit({"op": "ping"})
+            except _Lost as exc:
+                raise ExporterUnreachableError(f"the exporter (pid {self.exporter_pid}) is gone: {exc}") from None
+            return
+        waited = now - ping_at
+        if waited >= peer_timeout():
+            raise ExporterUnreachableError(
+                f"the exporter (pid {self.exporter_pid}) has not answered for {waited:.1f} s"
+                f"{_state_of(self.exporter_pid, self.key[1])}: it is stopped, frozen or cut off "
+                "(GPUSHARE_PEER_TIMEOUT sets how long to wait for it)"
+            )
+
     def data_received(self, conn: Connection, fds: list[int]) -> None:
+        self.heard = time.monotonic()
         self._fds.extend(fds)
         for message in _control.take_frames(conn.rbuf):
             rid, lease = message.get("id"), message.get("lease")
@@ -236,17 +287,23 @@ class Lease:
         except _Lost as exc:
             raise ClosedError(f"the exporter (pid {self._link.exporter_pid}) closed the connection ({exc}): "
                               "this view cannot be used any more") from None
-        return Transfer(self._link.exporter_pid, waiter, direction)
+        return Transfer(self._link, waiter, direction)
+
+    def check_alive(self) -> None:
+        """See :meth:`_Link.check_alive` (nothing in a forked child)."""
+        if self._pid == os.getpid():
+            self._link.check_alive()
 
 
 class Transfer:
     """One cma copy asked of an exporter: ``wait(timeout)``, ``done()``,
     ``exception()`` and ``await``, as the other requests."""
 
-    __slots__ = ("_pid", "_waiter", "_direction")
+    __slots__ = ("_direction", "_link", "_pid", "_waiter")
 
-    def __init__(self, pid: int, waiter: _Waiter, direction: str) -> None:
-        self._pid = pid
+    def __init__(self, link: _Link, waiter: _Waiter, direction: str) -> None:
+        self._link = link
+        self._pid = link.exporter_pid
         self._waiter = waiter
         self._direction = direction
 
@@ -282,8 +339,10 @@ class Transfer:
         WaitTimeoutError
             If ``timeout`` seconds pass first; the copy stays in flight and
             its buffer in use until it ends.
+        ExporterUnreachableError
+            If the exporter stops answering (see :func:`peer_timeout`).
         """
-        if not self._waiter.event.wait(timeout):
+        if not wait_alive(self._waiter.event.wait, self._link, timeout):
             raise WaitTimeoutError(f"the exporter's {self._direction} did not finish within {timeout} s; it stays "
                                    "in flight, and its buffer in use, until it ends")
         exc = self.exception()
@@ -394,6 +453,24 @@ class Importer:
         """At exit: the service closes the connections."""
 
 
+def wait_alive(wait: Callable[[float | None], bool], link: Any, timeout: float | None) -> bool:
+    """``wait(seconds)`` until it returns True, at most ``timeout`` seconds
+    (None: no limit); False when they pass.  Every second of waiting, ask
+    ``link`` (a lease or control link, or None) whether the exporter still
+    answers: its :class:`ExporterUnreachableError` ends the wait."""
+    if wait(min(QUIET, timeout) if timeout is not None else QUIET):
+        return True
+    deadline = None if timeout is None else time.monotonic() + timeout - QUIET
+    while True:
+        if link is not None:
+            link.check_alive()
+        step = QUIET if deadline is None else min(QUIET, deadline - time.monotonic())
+        if step <= 0:
+            return False
+        if wait(step):
+            return True
+
+
 def _unreachable(share: Any, exc: BaseException) -> ExporterUnreachableError:
     return ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}")
 
@@ -403,6 +480,22 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("the open ran out of time")
     return left
+
+
+def _state_of(pid: int, node: str) -> str:
+    """ " (it is stopped by a signal)" and the like, for an exporter on this
+    node whose state says why it is silent; else ""."""
+    from ._share import node_key
+
+    if node != node_key():
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return " (it has exited)"
+    return {b"T": " (it is stopped by a signal)", b"t": " (it is stopped by a debugger)",
+            b"Z": " (it has exited)", b"D": " (it waits in the kernel)"}.get(state, "")
 
 
 def _connect_local(share: Any, deadline: float) -> socket.socket | None:

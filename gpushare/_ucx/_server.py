@@ -421,9 +421,11 @@ class Peer(_Connection):
         return self._track(Request._from_native(nreq, locals_ or None, self))
 
     def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any,
-             wait: float | None = -1.0) -> Request | None:
+             wait: float | None = -1.0, alive: Any = None) -> Request | None:
         """Post one get or put.  With ``wait`` (seconds, None = forever) wait
-        for it here and return None: the synchronous calls skip the Request."""
+        for it here and return None: the synchronous calls skip the Request.
+        ``alive``: while waiting, its ``check_alive()`` is asked every second
+        whether the exporter still answers (its error ends the wait)."""
         locals_: list = []
         try:
             item = self._item(op, region_id, key, offset, buffer, nbytes, locals_)
@@ -434,7 +436,17 @@ class Peer(_Connection):
             for lb in locals_:
                 lb.release()
             raise
-        if nreq.wait(-1.0 if wait is None else wait):
+        try:
+            if alive is None:
+                done = nreq.wait(-1.0 if wait is None else wait)
+            else:
+                from .._importer import wait_alive
+
+                done = wait_alive(lambda t: nreq.wait(-1.0 if t is None else t), alive, wait)
+        except BaseException:
+            self._track(Request._from_native(nreq, locals_ or None, self))  # its buffer stays referenced
+            raise
+        if done:
             status = nreq.status()
             if status[0] not in _OK:
                 raise translate(status[0], f"{op} failed: {status[1]}")
@@ -485,16 +497,18 @@ class Peer(_Connection):
         return self._one("put", region_id, key, offset, src, nbytes)
 
     def get(self, region_id: int, key: bytes, offset: int, dst: Any, timeout: float | None = None, *,
-            nbytes: int | None = None) -> None:
+            nbytes: int | None = None, alive: Any = None) -> None:
         """:meth:`get_async` and wait (``timeout`` seconds; ``None`` waits until UCX
         completes or fails it).  Raises what the request failed with, or
-        :class:`WaitTimeoutError` (the transfer stays in flight)."""
-        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout))
+        :class:`WaitTimeoutError` (the transfer stays in flight).  ``alive``
+        (for the sharing API: the view's lease): asked every second of the
+        wait whether the exporter still answers."""
+        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout), alive)
 
     def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
-            nbytes: int | None = None) -> None:
+            nbytes: int | None = None, alive: Any = None) -> None:
         """:meth:`put_async` and wait, as :meth:`get`."""
-        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout))
+        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout), alive)
 
     def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
         """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.

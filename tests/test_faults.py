@@ -1,0 +1,114 @@
+"""Faults with default settings: either side killed (SIGKILL) or frozen
+(SIGSTOP), mid-transfer included, ends in a clear error within 5 s; nothing
+hangs, and the other side goes on serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+
+from _procs import Child, wait_for
+import _share_peer
+
+BOUND = 5.0
+COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"}, "ucx-rma", id="ucx-rma")]
+BIG = 256 << 20  # a transfer that takes a while
+
+
+def _timed(fn) -> tuple[BaseException | None, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+def test_a_frozen_exporter_ends_a_wait_with_a_clear_error_then_recovers(how, path):
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "numpy", BIG, {"lifetime": "revoked"})
+        view = gs.open(share, **how)
+        assert view.path == path
+        dst = np.empty(BIG, np.uint8)
+        errors: list = []
+        # Mid-transfer: freeze the exporter while a large get runs in a thread.
+        t = threading.Thread(target=lambda: errors.append(_timed(lambda: view.get(dst))))
+        t.start()
+        time.sleep(0.02)
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        t.join(BOUND + 5)
+        exc, took = errors[0]
+        if exc is None:  # the get beat the signal: freeze first, then ask
+            exc, took = _timed(lambda: view.get(dst))
+        assert isinstance(exc, gs.ExporterUnreachableError), repr(exc)
+        assert "stopped by a signal" in str(exc) and took < BOUND, (took, str(exc))
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+        out = bytearray(16)
+        view.get(out)  # it answers again: the view works
+        assert out == bytes(range(16))
+        view.close()
+    finally:
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+        exporter.close()
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+def test_a_killed_exporter_ends_a_transfer_with_a_clear_error(how, path):
+    exporter = Child(_share_peer.setup)
+    try:
+        share = exporter.call("export", "numpy", BIG, {"lifetime": "revoked"})
+        view = gs.open(share, **how)
+        dst = np.empty(BIG, np.uint8)
+        errors: list = []
+        t = threading.Thread(target=lambda: errors.append(_timed(lambda: view.get(dst))))
+        t.start()
+        time.sleep(0.02)
+        os.kill(exporter.proc.pid, signal.SIGKILL)
+        t.join(BOUND + 5)
+        exc, took = errors[0]
+        if exc is None:
+            exc, took = _timed(lambda: view.get(dst))
+        assert isinstance(exc, (gs.ClosedError, gs.UCXError, gs.ExporterUnreachableError)), repr(exc)
+        assert took < BOUND and "exporter" in str(exc), (took, str(exc))
+        view.close()
+        exc, took = _timed(lambda: gs.open(share, **how))
+        assert isinstance(exc, gs.ExporterUnreachableError) and "has exited" in str(exc) and took < BOUND
+    finally:
+        exporter.close()
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_an_importer_killed_or_frozen_mid_transfer_holds_up_nothing(how, path, fault):
+    arr = np.ones(BIG, np.uint8)
+    share = gs.export(arr, lifetime="revoked")
+    stuck, other = Child(_share_peer.setup), Child(_share_peer.setup)
+    try:
+        assert stuck.call("open", "v", share, how)["path"] == path
+        stuck.conn.send(("get", ("v", 0, BIG)))  # a large get, in flight
+        time.sleep(0.02)
+        os.kill(stuck.proc.pid, fault)
+        start = time.monotonic()
+        assert other.call("open", "w", share, how)["path"] == path  # the exporter serves on
+        assert other.call("get", "w", 0, 4, timeout=BOUND) == b"\x01" * 4
+        assert time.monotonic() - start < BOUND
+        other.call("close", "w")
+        if fault == signal.SIGKILL:  # its lease ends with its connection
+            from gpushare._exporter import registered
+
+            assert wait_for(lambda: registered(share).opens == 0, BOUND)
+    finally:
+        os.kill(stuck.proc.pid, signal.SIGCONT)
+        stuck.proc.kill()
+        stuck.proc.join(10)
+        other.close()
+        share.revoke()
