@@ -59,19 +59,21 @@ def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
     raise InvalidInputError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
 
 
-def _own_fd_registration(fds: list[int], desc: Any) -> tuple[Any, tuple[int, list[int]]]:
+def _own_fd_registration(fds: list[int], desc: Any, readonly: bool = False) -> tuple[Any, tuple[int, list[int]]]:
     """Serve duplicates of ``fds`` under a token of this share's own.
 
     The share's registration is independent of the buffer's: revoking or
     retiring the share revokes it (and closes the duplicates) without
-    touching other exports of the same buffer.
+    touching other exports of the same buffer.  For a read-only share the
+    duplicates are the memfds opened again read-only: an importer can map
+    them only read-only, and cannot make its mapping writable.
     """
     from ._paths.broker import publish
 
     dups: list[int] = []
     try:
         for fd in fds:
-            dups.append(os.dup(fd))
+            dups.append(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) if readonly else os.dup(fd))
         broker, own = publish(dups, device=desc.device, sizes=desc.sizes, size=desc.size,
                               owner_uuid=desc.owner_uuid)
     except BaseException:
@@ -82,7 +84,7 @@ def _own_fd_registration(fds: list[int], desc: Any) -> tuple[Any, tuple[int, lis
 
 
 def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None,
-                   span: tuple[int, int] = (0, 0)) -> tuple[dict[str, Any], list, int]:
+                   span: tuple[int, int] = (0, 0), readonly: bool = False) -> tuple[dict[str, Any], list, int]:
     """Descriptors for the mapped paths this memory supports (and wants), the
     share's own fd registrations, and the offset of ``span`` (address,
     nbytes) in the buffer the host-fd path maps."""
@@ -115,11 +117,12 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None,
             obj, offset = found
     try:
         if isinstance(obj, HostBuffer):
-            if want("host-fd"):
+            # A sealed buffer maps only read-only: shared writable, it goes by copies (cma).
+            if want("host-fd") and (readonly or not obj.sealed):
                 desc = _same_node.export_buffer(obj)
                 with obj._res.lock:
                     fds = list(obj._res.fds)
-                descs["host-fd"], reg = _own_fd_registration(fds, desc)
+                descs["host-fd"], reg = _own_fd_registration(fds, desc, readonly)
                 regs.append(reg)
             return descs, regs, offset
         if memory_type != "cuda":
@@ -219,7 +222,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
     device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
-    descs, regs, offset = _mapped_offers(memory, memory_type, wanted, (local.address, nbytes))
+    descs, regs, offset = _mapped_offers(memory, memory_type, wanted, (local.address, nbytes), readonly)
     if strides is not None and "host-fd" not in descs:
         _release_registrations(regs)
         raise InvalidInputError(
@@ -984,6 +987,8 @@ class View:
     def _check_writable(self) -> None:
         if self.share.readonly:
             raise InvalidInputError("this share is read-only: its exporter allows get, not put")
+        if getattr(self._mapped, "readonly", False):
+            raise InvalidInputError("this view's memory is mapped read-only (the exporter sealed the buffer)")
 
     def _span(self, buf: Any, offset: Any, writable: bool, stream: Any = None) -> tuple[_buffers.LocalBuffer, int]:
         self._check()

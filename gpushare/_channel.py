@@ -47,6 +47,7 @@ from ._errors import (
     ClosedError,
     GpuShareError,
     InvalidInputError,
+    UnsupportedError,
     WaitTimeoutError,
 )
 from ._share import Share, node_key, strict_json
@@ -693,6 +694,10 @@ class Producer:
             for _ in range(slots):
                 buf = allocate(nbytes, device=device)
                 self._buffers.append(buf)
+                if device == "host":
+                    # Consumers read: the kernel keeps their mappings read-only.
+                    with contextlib.suppress(UnsupportedError):  # a kernel before 5.1
+                        buf.seal()
                 self._shares.append(export(buf, lifetime="revoked", readonly=True))
                 self._arrays.append(_array_of(buf, shape, typestr, device))
         except BaseException:

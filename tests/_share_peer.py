@@ -352,6 +352,33 @@ def _kill_sleepers(state: dict) -> None:
         os.waitpid(pid, 0)
 
 
+def _try_writing(state: dict, name: str) -> dict:
+    """What a hostile importer of a mapped host view can do to write the memory."""
+    import ctypes
+    import errno
+
+    import gpushare as gs
+
+    view = state["views"][name]
+    address = view._mapped.ptr
+    perms = ""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                perms = line.split()[1]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    rc = libc.mprotect(address, 4096, 3)  # PROT_READ | PROT_WRITE
+    mprotect = "ok" if rc == 0 else errno.errorcode[ctypes.get_errno()]
+    try:
+        view.put(b"\x07", 0)
+        put = "done"
+    except gs.GpuShareError as exc:
+        put = f"{type(exc).__name__}: {exc}"
+    return {"perms": perms, "mprotect": mprotect, "memoryview_readonly": view.memoryview().readonly, "put": put}
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -382,6 +409,7 @@ HANDLERS = {
     "no_ptrace": _no_ptrace,
     "undumpable": _undumpable,
     "forge_cma": _forge_cma,
+    "try_writing": _try_writing,
     "fork_sleeper": _fork_sleeper,
     "kill_sleepers": _kill_sleepers,
 }

@@ -140,3 +140,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = netns_reason()
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def share_peer() -> Iterator:
+    """Another process that opens shares it is sent (``tests/_share_peer.py``),
+    one per test module."""
+    from _procs import Child
+    import _share_peer
+
+    child = Child(_share_peer.setup)
+    yield child
+    child.close()

@@ -20,10 +20,8 @@ import _share_peer
 
 
 @pytest.fixture(scope="module")
-def peer():
-    child = Child(_share_peer.setup)
-    yield child
-    child.close()
+def peer(share_peer):
+    return share_peer
 
 
 def test_a_plain_array_goes_to_a_same_node_peer_over_cma_both_ways(peer):

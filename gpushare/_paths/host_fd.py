@@ -36,7 +36,11 @@ __all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "contain
 PAGE = mmap.PAGESIZE
 _MAP_NORESERVE = 0x4000  # Linux values; the mmap module does not export these
 _MAP_FIXED = 0x10
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; fcntl does not export it
+# Fixed size; the set of seals stays open so that seal() can add the write
+# seal later (a process holding the fd could add it too, which denies no more
+# than the writable fd it holds already allows).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _libc_mmap: Any = None
 
 
@@ -70,6 +74,20 @@ def huge_page_size() -> int:
 HUGE = huge_page_size()
 
 
+def _read_only(fds: Sequence[int]) -> bool:
+    """Whether any of ``fds`` can only be mapped read-only: opened read-only
+    (a read-only share's), or sealed against writes (:meth:`HostBuffer.seal`)."""
+    for fd in fds:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            return True
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mmap, int]:
     """Map each fd (whole, from offset 0) back to back; returns the owning
     ``mmap`` and the base address.  A buffer of a huge page or more starts
@@ -77,6 +95,9 @@ def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mm
     transparent ones) can back it.  On failure nothing stays mapped."""
     total = sum(sizes)
     align = HUGE if total >= HUGE else PAGE
+    # An fd opened read-only (a read-only share) maps read-only: the pages
+    # cannot be made writable here, by mprotect or otherwise.
+    prot = mmap.PROT_READ if _read_only(fds) else mmap.PROT_READ | mmap.PROT_WRITE
     region = mmap.mmap(
         -1,
         total + align - PAGE,
@@ -94,7 +115,7 @@ def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mm
             got = fixed(
                 want,
                 size,
-                mmap.PROT_READ | mmap.PROT_WRITE,
+                prot,
                 mmap.MAP_SHARED | _MAP_FIXED,
                 fd,
                 0,
@@ -165,7 +186,7 @@ class HostBuffer:
     memory.  A buffer nobody closed is released when it is garbage collected.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_huge", "_off", "_ptr", "_res", "_size", "_sizes")
+    __slots__ = ("__weakref__", "_finalizer", "_huge", "_off", "_ptr", "_readonly", "_res", "_size", "_sizes")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
@@ -186,8 +207,51 @@ class HostBuffer:
         self._size = size
         self._sizes = sizes
         self._huge: str | None = None
+        self._readonly = False
         self._finalizer = weakref.finalize(self, _release, self._res)
         return self
+
+    def seal(self) -> None:
+        """Make the buffer read-only for good everywhere but in this
+        process's own mapping (exporter only): no process, this one
+        included, can map it writable or write it from now on
+        (``F_SEAL_FUTURE_WRITE`` on its memfds).  A read-only share of it
+        over host-fd is then read-only by the kernel's rule, not only by the
+        importer's (without it, a process of the same user can open a memfd
+        it received again, writable, through ``/proc/self/fd``).  Importers
+        that mapped it writable before keep their mappings; later writable
+        shares of it go over a path that copies.
+
+        Raises
+        ------
+        UnsupportedError
+            An imported buffer, or a kernel without ``F_SEAL_FUTURE_WRITE`` (5.1).
+        ClosedError
+            A closed buffer.
+        """
+        res = self._res
+        with res.lock:
+            if res.closed:
+                raise ClosedError("cannot seal a closed host buffer")
+            if not res.fds:
+                raise UnsupportedError("only the process that allocated a host buffer can seal it")
+            try:
+                for fd in res.fds:
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            except OSError as exc:
+                raise UnsupportedError(f"this kernel cannot seal a memfd against writes ({exc.strerror})") from None
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal` ran (in the exporter; read from the memfds)."""
+        fds = self._res.fds
+        return bool(fds) and all(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _F_SEAL_FUTURE_WRITE for fd in fds)
+
+    @property
+    def readonly(self) -> bool:
+        """Mapped read-only (imported from a read-only share): the memory
+        cannot be written in this process."""
+        return self._readonly
 
     @property
     def huge_pages(self) -> str | None:
@@ -234,8 +298,10 @@ class HostBuffer:
         return self._res.region
 
     def memoryview(self) -> memoryview:
-        """A writable byte view of the buffer (the buffer protocol)."""
-        return memoryview(self._region())[self._off : self._off + self._size]
+        """A byte view of the buffer (the buffer protocol); read-only where
+        the buffer is mapped read-only."""
+        view = memoryview(self._region())[self._off : self._off + self._size]
+        return view.toreadonly() if self._readonly else view
 
     def __buffer__(self, flags: int) -> memoryview:
         return self.memoryview()
@@ -476,11 +542,14 @@ def import_host(
             )
         for i, (fd, size) in enumerate(zip(fds, desc.sizes, strict=True)):
             _check_memfd(fd, i, size)
+        readonly = _read_only(fds)
         region, ptr = _map_contiguously(fds, desc.sizes)
     finally:
         for fd in fds or ():
             os.close(fd)  # the mappings keep the memory; the fds are not needed
-    return HostBuffer._create(region, ptr, desc.size, desc.sizes, [])
+    buf = HostBuffer._create(region, ptr, desc.size, desc.sizes, [])
+    buf._readonly = readonly
+    return buf
 
 
 def _check_memfd(fd: int, index: int, size: int) -> None:
