@@ -4,7 +4,6 @@ a sealed buffer cannot be written through any new mapping, by anyone."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 
@@ -12,9 +11,6 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-
-from _procs import Child
-import _share_peer
 
 
 @pytest.fixture(scope="module")
