@@ -379,6 +379,68 @@ def _try_writing(state: dict, name: str) -> dict:
     return {"perms": perms, "mprotect": mprotect, "memoryview_readonly": view.memoryview().readonly, "put": put}
 
 
+def _forged_offers(state: dict, share: Any, blobs: list) -> list[str]:
+    """Each blob as the UCX address of a ucx-rma offer of ``share``: what the importer says."""
+    import gpushare as gs
+    from gpushare import _api
+
+    out = []
+    for blob in blobs:
+        try:
+            _api._import(share, "ucx-rma", {"address": blob, "region": 1, "key": bytes(32)}, 2.0, [], None, None)
+            out.append("opened")
+        except gs.GpuShareError as exc:
+            out.append(type(exc).__name__)
+    return out
+
+
+def _fuzz_cma(state: dict, name: str, count: int) -> dict:
+    """Send ``count`` cma requests on the view's lease with fields an
+    attacker picks (bounds, types, lease ids, addresses); gets land only in
+    a scratch buffer of this process or at addresses nobody maps.  Every
+    request must be answered."""
+    import random
+
+    from gpushare import _buffers
+
+    view = state["views"][name]
+    lease = view._peer
+    link = lease._link
+    scratch = bytearray(3 * 4096)
+    base = _buffers.resolve(scratch, writable=True).address
+    rng = random.Random(1234)
+    edge = [0, 1, 4095, 4096, 4097, 1 << 31, (1 << 62) - 1, 1 << 62, 1 << 64, -1, -(1 << 63)]
+    weird = [None, "1", 1.5, True, [], {}, b"x"]
+    waiters = []
+    for i in range(count):
+        if i % 2 == 0:  # a well-formed request, within bounds: it must be served
+            offset = rng.randrange(0, view.nbytes)
+            n = rng.randrange(1, view.nbytes - offset + 1)
+            waiters.append(link.submit({"op": "cma", "lease": lease.id, "dir": rng.choice(["get", "put"]),
+                                        "offset": offset, "n": n, "addr": base + rng.randrange(0, 4096)},
+                                       keep=scratch)[1])
+            continue
+        direction = rng.choice(["get", "put", "get", "put", "steal", None])
+        offset = rng.choice(edge + [rng.randrange(0, 8192)])
+        n = rng.choice(edge + [rng.randrange(1, 4096)])
+        if direction == "get":
+            address = rng.choice([base + rng.randrange(0, 4096), 8, 4096, 1 << 47])
+            if isinstance(n, int) and address >= base and address + n > base + len(scratch):
+                n = base + len(scratch) - address  # a get's bytes stay inside the scratch buffer
+        else:
+            address = rng.choice(edge + [base, 8])
+        message = {"op": "cma", "lease": rng.choice([lease.id] * 6 + [lease.id + 1, -1, 0] + weird),
+                   "dir": direction, "offset": rng.choice([offset] * 6 + weird), "n": rng.choice([n] * 6 + weird),
+                   "addr": rng.choice([address] * 6 + weird)}
+        waiters.append(link.submit(message, keep=scratch)[1])
+    unanswered = sum(not w.event.wait(30) for w in waiters)
+    codes: dict = {}
+    for w in waiters:
+        code = "ok" if w.reply and w.reply.get("ok") else str((w.reply or {}).get("code"))
+        codes[code] = codes.get(code, 0) + 1
+    return {"requests": count, "unanswered": unanswered, "ok": codes.pop("ok", 0), "refused": codes}
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -409,6 +471,8 @@ HANDLERS = {
     "no_ptrace": _no_ptrace,
     "undumpable": _undumpable,
     "forge_cma": _forge_cma,
+    "forged_offers": _forged_offers,
+    "fuzz_cma": _fuzz_cma,
     "try_writing": _try_writing,
     "fork_sleeper": _fork_sleeper,
     "kill_sleepers": _kill_sleepers,

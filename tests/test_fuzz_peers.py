@@ -1,0 +1,219 @@
+"""Property tests over every surface that takes bytes from another process:
+shares (bytes and pickles), channel handles, the fd broker's requests and
+replies, the exporter's offers as the importer reads them, and cma copy
+requests as the exporter reads them.  Anything gives a result or a
+GpuShareError; nothing crashes, hangs, leaks an fd, or touches memory
+outside what was shared.  A surface whose bad input could crash the process
+(an offer's UCX address) is fed in a child process, so that a crash fails
+the test instead of ending the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gpushare as gs
+from gpushare import _api, _share
+from gpushare._paths import broker as broker_mod
+
+from _procs import Child
+import _share_peer
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+# ------------------------------------------------------------------ shares
+
+
+@FAST
+@given(st.binary(max_size=600))
+def test_any_bytes_are_a_share_or_invalid_input(data):
+    try:
+        share = gs.Share.from_bytes(data)
+    except gs.InvalidInputError:
+        return
+    assert gs.Share.from_bytes(share.to_bytes()) == share
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(gs.Share._NAMES + ("format", "extra")), json_values, max_size=20))
+def test_any_share_shaped_json_is_a_share_or_invalid_input(fields):
+    real = json.loads(gs.export(np.zeros(8, np.uint8), lifetime="revoked").to_bytes())
+    real.update(fields)
+    try:
+        gs.Share.from_bytes(json.dumps(real).encode())
+    except gs.InvalidInputError:
+        pass
+
+
+@FAST
+@given(st.lists(json_values, min_size=0, max_size=20))
+def test_any_pickled_fields_are_a_share_or_invalid_input(fields):
+    blob = pickle.dumps((_share._rebuild_share, tuple(fields)))
+    fn, args = pickle.loads(blob)
+    try:
+        fn(*args)
+    except gs.InvalidInputError:
+        pass
+
+
+@FAST
+@given(st.binary(max_size=800))
+def test_any_bytes_are_a_channel_handle_or_invalid_input(data):
+    try:
+        gs.ChannelHandle.from_bytes(data)
+    except gs.InvalidInputError:
+        pass
+
+
+# ------------------------------------------------------------------ the fd broker
+
+
+def _fake_broker(reply: bytes, n_fds: int) -> tuple[str, threading.Thread]:
+    """A broker in this process that answers any request with ``reply`` and
+    ``n_fds`` fds (of /dev/null) riding on its first byte."""
+    address = f"\0gpushare-fuzz-{os.getpid()}-{threading.get_ident()}-{len(reply)}-{n_fds}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(1)
+
+    def serve() -> None:
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(broker_mod._REQUEST.size)
+                    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(n_fds)]
+                    try:
+                        if reply:
+                            socket.send_fds(conn, [reply[:1]], fds)
+                            conn.sendall(reply[1:])
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return address, t
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda status, length, count, tail: broker_mod._REPLY.pack(b"GSFD", 1, status, length, count) + tail,
+              st.integers(0, 255), st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.binary(max_size=40)),
+), st.integers(0, 4), st.integers(1, 3))
+def test_any_broker_reply_gives_fds_or_an_error_and_leaks_none(reply, n_fds, count):
+    before = _fds()
+    address, t = _fake_broker(reply, n_fds)
+    try:
+        fds = broker_mod.fetch_fds(address, 1, bytes(32), count, pid=os.getpid(), timeout=2)
+    except gs.GpuShareError:
+        fds = []
+    t.join(5)
+    for fd in fds:
+        os.close(fd)
+    assert _fds() == before
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(min_size=0, max_size=120))
+def test_any_request_bytes_leave_the_broker_serving(request):
+    with gs.allocate(4096, device="host") as buf:
+        desc = gs.export_buffer(buf)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(desc.address)
+            try:
+                s.sendall(request)
+                s.shutdown(socket.SHUT_WR)
+                while socket.recv_fds(s, 4096, 8)[0]:
+                    pass
+            except OSError:
+                pass
+        with gs.import_buffer(desc) as again:  # the broker still serves
+            assert again.size == 4096
+
+
+# ------------------------------------------------------------------ offers, read by the importer
+
+
+@pytest.fixture(scope="module")
+def host_share():
+    src = gs.empty(4096, np.uint8)
+    return gs.export(src, lifetime="revoked")
+
+
+@FAST
+@given(st.sampled_from(["host-fd", "cma", "posix-fd", "cuda-ipc", "fabric"]), json_values)
+def test_any_offer_payload_is_a_view_or_an_error(host_share, path, payload):
+    before = _fds()
+    try:
+        view = _api._import(host_share, path, payload, 2.0, [], None, None)
+    except gs.GpuShareError:
+        pass
+    else:
+        view.close()
+    assert _fds() == before
+
+
+def test_forged_ucx_addresses_without_a_valid_envelope_are_refused_in_a_child():
+    from gpushare._ucx import _server
+
+    real = _server.server().address
+    blobs = [b"", b"\0" * 64, os.urandom(300), real[:-1], real + b"x", real[:8] + os.urandom(len(real) - 8),
+             bytes([real[0] ^ 1]) + real[1:]]
+    child = Child(_share_peer.setup)
+    try:
+        share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
+        got = child.call("forged_offers", share, blobs, timeout=120)
+    finally:
+        child.close()
+    assert got == ["InvalidInputError"] * len(blobs), got
+
+
+# ------------------------------------------------------------------ cma requests, read by the exporter
+
+
+def test_any_cma_request_is_checked_by_the_exporter_and_leaves_its_memory_alone():
+    canary = np.full(3 * 4096, 0xA5, np.uint8)
+    middle = canary[4096:8192]  # the shared part; its neighbours must never change
+    middle[:] = 7
+    share = gs.export(middle, lifetime="revoked")
+    child = Child(_share_peer.setup)
+    try:
+        assert child.call("open", "v", share)["path"] == "cma"
+        said = child.call("fuzz_cma", "v", 400, timeout=300)
+        assert said["requests"] == 400 and said["unanswered"] == 0 and said["ok"] >= 200, said
+        assert (canary[:4096] == 0xA5).all() and (canary[8192:] == 0xA5).all()
+        with gs.open(share, exclude=["same-process"]) as again:  # the exporter serves on
+            again.get(bytearray(8))
+    finally:
+        child.close()
+        share.revoke()
+
+
+def test_struct_sizes_are_what_the_fuzzers_assume():
+    assert broker_mod._REPLY.size == struct.calcsize("!4sBBHI")
