@@ -441,6 +441,12 @@ def _fuzz_cma(state: dict, name: str, count: int) -> dict:
     return {"requests": count, "unanswered": unanswered, "ok": codes.pop("ok", 0), "refused": codes}
 
 
+def _idle_cpu(state: dict, seconds: float) -> float:
+    from _procs import idle_cpu_seconds
+
+    return idle_cpu_seconds(seconds)
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -471,6 +477,7 @@ HANDLERS = {
     "no_ptrace": _no_ptrace,
     "undumpable": _undumpable,
     "forge_cma": _forge_cma,
+    "idle_cpu": _idle_cpu,
     "forged_offers": _forged_offers,
     "fuzz_cma": _fuzz_cma,
     "try_writing": _try_writing,
