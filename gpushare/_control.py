@@ -15,6 +15,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ._errors import ExporterUnreachableError, InvalidInputError
@@ -98,17 +99,26 @@ def take_frames(buf: bytearray) -> list[dict]:
     return messages
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None,
+                check: Callable[[], None] | None = None) -> bytes:
     chunks, got = [], 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("control channel peer too slow")
-            sock.settimeout(left)
         else:
-            sock.settimeout(None)
-        chunk = sock.recv(n - got)
+            left = None
+        if check is not None:  # wake each second to ask whether waiting still makes sense
+            left = 1.0 if left is None else min(left, 1.0)
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(n - got)
+        except TimeoutError:
+            if check is None:
+                raise
+            check()
+            continue
         if not chunk:
             raise EOFError("control channel closed")
         chunks.append(chunk)
@@ -116,13 +126,15 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def recv(sock: socket.socket, timeout: float | None = TIMEOUT) -> dict:
-    """Read one frame; ``timeout=None`` waits until the peer sends or closes."""
+def recv(sock: socket.socket, timeout: float | None = TIMEOUT, check: Callable[[], None] | None = None) -> dict:
+    """Read one frame; ``timeout=None`` waits until the peer sends or closes.
+    ``check``, called after each second of waiting, may end the wait by
+    raising."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline, check))
     if length > MAX_FRAME:
         raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
-    return parse(_recv_exact(sock, length, deadline))
+    return parse(_recv_exact(sock, length, deadline, check))
 
 
 def connect(addresses: tuple[tuple[str, int], ...], timeout: float) -> socket.socket:

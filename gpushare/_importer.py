@@ -127,16 +127,28 @@ class _Link(Protocol):
     def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
         """Send one request and wait for its reply, and the fds that came with it."""
         rid, waiter = self.submit(message)
-        if not waiter.event.wait(timeout):
-            with self.lock:
-                if self.pending.pop(rid, None) is not None:
-                    self._abandoned.add(rid)
-                    self._maybe_linger()
+        try:
+            answered = wait_alive(waiter.event.wait, _Stopped(self.exporter_pid, self.key[1]), timeout)
+        except ExporterUnreachableError:
+            answered = False
+            if waiter.reply is None:
+                self._give_up(rid)
+                raise
+        if not answered:
+            self._give_up(rid)
             if waiter.reply is None:
                 raise TimeoutError(f"no answer from exporter pid {self.exporter_pid} within {timeout:.3g} s")
         if waiter.reply is None:
             raise _Lost(self.dead or "the connection closed")
         return waiter.reply, waiter.fds
+
+    def _give_up(self, rid: int) -> None:
+        """The caller stopped waiting for request ``rid``: a late reply is dropped
+        (a late lease given back)."""
+        with self.lock:
+            if self.pending.pop(rid, None) is not None:
+                self._abandoned.add(rid)
+                self._maybe_linger()
 
     def end_lease(self, lease: int, op: str) -> None:
         """Tell the exporter a lease ended (``close``) or was not used (``failed``)."""
@@ -422,7 +434,7 @@ class Importer:
         if sock is None:
             sock = _control.connect(addresses, _left(deadline))
             try:
-                _hello(sock, share.exporter_pid, deadline)
+                _hello(sock, share.exporter_pid, deadline, share.node)
             except BaseException:
                 sock.close()
                 raise
@@ -482,6 +494,24 @@ def _left(deadline: float) -> float:
     return left
 
 
+class _Stopped:
+    """For a wait on an exporter on this node: ends it when the exporting
+    process is stopped by a signal or has exited (its state in /proc), so
+    that a frozen exporter is reported at once, not at the timeout."""
+
+    __slots__ = ("node", "pid")
+
+    def __init__(self, pid: int, node: str) -> None:
+        self.pid, self.node = pid, node
+
+    def check_alive(self) -> None:
+        state = _state_of(self.pid, self.node)
+        if state and "waits in the kernel" not in state:
+            raise ExporterUnreachableError(f"the exporter (pid {self.pid}) does not answer{state}")
+
+    __call__ = check_alive
+
+
 def _state_of(pid: int, node: str) -> str:
     """ " (it is stopped by a signal)" and the like, for an exporter on this
     node whose state says why it is silent; else ""."""
@@ -512,7 +542,7 @@ def _connect_local(share: Any, deadline: float) -> socket.socket | None:
         sock.settimeout(_left(deadline))
         sock.connect(control_address(share.exporter_pid, share.control[0][1]))
         check_peer(sock, share.exporter_pid, "the control socket")
-        _hello(sock, share.exporter_pid, deadline)
+        _hello(sock, share.exporter_pid, deadline, share.node)
     except AccessDeniedError:
         sock.close()
         raise  # a refusal is final: no other way in is tried
@@ -527,7 +557,7 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:
+def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = "") -> None:
     """Say hello on a new control connection, and prove with the exporter,
     each to the other, that both hold the key (:mod:`gpushare._auth`); nothing
     else is sent, and nothing the exporter says is used, before that."""
@@ -537,7 +567,7 @@ def _hello(sock: socket.socket, exporter_pid: int, deadline: float) -> None:
     mine = _auth.new_nonce()
     _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key(),
                          "nonce": mine})
-    reply = _control.recv(sock, _left(deadline))
+    reply = _control.recv(sock, _left(deadline), _Stopped(exporter_pid, node))
     if reply.get("code") == "denied":
         raise AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {str(reply.get('message'))[:200]}")
     if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:

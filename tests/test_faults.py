@@ -112,3 +112,27 @@ def test_an_importer_killed_or_frozen_mid_transfer_holds_up_nothing(how, path, f
         stuck.proc.join(10)
         other.close()
         share.revoke()
+
+
+def test_opening_a_share_of_a_frozen_exporter_fails_clearly_within_the_bound():
+    exporter = Child(_share_peer.setup)
+    try:
+        first = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
+        second = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        exc, took = _timed(lambda: gs.open(first))  # a new connection: its hello is never answered
+        assert isinstance(exc, gs.ExporterUnreachableError) and "stopped by a signal" in str(exc), repr(exc)
+        assert took < BOUND
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+        view = gs.open(first)
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        exc, took = _timed(lambda: gs.open(second))  # on the connection the first view holds
+        assert isinstance(exc, gs.ExporterUnreachableError) and "stopped by a signal" in str(exc), repr(exc)
+        assert took < BOUND
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+        with gs.open(second) as again:  # answered again: it opens
+            again.get(bytearray(4))
+        view.close()
+    finally:
+        os.kill(exporter.proc.pid, signal.SIGCONT)
+        exporter.close()
