@@ -50,7 +50,7 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
         (``vm.nr_hugepages``), faulted in at once; :class:`UnsupportedError`
         where there are not enough.  ``False``: ordinary pages.  Fewer pages
         make allocation, first touch and importers' first copies cheaper
-        (see docs/benchmarks.md).
+        (see docs/same-node.md).
 
     Returns
     -------
