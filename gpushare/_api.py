@@ -669,7 +669,7 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
     desc = _rebuild(*fields)
     size = getattr(desc, "size", None)
     # A share of part of a buffer maps the whole buffer and views its part.
-    if size != share.nbytes and not (isinstance(size, int) and size >= share.offset + share.nbytes):
+    if not isinstance(size, int) or size < share.offset + share.nbytes:
         raise InvalidInputError(f"descriptor is {size if size is not None else '?'} bytes; the share says "
                                 f"{share.nbytes} at offset {share.offset}")
     if fds:
@@ -924,7 +924,7 @@ class View:
             view = memoryview(raw).cast("B")
         else:
             view = self._mapped.memoryview()[self.share.offset:self.share.offset + self.nbytes]
-        return view.toreadonly() if self.share.readonly else view
+        return view.toreadonly() if self._read_only() else view
 
     def __buffer__(self, flags: int) -> memoryview:  # the buffer protocol on Python 3.12+
         return self.memoryview()
@@ -945,7 +945,7 @@ class View:
             self._cai_taken = True
         # gpushare leaves no work pending on the memory (its copies complete
         # before they return), so consumers need no stream to wait on.
-        return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, self.share.readonly),
+        return {"shape": self.shape, "typestr": self.typestr, "data": (lb.address, self._read_only()),
                 "version": 3, "strides": None, "stream": None}
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
@@ -975,7 +975,7 @@ class View:
             self._use.acquire()
             weakref.finalize(owner, self._use.drop)
         return _dlpack.capsule(lb.address, self.shape, self.typestr, self.__dlpack_device__(),
-                               readonly=self.share.readonly, owner=owner, max_version=max_version,
+                               readonly=self._read_only(), owner=owner, max_version=max_version,
                                dl_dtype=self.share.dlpack_dtype, strides=self.strides)
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -984,6 +984,10 @@ class View:
         return (2, int(self.device))
 
     # -- copies ------------------------------------------------------------
+    def _read_only(self) -> bool:
+        """Read-only here: the share is, or the mapping is (a sealed buffer)."""
+        return self.share.readonly or bool(getattr(self._mapped, "readonly", False))
+
     def _check_writable(self) -> None:
         if self.share.readonly:
             raise InvalidInputError("this share is read-only: its exporter allows get, not put")
@@ -1167,11 +1171,12 @@ class View:
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         if self.path == "ucx-rma":
             self._span(buf, offset, direction == "get")[0].release()
+            from ._importer import _await_alive
+
             with _rma_errors(self.share):
-                if direction == "get":
-                    await self._peer.get_async(*self._region, offset, buf)
-                else:
-                    await self._peer.put_async(*self._region, offset, buf)
+                post = self._peer.get_async if direction == "get" else self._peer.put_async
+                # Liveness as for the blocking calls: a frozen exporter ends the wait.
+                await _await_alive(post(*self._region, offset, buf), self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
             await self._cma(buf, offset, direction)

@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -294,6 +295,9 @@ class Exporter:
                 return
             self._stopped = True
             exports = list(self._exports.values())
+        cma = sys.modules.get("gpushare._paths.cma")
+        if cma is not None:
+            cma.stop()  # no copy goes on into an importer once the connections close
         self._service.unlisten(self._listener)
         if self._local is not None:
             self._service.unlisten(self._local)
@@ -365,8 +369,11 @@ class _Session(Protocol):
         self.keys: dict[int, bytes] = {}
         #: The path of each lease.
         self.paths: dict[int, str] = {}
-        #: Each cma lease's pinned memory and the importer's pid (from the kernel).
-        self.cma: dict[int, tuple[Any, int]] = {}
+        #: Each cma lease's pinned memory and the importer's process (from the kernel).
+        self.cma: dict[int, tuple[Any, Any]] = {}
+        #: cma copies queued or running for this connection.
+        self._copies = 0
+        self._copies_lock = threading.Lock()
         #: share id -> [export, unused retries, paths tried]: an open the
         #: importer could not use ("failed") still counts, but buys one
         #: uncounted open of a path this connection has not tried for that
@@ -524,6 +531,10 @@ class _Session(Protocol):
                     pinned = self._cma_offer(conn, export)
                     payload = {}
                 else:
+                    if path == "host-fd" and not export.readonly and _sealed(export):
+                        raise UnsupportedError("the buffer was sealed after this share was made: it maps only "
+                                               "read-only now (export it again: a writable share of a sealed "
+                                               "buffer goes over cma)")
                     desc = export.descriptors[path]
                     payload = {"descriptor": [desc.handle_type, *desc._fields()]}
                     if self.local and path == "host-fd":
@@ -573,7 +584,13 @@ class _Session(Protocol):
             raise UnsupportedError(why)
         pid = _peer_pid(conn)
         cma.check_access(pid)
-        return _buffers.resolve(export.target(), writable=False), pid
+        process = cma.Process(pid)
+        pinned = _buffers.resolve(export.target(), writable=False)
+        if pinned.nbytes < export.nbytes:
+            pinned.release()
+            raise UnsupportedError(f"the exported object is {pinned.nbytes} bytes now, not the {export.nbytes} it "
+                                   "was when exported: export it again")
+        return pinned, process
 
     def _cma(self, conn: Connection, rid: Any, msg: dict) -> None:
         """An importer's get or put over its cma lease: checked here (lease,
@@ -592,31 +609,55 @@ class _Session(Protocol):
                 0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
             self._refuse(conn, rid, "bad", "malformed cma request")
             return
-        if offset + n > export.nbytes:
+        pinned, process = entry
+        if offset + n > min(export.nbytes, pinned.nbytes):
             self._refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {export.nbytes}")
             return
-        with export.lock:
-            refusal = "revoked" if export.revoked else ("retired" if export.retired else None)
+        refusal = self._cma_refusal(export, lease)
         if refusal is not None:
             self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
             return
         if direction == "put" and export.readonly:
             self._refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
             return
-        pinned, pid = entry
+        with self._copies_lock:
+            if self._copies >= cma.MAX_QUEUED:
+                self._refuse(conn, rid, "busy", f"this connection has {cma.MAX_QUEUED} copies queued already")
+                return
+            self._copies += 1
+        copier = cma.copier()
+
+        def still() -> str | None:
+            """Why the copy must stop now (checked before each piece), or None."""
+            if conn.closed:
+                return "the importer's connection closed"
+            if copier.stopping:
+                return "the exporter is exiting"
+            why = self._cma_refusal(export, lease)
+            return None if why is None else _REFUSALS[why]
 
         def job() -> None:  # holds ``pinned``: the memory stays while the copy runs
             try:
-                cma.copy(pid, pinned.address + offset, address, n, into_remote=direction == "get")
+                cma.copy(process, pinned.address + offset, address, n, into_remote=direction == "get", still=still)
                 reply = {"id": rid, "ok": True}
+            except ClosedError as exc:
+                reply = {"id": rid, "ok": False, "code": "closed", "message": str(exc)[:300]}
             except GpuShareError as exc:
                 reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
+            finally:
+                with self._copies_lock:
+                    self._copies -= 1
             conn.send(_control.pack(reply))
 
-        if n <= cma.INLINE:
-            job()  # a short copy: on this thread, which saves a hand-over to a copy thread
-        else:
-            cma.copier().submit(job)
+        copier.submit(job)
+
+    def _cma_refusal(self, export: Export, lease: int) -> str | None:
+        """Why a copy over ``lease`` may not run now: the lease ended, or the
+        share was revoked or retired (any thread)."""
+        if lease not in self.cma:
+            return "closed"
+        with export.lock:
+            return "revoked" if export.revoked else ("retired" if export.retired else None)
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -645,6 +686,13 @@ class _Session(Protocol):
         self._idle(conn)
 
 
+def _sealed(export: Export) -> bool:
+    """Whether the memfds of a host-fd export are sealed against writes."""
+    from ._paths.host_fd import _read_only
+
+    return any(fds and _read_only(fds) for _, fds in export.registrations)
+
+
 def _local_fds(desc: Any) -> list[int]:
     """The fds a host-fd descriptor names, for an importer on this node's
     control socket (the broker's registration and token, checked as the
@@ -662,6 +710,7 @@ _REFUSALS = {
     "revoked": "the share was revoked by its exporter",
     "retired": "the share is no longer available: its lifetime ended",
     "exhausted": "the share was opened as many times as its lifetime allows",
+    "closed": "the lease ended (the view was closed)",
 }
 
 #: What would have fitted, by policy, for a share whose lifetime ended.

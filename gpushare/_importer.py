@@ -34,6 +34,8 @@ __all__ = ["Lease", "Transfer", "get_importer"]
 
 #: Seconds a connection with no open view is kept for a reopen.
 IDLE_LINGER = 2.0
+#: Seconds the buffers of copies in flight stay held after their connection ended.
+KEEP_AFTER_LOSS = 2.0
 #: Seconds of silence from an exporter, while a transfer waits on it, after
 #: which the importer asks it for a sign of life (a ``ping``).
 QUIET = 1.0
@@ -72,7 +74,10 @@ class _Waiter:
             self.event.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a waiter's callback never breaks the connection
+                pass
 
     def then(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from any thread) once the reply came, or now if it has."""
@@ -254,7 +259,11 @@ class _Link(Protocol):
             if self.dead is None:
                 self.dead = f"the connection closed ({exc})" if exc else "the exporter closed the connection"
             waiters, self.pending = list(self.pending.values()), {}
-            self._kept.clear()  # the exporter's copies end with the connection
+            # The exporter's copies stop at the end of the connection (within
+            # a piece); the buffers they wrote into stay held a little longer.
+            kept, self._kept = self._kept, {}
+            if kept:
+                self.importer.service.call_later(KEEP_AFTER_LOSS, kept.clear)
             self.leases.clear()  # the exporter ended them with the connection
             self._stop_linger()
         self.importer._drop(self)
@@ -368,10 +377,13 @@ class Transfer:
         future = loop.create_future()
 
         def wake() -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            except RuntimeError:
+                pass  # the event loop closed: nobody awaits this any more
 
         self._waiter.then(wake)
-        yield from future.__await__()
+        yield from _await_alive(future, self._link).__await__()
         exc = self.exception()
         if exc is not None:
             raise exc
@@ -481,6 +493,24 @@ def wait_alive(wait: Callable[[float | None], bool], link: Any, timeout: float |
             return False
         if wait(step):
             return True
+
+
+async def _await_alive(awaitable: Any, link: Any) -> Any:
+    """Await ``awaitable``, asking ``link.check_alive()`` after each second of
+    waiting, as :func:`wait_alive` does for threads."""
+    import asyncio
+
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=QUIET)
+        if done:
+            return task.result()
+        if link is not None:
+            try:
+                link.check_alive()
+            except BaseException:
+                task.cancel()  # the transfer itself stays in flight, its buffer held
+                raise
 
 
 def _unreachable(share: Any, exc: BaseException) -> ExporterUnreachableError:

@@ -413,6 +413,9 @@ def _fuzz_cma(state: dict, name: str, count: int) -> dict:
     weird = [None, "1", 1.5, True, [], {}, b"x"]
     waiters = []
     for i in range(count):
+        if i % 32 == 0:  # in batches: an importer may have only so many copies queued (more are refused "busy")
+            for w in waiters[-32:]:
+                w.event.wait(30)
         if i % 2 == 0:  # a well-formed request, within bounds: it must be served
             offset = rng.randrange(0, view.nbytes)
             n = rng.randrange(1, view.nbytes - offset + 1)
@@ -447,6 +450,29 @@ def _idle_cpu(state: dict, seconds: float) -> float:
     return idle_cpu_seconds(seconds)
 
 
+def _put_batch_async(state: dict, name: str, count: int, value: int, size: int) -> None:
+    """Start ``count`` puts of ``size`` bytes of ``value`` on one view, as one batch; do not wait."""
+    import numpy as np
+
+    import gpushare as gs
+
+    view = state["views"][name]
+    src = np.full(size, value, np.uint8)
+    state.setdefault("batches", []).append(gs.put_batch([(view, 0, src)] * count))
+
+
+def _batch_errors(state: dict) -> list[str]:
+    """How the batches started before ended (waits for them)."""
+    out = []
+    for req in state.pop("batches", []):
+        try:
+            req.wait(30)
+            out.append("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.append(type(exc).__name__)
+    return out
+
+
 HANDLERS = {
     "open": _open,
     "get": _get,
@@ -477,6 +503,8 @@ HANDLERS = {
     "no_ptrace": _no_ptrace,
     "undumpable": _undumpable,
     "forge_cma": _forge_cma,
+    "put_batch_async": _put_batch_async,
+    "batch_errors": _batch_errors,
     "idle_cpu": _idle_cpu,
     "forged_offers": _forged_offers,
     "fuzz_cma": _fuzz_cma,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -103,7 +104,7 @@ def test_batches_and_asyncio_over_cma(peer):
 def test_cma_copies_run_on_two_threads_whatever_the_number_of_views():
     from gpushare._paths import cma
 
-    size = 2 * cma.INLINE  # copies this large leave the service thread
+    size = 2 * cma.PIECE  # copies of two pieces each
     arrays = [np.full(size, i % 256, np.uint8) for i in range(16)]
     shares = [gs.export(x) for x in arrays]
     views = [gs.open(s, exclude=["same-process"]) for s in shares]
@@ -148,3 +149,32 @@ def test_a_same_node_peer_served_over_ucx_rma_is_warned(peer):
     opened = peer.call("open", "w2", share, {"prefer": ["ucx-rma"]})  # asked for: no warning
     assert opened["warnings"] == []
     peer.call("close", "w2")
+
+
+def test_revocation_stops_copies_already_queued(peer):
+    big = 64 << 20
+    a = np.zeros(big, np.uint8)
+    share = gs.export(a, lifetime="revoked")
+    assert peer.call("open", "q", share)["path"] == "cma"
+    peer.call("put_batch_async", "q", 16, 9, big)  # 1 GiB of puts queued at the exporter (about 0.1 s of copying)
+    time.sleep(0.01)
+    share.revoke()
+    time.sleep(0.05)  # at most the piece in progress at the revocation lands after it
+    seen = int(a.sum())
+    time.sleep(1.0)
+    assert int(a.sum()) == seen, "a copy went on after the share was revoked"
+    assert "ClosedError" in peer.call("batch_errors")
+    peer.call("close", "q")
+
+
+def test_an_object_that_shrank_since_export_is_not_served_past_its_end(peer):
+    data = bytearray(256 * 1024)
+    share = gs.export(data, lifetime="revoked")
+    del data[5:]  # nothing pins it between export and the first open
+    opened = peer.call("open", "s", share)
+    assert opened["path"] == "ucx-rma"  # cma refused the open: the object is not what was exported
+    assert any("is 5 bytes now" in w for w in opened["warnings"]), opened
+    with pytest.raises(Exception, match="OutOfBounds|outside|past"):
+        peer.call("get", "s", 0, 1024)
+    peer.call("close", "s")
+    share.revoke()

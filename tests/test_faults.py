@@ -136,3 +136,30 @@ def test_opening_a_share_of_a_frozen_exporter_fails_clearly_within_the_bound():
     finally:
         os.kill(exporter.proc.pid, signal.SIGCONT)
         exporter.close()
+
+
+@pytest.fixture
+def stoppable():
+    """An exporter process that a test may stop (SIGSTOP); always resumed and closed."""
+    exporter = Child(_share_peer.setup)
+    yield exporter
+    os.kill(exporter.proc.pid, signal.SIGCONT)
+    exporter.close()
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+def test_an_awaited_transfer_of_a_frozen_exporter_ends_within_the_bound(stoppable, how, path):
+    import asyncio
+
+    view = gs.open(stoppable.call("export", "numpy", 4096, {"lifetime": "revoked"}), **how)
+    os.kill(stoppable.proc.pid, signal.SIGSTOP)
+    exc, took = _timed(lambda: asyncio.run(view.get_async(bytearray(64))))  # timeout=None: no limit of its own
+    assert isinstance(exc, gs.ExporterUnreachableError) and took < BOUND, (repr(exc), took)
+    os.kill(stoppable.proc.pid, signal.SIGCONT)
+    # An await given up on, its loop closed, does not break the connection for the others.
+    with pytest.raises(gs.WaitTimeoutError):
+        asyncio.run(view.get_async(bytearray(64), timeout=1e-6))
+    out = bytearray(8)
+    view.get(out)
+    assert out == bytes(range(8))
+    view.close()

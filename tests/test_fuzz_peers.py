@@ -217,3 +217,13 @@ def test_any_cma_request_is_checked_by_the_exporter_and_leaves_its_memory_alone(
 
 def test_struct_sizes_are_what_the_fuzzers_assume():
     assert broker_mod._REPLY.size == struct.calcsize("!4sBBHI")
+
+
+def test_a_forged_offset_is_refused_before_anything_is_mapped(host_share):
+    fields = list(host_share.__reduce__()[1])
+    fields += [d for _, d in gs.Share._OPTIONAL][len(fields) - len(gs.Share._BASE):]
+    for offset in (1 << 33, 1, 4096):
+        forged = list(fields)
+        forged[gs.Share._NAMES.index("offset")] = offset
+        with pytest.raises(gs.GpuShareError, match="host-fd failed: descriptor is 4096 bytes"):
+            gs.open(gs.Share._make(*forged), prefer=["host-fd"], exclude=["same-process", "cma", "ucx-rma"])

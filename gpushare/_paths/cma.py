@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,14 +33,13 @@ __all__ = ["available", "check_access", "copy", "copier"]
 
 log = logging.getLogger("gpushare")
 
-#: Copies up to this size run on the service thread (tens of microseconds);
-#: larger ones on the copy threads, so the control channel keeps answering
-#: and two large copies run at once.
-INLINE = 1 << 20
-
-#: Bytes the exporter moves per system call (the kernel pins the pages of
-#: each call; bounded pieces keep one transfer from pinning gigabytes).
-PIECE = 64 << 20
+#: Bytes the exporter moves per system call.  Before each piece the copy
+#: checks that it may still go on (the connection open, the lease held, the
+#: share not revoked, the importer the same process): a revocation or a
+#: closed connection stops a copy within one piece (about a millisecond).
+PIECE = 8 << 20
+#: Copies an importer's connection may have queued or running at once.
+MAX_QUEUED = 64
 
 
 class _IoVec(ctypes.Structure):
@@ -89,16 +89,58 @@ def check_access(pid: int) -> None:
     os.close(fd)
 
 
-def copy(pid: int, local: int, remote: int, n: int, *, into_remote: bool) -> None:
+class Process:
+    """An importer's process, as the kernel knows it: its pid and a pidfd,
+    which tells whether that very process still runs (a pid may be reused
+    once it has exited; a pidfd never refers to another process)."""
+
+    __slots__ = ("fd", "pid")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise ClosedError(f"process {pid} has exited") from None
+        except (OSError, AttributeError):
+            self.fd = None  # a kernel before 5.3: the pid alone
+
+    def alive(self) -> bool:
+        if self.fd is None:
+            return True
+        try:
+            signal.pidfd_send_signal(self.fd, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def __del__(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def copy(proc: Process, local: int, remote: int, n: int, *, into_remote: bool,
+         still: Callable[[], str | None] = lambda: None) -> None:
     """Copy ``n`` bytes between ``local`` (this process) and ``remote`` (in
-    process ``pid``): into the remote process for an importer's get, out of
-    it for a put.  Raises :class:`InvalidInputError` for an address the
-    remote process does not have mapped (or not writable), and
-    :class:`AccessDeniedError` / :class:`ClosedError` as :func:`check_access`."""
+    the importer's process): into it for an importer's get, out of it for a
+    put, in pieces.  ``still()`` is asked before each piece and returns why
+    the copy must stop (:class:`ClosedError`), or None.  Raises
+    :class:`InvalidInputError` for an address the importer does not have
+    mapped (or not writable), and :class:`AccessDeniedError` /
+    :class:`ClosedError` as :func:`check_access`."""
     libc = _calls()
     fn = libc.process_vm_writev if into_remote else libc.process_vm_readv
+    pid = proc.pid
     done = 0
     while done < n:
+        why = still()
+        if why is None and not proc.alive():
+            why = f"process {pid} has exited"
+        if why is not None:
+            raise ClosedError(f"the copy stopped after {done} of {n} bytes: {why}")
         size = min(n - done, PIECE)
         mine = _IoVec(local + done, size)
         theirs = _IoVec(remote + done, size)
@@ -125,15 +167,19 @@ def copy(pid: int, local: int, remote: int, n: int, *, into_remote: bool) -> Non
 
 class _Copier:
     """The exporter's copy threads: two per process, whatever the number of
-    shares and importers.  Copies larger than :data:`INLINE` run here, not
-    on the service thread, so they do not hold up the control channel.
-    Daemon threads: a copy that never ends does not hold up the
-    interpreter's exit."""
+    shares and importers.  Every copy runs here, never on the service
+    thread, which keeps answering while an importer's memory is slow to
+    fault in.  Daemon threads; :meth:`stop` (at exit, before the control
+    channel closes) stops the copies at their next piece and waits for
+    them, so no copy writes into an importer after its connection ended."""
 
     THREADS = 2
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False
+        self.running = 0
+        self.idle = threading.Condition()
         for i in range(self.THREADS):
             threading.Thread(target=self._run, name=f"gpushare-cma-{i}", daemon=True).start()
 
@@ -143,11 +189,23 @@ class _Copier:
     def _run(self) -> None:
         while True:
             job = self.jobs.get()
+            with self.idle:
+                self.running += 1
             try:
                 job()
             except BaseException:  # noqa: BLE001 - a job reports its own errors; the thread goes on
                 log.exception("a cma copy job failed")
+            finally:
+                with self.idle:
+                    self.running -= 1
+                    self.idle.notify_all()
             del job
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every copy at its next piece and wait (at most ``timeout``)."""
+        self.stopping = True
+        with self.idle:
+            self.idle.wait_for(lambda: self.running == 0 and self.jobs.empty(), timeout)
 
 
 _copier: _Copier | None = None
@@ -162,3 +220,10 @@ def copier() -> _Copier:
             _copier = _Copier()
             _copier_pid = os.getpid()
         return _copier
+
+
+def stop() -> None:
+    """At exit: stop this process's copies, if it ever started any."""
+    c = _copier
+    if c is not None and _copier_pid == os.getpid():
+        c.stop()

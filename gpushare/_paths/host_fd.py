@@ -239,6 +239,9 @@ class HostBuffer:
                 for fd in res.fds:
                     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
             except OSError as exc:
+                if exc.errno == errno.EPERM:
+                    raise UnsupportedError("the buffer's memfds take no more seals: a process holding them (an "
+                                           "importer of a writable share) sealed them already") from None
                 raise UnsupportedError(f"this kernel cannot seal a memfd against writes ({exc.strerror})") from None
 
     @property
@@ -417,9 +420,15 @@ def allocate_host(size: int, *, chunk_size: int | None = None, huge_pages: Any =
     if huge_pages == "hugetlb":
         buf._huge = "hugetlb"
     elif huge_pages == "thp" or (huge_pages == "auto" and sum(sizes) >= HUGE):
-        region.madvise(mmap.MADV_HUGEPAGE, buf._off, sum(sizes))
-        if shmem_thp() in ("always", "within_size", "advise", "force"):
-            buf._huge = "thp"
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, buf._off, sum(sizes))
+        except (OSError, AttributeError) as exc:  # a kernel without transparent huge pages
+            if huge_pages == "thp":
+                buf.close()
+                raise UnsupportedError(f"this kernel offers no transparent huge pages ({exc})") from None
+        else:
+            if shmem_thp() in ("always", "within_size", "advise", "force"):
+                buf._huge = "thp"
     _allocated.add(buf)
     return buf
 
