@@ -913,6 +913,7 @@ class Node {
        int wakeTimeoutMs)
     : errorHandling(errorHandling_), polling(polling_)
   {
+    logToStderr();
     ucxx::ConfigMap cfg(config.begin(), config.end());
     call("ucp_init", [&] {
       context = ucxx::contextBuilder(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP).configMap(cfg).build();

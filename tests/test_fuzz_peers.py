@@ -227,3 +227,20 @@ def test_a_forged_offset_is_refused_before_anything_is_mapped(host_share):
         forged[gs.Share._NAMES.index("offset")] = offset
         with pytest.raises(gs.GpuShareError, match="host-fd failed: descriptor is 4096 bytes"):
             gs.open(gs.Share._make(*forged), prefer=["host-fd"], exclude=["same-process", "cma", "ucx-rma"])
+
+
+def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
+    import subprocess
+    import sys
+
+    code = (
+        "from gpushare._ucx import _server, _agent\n"
+        "try:\n"
+        "    _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, bytes(40)), timeout=3)\n"
+        "except Exception as e:\n"
+        "    print('refused', type(e).__name__)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.stdout == "refused UCXInvalidError\n"  # a program's stdout carries nothing of UCX's
+    assert "[UCX ERROR]" in r.stderr
