@@ -235,8 +235,12 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
 
     code = (
         "from gpushare._ucx import _server, _agent\n"
+        "raw = bytearray(_agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, 'a', 1 << 16)[1])\n"
+        "pos = 1 + 8 + 1\n"  # a v1 address: header, worker uuid, the first device's memory domain
+        "dev = raw[pos]; pos += 1 + bool(dev & 0x40) + bool(dev & 0x20) + (dev & 0x1f) + 2\n"
+        "raw[pos + 4:pos + 8] = bytes(4)\n"  # its first transport's bandwidth: 0, which UCX refuses
         "try:\n"
-        "    _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, bytes(40)), timeout=3)\n"
+        "    _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
         "except Exception as e:\n"
         "    print('refused', type(e).__name__)\n"
     )
@@ -244,3 +248,76 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert r.stdout == "refused UCXInvalidError\n"  # a program's stdout carries nothing of UCX's
     assert "[UCX ERROR]" in r.stderr
+
+
+_ADDRESS_FUZZ = r"""
+import random, subprocess, sys
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own: nothing leaves it
+import gpushare as gs
+from gpushare._ucx import _server, _agent
+from gpushare._ucx._address import check_worker_address
+
+raw = _agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, "a", 1 << 16)[1]
+rng = random.Random(int(sys.argv[1]))
+blobs = []
+for pos in range(len(raw)):
+    for value in (0x00, 0xFF, raw[pos] ^ 0x80, raw[pos] ^ 0x01, raw[pos] ^ 0x20):
+        b = bytearray(raw); b[pos] = value; blobs.append(bytes(b))
+for _ in range(150):
+    b = bytearray(raw)
+    for _ in range(rng.choice([2, 3, 5, 8])):
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    blobs.append(bytes(b))
+blobs += [raw[:n] for n in range(len(raw))] + [raw + bytes([n]) for n in (0, 0x80, 0xFF)]
+seen = {"refused": 0, "ucx error": 0, "connected": 0}
+for blob in blobs:
+    try:
+        check_worker_address(blob)
+    except gs.InvalidInputError:
+        seen["refused"] += 1
+        continue
+    try:
+        _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, blob), timeout=1)
+        seen["connected"] += 1
+    except gs.GpuShareError:
+        seen["ucx error"] += 1
+print(len(blobs), seen["refused"], seen["ucx error"], seen["connected"])
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("seed, version", [(1, "v1"), (2, "v2"), (3, "v2")])
+def test_forged_ucx_addresses_with_valid_envelopes_are_refused_or_fail_never_crash(seed, version):
+    """Every one-byte change of a real worker address, random multi-byte
+    changes and truncations, in a process with a network namespace of its
+    own (only loopback: a forged IP address reaches nobody): each is
+    refused by the structure check, or fails or connects in UCX; none
+    crashes the process."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip for a network namespace of its own")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), UCX_ADDRESS_VERSION=version)
+    r = subprocess.run(["unshare", "--net", sys.executable, "-c", _ADDRESS_FUZZ, str(seed)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
+    total, refused, failed, connected = map(int, r.stdout.split())
+    assert total == refused + failed + connected and refused > 0
+
+
+def test_the_address_check_takes_real_addresses_and_refuses_broken_ones():
+    from gpushare._ucx import _agent, _server
+    from gpushare._ucx._address import check_worker_address
+    import gpushare.ucx as gu
+
+    raw = _agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, "a", 1 << 16)[1]
+    check_worker_address(raw)
+    check_worker_address(_agent._unpack(gu.Agent(error_handling=False, transports="all").address,
+                                        _agent._ADDRESS_MAGIC, "a", 1 << 16)[1])
+    for broken, why in [(raw[:-1], "ends at byte"), (raw + b"\0", "after its last device"),
+                        (bytes([raw[0] | 0x0F]) + raw[1:], "format version 15"),
+                        (raw[:9] + b"\xff" + raw[10:], "names no transport")]:
+        with pytest.raises(gs.InvalidInputError, match=why):
+            check_worker_address(broken)

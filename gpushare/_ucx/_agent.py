@@ -29,6 +29,7 @@ from .._errors import (
     native_errors,
     translate,
 )
+from ._address import check_worker_address
 from ._loader import keep_forever, native
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
@@ -955,6 +956,7 @@ class Agent:
         self._check_usable()
         t = _check_timeout(timeout)
         _, raw = _unpack(peer_address, _ADDRESS_MAGIC, "agent address", _MAX_ADDRESS)
+        check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         with native_errors():
             nep = self._native.connect(raw)
         ep = Endpoint._make(self, nep)

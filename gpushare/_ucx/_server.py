@@ -46,6 +46,7 @@ from ._agent import (
     mt_config,
     wake_timeout_ms,
 )
+from ._address import check_worker_address
 from ._loader import keep_forever, native
 
 __all__ = ["Server", "Region", "Client", "Peer", "server", "client", "node_config", "KEY_BYTES"]
@@ -574,6 +575,7 @@ class Client:
         n = node.check()
         t = _check_timeout(timeout)
         _, raw = _unpack(address, _ADDRESS_MAGIC, "worker address", _MAX_ADDRESS)
+        check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         with node.lock:
             cached = node.peers.get(raw)
         if cached is not None and cached.alive:
