@@ -321,3 +321,56 @@ def test_the_address_check_takes_real_addresses_and_refuses_broken_ones():
                         (raw[:9] + b"\xff" + raw[10:], "names no transport")]:
         with pytest.raises(gs.InvalidInputError, match=why):
             check_worker_address(broken)
+
+
+_KEY_FUZZ = r"""
+import random, subprocess, sys
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own
+import gpushare as gs
+import gpushare.ucx as gu
+from gpushare._ucx import _agent
+
+exporter, importer = gu.Agent(), gu.Agent()
+memory = bytearray(4096)
+handle = exporter.create_memory_handle(len(memory), memory)
+mtype, payload = _agent._unpack(handle.create_remote_key().serialize(), _agent._KEY_MAGIC, "k", 1 << 16)
+ep = importer.connect(exporter.address)
+rng = random.Random(int(sys.argv[1]))
+forged = []
+for pos in range(len(payload)):
+    for value in (0x00, 0xFF, payload[pos] ^ 0x80, payload[pos] ^ 0x01):
+        b = bytearray(payload); b[pos] = value; forged.append(bytes(b))
+for _ in range(200):
+    b = bytearray(payload)
+    for _ in range(rng.choice([2, 4, 8])):
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    forged.append(bytes(b))
+forged += [payload[:n] for n in range(len(payload))] + [payload + bytes(n) for n in (1, 8)]
+refused = unpacked = 0
+for blob in forged:
+    try:
+        ep.unpack_remote_key(_agent._pack(_agent._KEY_MAGIC, mtype, blob)).close()
+        unpacked += 1
+    except gs.GpuShareError:
+        refused += 1
+print(len(forged), refused, unpacked)
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("seed", [1, 2])
+def test_forged_remote_keys_with_valid_envelopes_are_refused_or_unpacked_never_crash(seed):
+    """Every one-byte change of a real remote key, random changes and
+    truncations, each in a valid envelope (its checksum recomputed), unpacked
+    on a connected endpoint: refused or unpacked, never a crash."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip for a network namespace of its own")
+    r = subprocess.run(["unshare", "--net", sys.executable, "-c", _KEY_FUZZ, str(seed)], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
+    total, refused, unpacked = map(int, r.stdout.split())
+    assert total == refused + unpacked and refused > 0
