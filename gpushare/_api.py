@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
 import ctypes
 import logging
@@ -555,19 +554,10 @@ def _exporter_exited(share: Share) -> bool | None:
     when it runs, None when this process cannot tell (another node)."""
     if share.node != node_key():
         return None
-    pid = share.exporter_pid
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with builtins.open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in (b"Z", b"X")  # exited, not yet reaped by its parent
+    from ._process import process_state
+
+    state = process_state(share.exporter_pid)
+    return state is None or state in ("Z", "X")  # gone, or exited and not yet reaped by its parent
 
 
 def _unreachable(share: Share, detail: str) -> str:

@@ -545,17 +545,16 @@ class _Stopped:
 def _state_of(pid: int, node: str) -> str:
     """ " (it is stopped by a signal)" and the like, for an exporter on this
     node whose state says why it is silent; else ""."""
+    from ._process import process_state
     from ._share import node_key
 
     if node != node_key():
         return ""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    state = process_state(pid)
+    if state is None:
         return " (it has exited)"
-    return {b"T": " (it is stopped by a signal)", b"t": " (it is stopped by a debugger)",
-            b"Z": " (it has exited)", b"D": " (it waits in the kernel)"}.get(state, "")
+    return {"T": " (it is stopped by a signal)", "t": " (it is stopped by a debugger)",
+            "Z": " (it has exited)", "X": " (it has exited)", "D": " (it waits in the kernel)"}.get(state, "")
 
 
 def _connect_local(share: Any, deadline: float) -> socket.socket | None:

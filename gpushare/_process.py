@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["PerProcess"]
+__all__ = ["PerProcess", "process_state"]
 
 T = TypeVar("T")
 
@@ -66,3 +66,19 @@ class PerProcess(Generic[T]):
         if self._obj is not None:
             self._abandon(self._obj)
             self._obj = None
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` on this node (``"R"``,
+    ``"S"``, ``"T"`` stopped by a signal, ``"t"`` by a debugger, ``"Z"``
+    exited and not yet reaped...): ``None`` when there is no such process,
+    ``""`` when its state cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    fields = data.rsplit(b")", 1)[-1].split()
+    return fields[0].decode("ascii", "replace") if fields else ""
