@@ -143,9 +143,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def share_peer() -> Iterator:
+def peer() -> Iterator:
     """Another process that opens shares it is sent (``tests/_share_peer.py``),
-    one per test module."""
+    one per test module (modules that need another kind define their own)."""
     from _procs import Child
     import _share_peer
 

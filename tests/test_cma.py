@@ -20,11 +20,6 @@ from _procs import Child, wait_for
 import _share_peer
 
 
-@pytest.fixture(scope="module")
-def peer(share_peer):
-    return share_peer
-
-
 def test_a_plain_array_goes_to_a_same_node_peer_over_cma_both_ways(peer):
     a = np.arange(256 * 1024, dtype=np.float32).reshape(512, 512)
     share = gs.export(a)

@@ -17,9 +17,8 @@ import pytest
 import gpushare as gs
 from gpushare._exporter import get_exporter, registered
 
-from _procs import Box, Child, wait_for
+from _procs import Box, wait_for
 import _fanout_worker
-import _share_peer
 
 METHODS = ["fork", "forkserver", "spawn"]
 
@@ -90,13 +89,6 @@ def test_queue_readers_all_open_a_share_the_exporter_dropped(method, arrays):
 
 
 # ------------------------------------------------------------ the "auto" rules
-
-
-@pytest.fixture(scope="module")
-def peer():
-    child = Child(_share_peer.setup)
-    yield child
-    child.close()
 
 
 def _gone(ref) -> bool:

@@ -13,11 +13,6 @@ import pytest
 import gpushare as gs
 
 
-@pytest.fixture(scope="module")
-def peer(share_peer):
-    return share_peer
-
-
 def test_a_read_only_share_is_mapped_read_only_and_stays_so(peer):
     src = gs.empty(4 * 4096, np.uint8)
     src[:] = 9

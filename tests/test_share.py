@@ -23,13 +23,6 @@ import _share_peer
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def peer():
-    child = Child(_share_peer.setup)
-    yield child
-    child.close()
-
-
 #: The paths that copy plain memory: cma on this node by default, ucx-rma when asked for.
 COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"}, "ucx-rma", id="ucx-rma")]
 

@@ -26,7 +26,6 @@ def pair():
 
 def _settled(child: Child, key: str = "exporter") -> dict:
     """The child's counters once its idle connections have gone."""
-    stats = child.call("stats")
     wait_for(lambda: (child.call("stats").get(key) or {}).get("leases", 0) == 0, 10)
     time.sleep(3)  # idle connections linger 2 s
     return child.call("stats")

@@ -9,17 +9,7 @@ import pytest
 
 import gpushare as gs
 
-from _procs import Child
-import _share_peer
-
 torch = pytest.importorskip("torch", reason="torch is an optional extra: pip install torch to run these tests")
-
-
-@pytest.fixture(scope="module")
-def peer():
-    child = Child(_share_peer.setup)
-    yield child
-    child.close()
 
 
 def _raw(t) -> bytes:
