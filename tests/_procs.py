@@ -115,6 +115,11 @@ def idle_cpu_seconds(seconds: float) -> float:
     return time.process_time() - t0
 
 
+def idle_cpu(state: dict, seconds: float) -> float:
+    """The ``idle_cpu`` command of the peer processes: :func:`idle_cpu_seconds`."""
+    return idle_cpu_seconds(seconds)
+
+
 class Box:
     """A weak-referenceable holder of a NumPy array (for lifetime checks)."""
 

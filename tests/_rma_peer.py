@@ -6,6 +6,8 @@ import hashlib
 import os
 from typing import Any
 
+from _procs import idle_cpu
+
 
 def setup(region_size: int, agent_kwargs: dict | None = None) -> dict:
     from gpushare import ucx
@@ -76,14 +78,8 @@ def _die(state: dict) -> None:
     os._exit(3)
 
 
-def _idle_cpu(state: dict, seconds: float) -> float:
-    from _procs import idle_cpu_seconds
-
-    return idle_cpu_seconds(seconds)
-
-
 HANDLERS: dict[str, Any] = {
-    "idle_cpu": _idle_cpu,
+    "idle_cpu": idle_cpu,
     "read": _read,
     "digest": _digest,
     "write": _write,

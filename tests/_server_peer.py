@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from _procs import idle_cpu
+
 
 def _counts() -> dict:
     return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
@@ -71,12 +73,6 @@ def _stats(state: dict) -> dict:
     return state["server"].stats()
 
 
-def _idle_cpu(state: dict, seconds: float) -> float:
-    from _procs import idle_cpu_seconds
-
-    return idle_cpu_seconds(seconds)
-
-
 HANDLERS: dict[str, Any] = {
     "add": _add,
     "add_many": _add_many,
@@ -88,7 +84,7 @@ HANDLERS: dict[str, Any] = {
     "read": _read,
     "counts": _counts_cmd,
     "stats": _stats,
-    "idle_cpu": _idle_cpu,
+    "idle_cpu": idle_cpu,
     "die": lambda state: os._exit(3),
 }
 

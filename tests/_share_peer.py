@@ -7,6 +7,8 @@ import os
 import warnings
 from typing import Any
 
+from _procs import idle_cpu
+
 
 def setup() -> dict:
     return {"_handlers": HANDLERS, "views": {}, "_reply": {"pid": os.getpid()}}
@@ -444,12 +446,6 @@ def _fuzz_cma(state: dict, name: str, count: int) -> dict:
     return {"requests": count, "unanswered": unanswered, "ok": codes.pop("ok", 0), "refused": codes}
 
 
-def _idle_cpu(state: dict, seconds: float) -> float:
-    from _procs import idle_cpu_seconds
-
-    return idle_cpu_seconds(seconds)
-
-
 def _put_batch_async(state: dict, name: str, count: int, value: int, size: int) -> None:
     """Start ``count`` puts of ``size`` bytes of ``value`` on one view, as one batch; do not wait."""
     import numpy as np
@@ -505,7 +501,7 @@ HANDLERS = {
     "forge_cma": _forge_cma,
     "put_batch_async": _put_batch_async,
     "batch_errors": _batch_errors,
-    "idle_cpu": _idle_cpu,
+    "idle_cpu": idle_cpu,
     "forged_offers": _forged_offers,
     "fuzz_cma": _fuzz_cma,
     "try_writing": _try_writing,

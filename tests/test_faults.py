@@ -4,6 +4,7 @@ hangs, and the other side goes on serving."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -31,59 +32,56 @@ def _timed(fn) -> tuple[BaseException | None, float]:
     return None, time.monotonic() - start
 
 
-@pytest.mark.parametrize("how, path", COPIED)
-def test_a_frozen_exporter_ends_a_wait_with_a_clear_error_then_recovers(how, path):
+@pytest.fixture
+def stoppable():
+    """An exporter process that a test may stop or kill; always resumed and closed."""
     exporter = Child(_share_peer.setup)
-    try:
-        share = exporter.call("export", "numpy", BIG, {"lifetime": "revoked"})
-        view = gs.open(share, **how)
-        assert view.path == path
-        dst = np.empty(BIG, np.uint8)
-        errors: list = []
-        # Mid-transfer: freeze the exporter while a large get runs in a thread.
-        t = threading.Thread(target=lambda: errors.append(_timed(lambda: view.get(dst))))
-        t.start()
-        time.sleep(0.02)
-        os.kill(exporter.proc.pid, signal.SIGSTOP)
-        t.join(BOUND + 5)
-        exc, took = errors[0]
-        if exc is None:  # the get beat the signal: freeze first, then ask
-            exc, took = _timed(lambda: view.get(dst))
-        assert isinstance(exc, gs.ExporterUnreachableError), repr(exc)
-        assert "stopped by a signal" in str(exc) and took < BOUND, (took, str(exc))
+    yield exporter
+    with contextlib.suppress(ProcessLookupError):
         os.kill(exporter.proc.pid, signal.SIGCONT)
-        out = bytearray(16)
-        view.get(out)  # it answers again: the view works
-        assert out == bytes(range(16))
-        view.close()
-    finally:
-        os.kill(exporter.proc.pid, signal.SIGCONT)
-        exporter.close()
+    exporter.close()
+
+
+def _get_hit_by(view, pid: int, fault: int) -> tuple[BaseException | None, float]:
+    """A large get in a thread, and ``fault`` sent to the exporter while it
+    runs (or, if the get beat the signal, a get after it): how the get ended."""
+    dst = np.empty(view.nbytes, np.uint8)
+    errors: list = []
+    t = threading.Thread(target=lambda: errors.append(_timed(lambda: view.get(dst))))
+    t.start()
+    time.sleep(0.02)
+    os.kill(pid, fault)
+    t.join(BOUND + 5)
+    exc, took = errors[0]
+    if exc is None:  # the get beat the signal: the next one meets the fault
+        exc, took = _timed(lambda: view.get(dst))
+    return exc, took
 
 
 @pytest.mark.parametrize("how, path", COPIED)
-def test_a_killed_exporter_ends_a_transfer_with_a_clear_error(how, path):
-    exporter = Child(_share_peer.setup)
-    try:
-        share = exporter.call("export", "numpy", BIG, {"lifetime": "revoked"})
-        view = gs.open(share, **how)
-        dst = np.empty(BIG, np.uint8)
-        errors: list = []
-        t = threading.Thread(target=lambda: errors.append(_timed(lambda: view.get(dst))))
-        t.start()
-        time.sleep(0.02)
-        os.kill(exporter.proc.pid, signal.SIGKILL)
-        t.join(BOUND + 5)
-        exc, took = errors[0]
-        if exc is None:
-            exc, took = _timed(lambda: view.get(dst))
-        assert isinstance(exc, (gs.ClosedError, gs.UCXError, gs.ExporterUnreachableError)), repr(exc)
-        assert took < BOUND and "exporter" in str(exc), (took, str(exc))
-        view.close()
-        exc, took = _timed(lambda: gs.open(share, **how))
-        assert isinstance(exc, gs.ExporterUnreachableError) and "has exited" in str(exc) and took < BOUND
-    finally:
-        exporter.close()
+def test_a_frozen_exporter_ends_a_wait_with_a_clear_error_then_recovers(stoppable, how, path):
+    view = gs.open(stoppable.call("export", "numpy", BIG, {"lifetime": "revoked"}), **how)
+    assert view.path == path
+    exc, took = _get_hit_by(view, stoppable.proc.pid, signal.SIGSTOP)
+    assert isinstance(exc, gs.ExporterUnreachableError), repr(exc)
+    assert "stopped by a signal" in str(exc) and took < BOUND, (took, str(exc))
+    os.kill(stoppable.proc.pid, signal.SIGCONT)
+    out = bytearray(16)
+    view.get(out)  # it answers again: the view works
+    assert out == bytes(range(16))
+    view.close()
+
+
+@pytest.mark.parametrize("how, path", COPIED)
+def test_a_killed_exporter_ends_a_transfer_with_a_clear_error(stoppable, how, path):
+    share = stoppable.call("export", "numpy", BIG, {"lifetime": "revoked"})
+    view = gs.open(share, **how)
+    exc, took = _get_hit_by(view, stoppable.proc.pid, signal.SIGKILL)
+    assert isinstance(exc, (gs.ClosedError, gs.UCXError, gs.ExporterUnreachableError)), repr(exc)
+    assert took < BOUND and "exporter" in str(exc), (took, str(exc))
+    view.close()
+    exc, took = _timed(lambda: gs.open(share, **how))
+    assert isinstance(exc, gs.ExporterUnreachableError) and "has exited" in str(exc) and took < BOUND
 
 
 @pytest.mark.parametrize("how, path", COPIED)
@@ -136,15 +134,6 @@ def test_opening_a_share_of_a_frozen_exporter_fails_clearly_within_the_bound():
     finally:
         os.kill(exporter.proc.pid, signal.SIGCONT)
         exporter.close()
-
-
-@pytest.fixture
-def stoppable():
-    """An exporter process that a test may stop (SIGSTOP); always resumed and closed."""
-    exporter = Child(_share_peer.setup)
-    yield exporter
-    os.kill(exporter.proc.pid, signal.SIGCONT)
-    exporter.close()
 
 
 @pytest.mark.parametrize("how, path", COPIED)

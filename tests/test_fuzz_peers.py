@@ -250,6 +250,21 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
     assert "[UCX ERROR]" in r.stderr
 
 
+def _in_own_namespace(code: str, seed: int, **env: str) -> list[int]:
+    """Run ``code`` (with ``seed`` as its argument) in a process with a network
+    namespace of its own; the numbers it prints.  A crash fails the test."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip for a network namespace of its own")
+    r = subprocess.run(["unshare", "--net", sys.executable, "-c", code, str(seed)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **env))
+    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
+    return [int(v) for v in r.stdout.split()]
+
+
 _ADDRESS_FUZZ = r"""
 import random, subprocess, sys
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own: nothing leaves it
@@ -293,17 +308,7 @@ def test_forged_ucx_addresses_with_valid_envelopes_are_refused_or_fail_never_cra
     own (only loopback: a forged IP address reaches nobody): each is
     refused by the structure check, or fails or connects in UCX; none
     crashes the process."""
-    import shutil
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("needs root, unshare and ip for a network namespace of its own")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), UCX_ADDRESS_VERSION=version)
-    r = subprocess.run(["unshare", "--net", sys.executable, "-c", _ADDRESS_FUZZ, str(seed)], capture_output=True,
-                       text=True, timeout=600, env=env)
-    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
-    total, refused, failed, connected = map(int, r.stdout.split())
+    total, refused, failed, connected = _in_own_namespace(_ADDRESS_FUZZ, seed, UCX_ADDRESS_VERSION=version)
     assert total == refused + failed + connected and refused > 0
 
 
@@ -363,14 +368,5 @@ def test_forged_remote_keys_with_valid_envelopes_are_refused_or_unpacked_never_c
     """Every one-byte change of a real remote key, random changes and
     truncations, each in a valid envelope (its checksum recomputed), unpacked
     on a connected endpoint: refused or unpacked, never a crash."""
-    import shutil
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("needs root, unshare and ip for a network namespace of its own")
-    r = subprocess.run(["unshare", "--net", sys.executable, "-c", _KEY_FUZZ, str(seed)], capture_output=True,
-                       text=True, timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
-    total, refused, unpacked = map(int, r.stdout.split())
+    total, refused, unpacked = _in_own_namespace(_KEY_FUZZ, seed)
     assert total == refused + unpacked and refused > 0
