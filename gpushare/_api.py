@@ -722,22 +722,6 @@ def _dtype_note(share: Share) -> str:
     return f"; exported as bytes: dtype {share.dtype_name} has no portable form"
 
 
-class _Done:
-    """A request that completed at once (nothing to move)."""
-
-    def done(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
-
-    def wait(self, timeout: float | None = None) -> None:
-        pass
-
-    def __await__(self) -> Any:
-        return iter(())
-
-
 class _Pin:
     """Held by a DLPack tensor made from a view: the mapping lives while it does."""
 
@@ -1026,14 +1010,15 @@ class View:
 
     def _cma(self, buf: Any, offset: int, direction: str) -> Any:
         """Ask the exporter to copy between ``buf`` and the share (cma path):
-        a request; ``buf`` stays pinned until the copy ends."""
+        a request (``buf`` stays pinned until the copy ends), or ``None`` when
+        there is nothing to copy, as for :meth:`_copy`."""
         local, offset = self._span(buf, offset, direction == "get")
         if local.memory_type != "host":
             local.release()
             raise UnsupportedError("a cma view copies to and from host memory only; stage CUDA memory on the host")
         if local.nbytes == 0:
             local.release()
-            return _Done()
+            return None
         return self._peer.copy(direction, offset, local)
 
     def _copy(self, buf: Any, offset: int, direction: str, stream: Any) -> Any:
@@ -1114,7 +1099,9 @@ class View:
                 self._peer.get(*self._region, offset, dst, timeout, alive=self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
-            self._cma(dst, offset, "get").wait(timeout)
+            request = self._cma(dst, offset, "get")
+            if request is not None:
+                request.wait(timeout)
             return
         request = self._copy(dst, offset, "get", stream)
         if request is not None:
@@ -1137,7 +1124,9 @@ class View:
                 self._peer.put(*self._region, offset, src, timeout, alive=self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
-            self._cma(src, offset, "put").wait(timeout)
+            request = self._cma(src, offset, "put")
+            if request is not None:
+                request.wait(timeout)
             return
         request = self._copy(src, offset, "put", stream)
         if request is not None:
@@ -1169,7 +1158,9 @@ class View:
                 await _await_alive(post(*self._region, offset, buf), self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
-            await self._cma(buf, offset, direction)
+            request = self._cma(buf, offset, direction)
+            if request is not None:
+                await request
             return
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)

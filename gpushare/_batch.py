@@ -101,10 +101,8 @@ def _start(items: Iterable[Any], direction: str) -> BatchRequest:
             peer = view._peer
             remote.setdefault(id(peer), (peer, []))[1].append((*view._region, offset, buf))
             continue
-        if view.path == "cma":  # every item one request on its connection, all sent before any is awaited
-            parts.append(view._cma(buf, offset, direction))
-            continue
-        request = view._copy(buf, offset, direction, None)
+        # cma: every item one request on its connection, all sent before any is awaited
+        request = view._cma(buf, offset, direction) if view.path == "cma" else view._copy(buf, offset, direction, None)
         if request is not None:
             parts.append(request)
     for peer, entries in remote.values():
