@@ -86,13 +86,14 @@ def _pidfd(pid: int) -> int | None:
 
 def _peer_pid(sock: socket.socket) -> int | None:
     """The pid of a Unix-socket peer, as the kernel saw it connect."""
+    from ._paths.broker import peer_credentials
+
     if sock.family != socket.AF_UNIX:
         return None
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = peer_credentials(sock)[0]
     except OSError:
         return None
-    pid = struct.unpack("3i", creds)[0]
     return pid if pid > 0 else None
 
 

@@ -21,7 +21,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import sys
 import threading
 import time
@@ -570,11 +569,12 @@ class _Session(Protocol):
         conn.send(frame, fds)
         log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
 
-    def _cma_offer(self, conn: Connection, export: Export) -> tuple[Any, int]:
+    def _cma_offer(self, conn: Connection, export: Export) -> tuple[Any, Any]:
         """A cma lease: the share's memory, pinned for the lease, and the
-        importer's pid as the kernel gives it (lock held)."""
+        importer's process as the kernel gives it (lock held)."""
         from . import _buffers
         from ._paths import cma
+        from ._paths.broker import peer_credentials
 
         if not self.local:
             raise UnsupportedError("cma needs a control connection over the exporter's Unix socket (this "
@@ -582,7 +582,7 @@ class _Session(Protocol):
         why = cma.available()
         if why is not None:
             raise UnsupportedError(why)
-        pid = _peer_pid(conn)
+        pid = peer_credentials(conn.sock)[0]
         cma.check_access(pid)
         process = cma.Process(pid)
         pinned = _buffers.resolve(export.target(), writable=False)
@@ -776,20 +776,14 @@ def revoke(share: Any) -> None:
         export.end("revoked")
 
 
-def _peer_pid(conn: Any) -> int:
-    """The pid of the process at the other end of a Unix control connection,
-    from the kernel (``SO_PEERCRED``)."""
-    sock = getattr(conn, "sock", conn)
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-
-
 def _peer(conn: Any) -> str:
     """Who is at the other end of a control connection, for the log."""
+    from ._paths.broker import peer_credentials
+
     sock = getattr(conn, "sock", conn)
     try:
         if sock.family == socket.AF_UNIX:
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-            return f"pid {pid} on this node"
+            return f"pid {peer_credentials(sock)[0]} on this node"
         host, port = sock.getpeername()[:2]
     except OSError:
         return "a closed connection"

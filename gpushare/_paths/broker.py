@@ -65,7 +65,7 @@ def node_identity() -> str:
     return f"{boot_id}:{socket.gethostname()}"
 
 
-def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """``(pid, uid, gid)`` of the process at the other end of ``sock``."""
     return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
@@ -170,7 +170,7 @@ class Broker:
         """Check the peer before reading a byte; its request must arrive by
         its deadline, or the connection is dropped while others are served."""
         try:
-            _, uid, _ = _peer_credentials(conn)
+            _, uid, _ = peer_credentials(conn)
         except OSError:
             conn.close()
             return
@@ -249,7 +249,7 @@ def control_address(pid: int, port: int) -> str:
 
 def check_peer(sock: socket.socket, pid: int, what: str) -> None:
     """Refuse a Unix-socket peer that is not process ``pid`` of this user (or root)."""
-    peer_pid, peer_uid, _ = _peer_credentials(sock)
+    peer_pid, peer_uid, _ = peer_credentials(sock)
     if peer_pid != pid:
         raise AccessDeniedError(f"{what} is process {peer_pid}, not exporter pid {pid}; "
                                 "refusing memory from an impostor")
@@ -260,7 +260,7 @@ def check_peer(sock: socket.socket, pid: int, what: str) -> None:
 def may_share(sock: socket.socket) -> bool:
     """Whether the peer of a Unix socket runs as this user or root."""
     try:
-        _, uid, _ = _peer_credentials(sock)
+        _, uid, _ = peer_credentials(sock)
     except OSError:
         return False
     return _uid_may_share(uid)
