@@ -33,6 +33,8 @@ import numpy as np
 
 import gpushare as gs
 
+from _report import spread
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -67,7 +69,7 @@ def _importer(conn, runs: int) -> None:
 
 
 def _fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})"
+    return spread(values, 2)
 
 
 def main() -> None:

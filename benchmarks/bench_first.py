@@ -28,11 +28,13 @@ import statistics
 import sys
 import time
 
+from _report import spread
+
 MiB = 1 << 20
 
 
 def _ms(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1e3:7.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
+    return spread(values, 1, scale=1e3)
 
 
 def _exporter(conn, kind: str) -> None:

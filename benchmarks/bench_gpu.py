@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from _report import spread
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -30,7 +32,7 @@ MiB = 1 << 20
 
 
 def _median(samples: list[float]) -> str:
-    return f"{statistics.median(samples):10.1f} ({min(samples):.1f}-{max(samples):.1f})"
+    return spread(samples, 1, 10)
 
 
 def _timed(fn, iters: int) -> float:

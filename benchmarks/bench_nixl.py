@@ -35,6 +35,7 @@ import sys
 import time
 
 from bench_ucx import _server_exporter, spawned
+from _report import spread
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB]
@@ -138,7 +139,7 @@ def gpushare_run(quick: bool) -> dict:
 
 def _fmt(values: list[float]) -> str:
     """The median of the runs, then the lowest and the highest of them."""
-    return f"{statistics.median(values):7.0f} ({min(values):.0f}-{max(values):.0f})"
+    return spread(values, 0)
 
 
 def _label(size) -> str:

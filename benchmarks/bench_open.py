@@ -30,6 +30,8 @@ import numpy as np
 
 import gpushare as gs
 
+from _report import spread
+
 MiB = 1 << 20
 
 
@@ -143,7 +145,7 @@ def torch_receive(size: int, reps: int) -> list[float] | None:
 
 
 def _fmt(samples: list[float]) -> str:
-    return f"{statistics.median(samples) * 1e3:8.3f} ms ({min(samples) * 1e3:.3f}-{max(samples) * 1e3:.3f})"
+    return spread(samples, 3, 8, scale=1e3, unit=" ms")
 
 
 def main() -> int:

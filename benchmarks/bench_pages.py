@@ -37,13 +37,15 @@ import numpy as np
 import gpushare as gs
 from gpushare._paths import host_fd
 
+from _report import spread
+
 MiB, GiB = 1 << 20, 1 << 30
 THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 NR = "/proc/sys/vm/nr_hugepages"
 
 
 def _ms(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1e3:8.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})"
+    return spread(values, 1, 8, scale=1e3)
 
 
 def _fill_numpy(n: int) -> float:

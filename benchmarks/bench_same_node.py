@@ -33,6 +33,8 @@ import numpy as np
 
 import gpushare as gs
 
+from _report import spread
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -83,7 +85,7 @@ def _median(times: list[float]) -> float:
 
 def _fmt(values: list[float]) -> str:
     """The median of the runs, then the lowest and the highest of them, in microseconds."""
-    return f"{statistics.median(values) * 1e6:8.1f} ({min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})"
+    return spread(values, 1, 8, scale=1e6)
 
 
 def round_trip(conn, reps: int) -> float:

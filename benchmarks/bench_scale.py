@@ -44,6 +44,8 @@ import sys
 import threading
 import time
 
+from _report import spread
+
 MiB = 1 << 20
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -180,7 +182,7 @@ def _fmt(values: list[float], digits: int = 2) -> str:
     """One run: its figure; more: the median of the runs, then the lowest and the highest of them."""
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return spread(values, digits, 0)
 
 
 def _width(width: int, runs: int) -> int:

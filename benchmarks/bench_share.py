@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from _report import spread
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 MiB = 1 << 20
@@ -31,7 +33,7 @@ MiB = 1 << 20
 
 def _fmt(values: list[float], digits: int = 2) -> str:
     """The median of the runs, then the lowest and the highest of them."""
-    return f"{statistics.median(values):7.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return spread(values, digits)
 
 
 def _importer(conn, share, path: str, opens: int, runs: int) -> None:

@@ -56,6 +56,8 @@ import sys
 import time
 from pathlib import Path
 
+from _report import spread
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB, 64 * MiB]
 SETTINGS = [
@@ -397,7 +399,7 @@ def run_setup_cost(runs: int, count: int = 100) -> None:
 
 def _fmt(values: list[float], digits: int = 0) -> str:
     """The median of the runs, then the lowest and the highest of them."""
-    return f"{statistics.median(values):7.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return spread(values, digits)
 
 
 def _ratio(ours: list[float], theirs: list[float]) -> float:
