@@ -505,15 +505,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                     continue
                 _raise_refusal(reply)
             try:
-                view = _import(share, path, reply.get("payload"), left(), fds, device, lease)
-                if prefault and view.device == "host" and view._mapped is not None:
-                    from ._paths import host_fd
-
-                    try:
-                        host_fd.prefault(view._mapped)
-                    except OSError as exc:
-                        view.close()
-                        raise GpuShareError(f"could not fault in the mapping ({exc.strerror})") from None
+                view = _import(share, path, reply.get("payload"), left(), fds, device, lease, prefault)
             except AccessDeniedError:
                 lease.failed()
                 raise  # a refusal is final: no other path may grant what this one refused
@@ -617,22 +609,23 @@ def _explain(path: str, share: Share, left_out: list[str], failures: list[str]) 
 
 
 def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
-            device: int | None = None, lease: Any = None) -> View:
+            device: int | None = None, lease: Any = None, prefault: bool = False) -> View:
     """Turn an exporter's offer into a view; ``fds`` (owned, closed here)
-    came with the offer over a same-node control connection."""
+    came with the offer over a same-node control connection.  ``prefault``:
+    fault in a host mapping before the view is made."""
     if fds and path != "host-fd":
         for fd in fds:
             os.close(fd)
         raise InvalidInputError(f"exporter sent file descriptors with a {path} offer")
     try:
-        return _import_offer(share, path, payload, timeout, fds, device, lease)
+        return _import_offer(share, path, payload, timeout, fds, device, lease, prefault)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
-                  device: int | None, lease: Any = None) -> View:
+                  device: int | None, lease: Any = None, prefault: bool = False) -> View:
     if not isinstance(payload, dict):
         raise InvalidInputError("exporter sent a malformed offer")
     if path == "cma":
@@ -674,6 +667,14 @@ def _import_offer(share: Share, path: str, payload: Any, timeout: float, fds: li
         cuda = share.device != "host"
         mapped = _same_node.import_buffer(desc, device=device if cuda else None, readonly=share.readonly and cuda,
                                           timeout=timeout)
+    if prefault and share.device == "host":
+        from ._paths import host_fd
+
+        try:
+            host_fd.prefault(mapped)
+        except BaseException:
+            mapped.close()
+            raise
     return View._make(share, path, "", mapped=mapped)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
-from .._errors import ClosedError, InvalidInputError, UnsupportedError
+from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from . import broker as _broker
 
 __all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "containing"]
@@ -477,7 +477,10 @@ def prefault(buf: HostBuffer) -> None:
     it maps pages that are already there around each fault."""
     if buf.is_closed:
         raise ClosedError("the host buffer is closed")
-    _populate(buf.ptr, sum(buf.sizes), write=False)
+    try:
+        _populate(buf.ptr, sum(buf.sizes), write=False)
+    except OSError as exc:
+        raise GpuShareError(f"could not fault in the mapping ({exc.strerror})") from None
 
 
 #: Buffers this process allocated (and can export), to find the one an array lies in.
