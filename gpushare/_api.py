@@ -970,6 +970,8 @@ class View:
             raise InvalidInputError("this view's memory is mapped read-only (the exporter sealed the buffer)")
 
     def _span(self, buf: Any, offset: Any, writable: bool, stream: Any = None) -> tuple[_buffers.LocalBuffer, int]:
+        """``buf`` resolved and checked against the view (its state, the
+        bounds at ``offset``, the memory a path can copy to and from)."""
         self._check()
         if self.strides is not None:
             raise UnsupportedError(f"this share is a strided array (strides {self.strides}): its bytes are not "
@@ -977,6 +979,9 @@ class View:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"offset must be a non-negative int, not {offset!r}")
         local = _buffers.resolve(buf, writable=writable, stream=stream)
+        if self.path == "cma" and local.memory_type != "host":
+            local.release()
+            raise UnsupportedError("a cma view copies to and from host memory only; stage CUDA memory on the host")
         if offset + local.nbytes > self.nbytes:
             local.release()
             raise OutOfBoundsError(
@@ -1014,9 +1019,6 @@ class View:
         a request (``buf`` stays pinned until the copy ends), or ``None`` when
         there is nothing to copy, as for :meth:`_copy`."""
         local, offset = self._span(buf, offset, direction == "get")
-        if local.memory_type != "host":
-            local.release()
-            raise UnsupportedError("a cma view copies to and from host memory only; stage CUDA memory on the host")
         if local.nbytes == 0:
             local.release()
             return None

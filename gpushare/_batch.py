@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ._errors import InvalidInputError, UnsupportedError, WaitTimeoutError
+from ._errors import InvalidInputError, WaitTimeoutError
 
 __all__ = ["BatchRequest", "get_batch", "put_batch"]
 
@@ -83,12 +83,7 @@ def _items(items: Iterable[Any], direction: str) -> list[tuple[Any, int, Any]]:
         view, offset, buf = item
         if direction == "put":
             view._check_writable()
-        local = view._span(buf, offset, direction == "get")[0]  # bounds, state and buffer, before anything moves
-        memory_type = local.memory_type
-        local.release()
-        if view.path == "cma" and memory_type != "host":
-            raise UnsupportedError(f"batch item {i}: a cma view copies to and from host memory only; stage CUDA "
-                                   "memory on the host")
+        view._span(buf, offset, direction == "get")[0].release()  # bounds, state and buffer, before anything moves
     return out
 
 
