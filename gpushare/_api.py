@@ -478,6 +478,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, "same-process", why, target=target)
     deadline = time.monotonic() + timeout
+    if order[0] == "ucx-rma":
+        from ._ucx import _server
+
+        _server.warm()  # load UCX here while the exporter prepares its offer
 
     def left() -> float:
         remaining = deadline - time.monotonic()

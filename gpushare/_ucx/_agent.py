@@ -30,7 +30,7 @@ from .._errors import (
     translate,
 )
 from ._address import check_worker_address
-from ._loader import keep_forever, native
+from ._loader import infiniband_present, keep_forever, native
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
 
@@ -67,13 +67,6 @@ def _cuda_driver_present() -> bool:
     return True
 
 
-def _infiniband_present() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
-
-
 def default_transports() -> str:
     """``UCX_TLS`` for a worker with error handling: TCP; InfiniBand and
     RoCE (``ib``) where this node has such devices; and ``cuda_copy`` (GPU
@@ -86,7 +79,7 @@ def default_transports() -> str:
     allocations would expose its first one only.  Processes on one node
     share GPU memory over the mapped paths instead."""
     tls = ["tcp"]
-    if _infiniband_present():
+    if infiniband_present():
         tls.insert(0, "ib")
     if _cuda_driver_present():
         tls.append("cuda_copy")

@@ -612,3 +612,22 @@ class Client:
 def client() -> Client:
     """This process's :class:`Client`, made on first use (again in a forked child)."""
     return Client._make(_NODE.get())
+
+
+def warm() -> None:
+    """Start making this process's worker in the background, if there is none.
+
+    For an importer about to ask an exporter for a ucx-rma offer: loading
+    UCX here then overlaps the exporter's answer (which may load UCX there)
+    instead of following it.  An error is not reported here: the
+    :func:`client` call that needs the worker makes it again and raises."""
+    if _NODE.current() is not None:
+        return
+
+    def make() -> None:
+        try:
+            _NODE.get()
+        except BaseException:  # noqa: BLE001 - client() raises it where it matters
+            pass
+
+    threading.Thread(target=make, name="gpushare-ucx-load", daemon=True).start()
