@@ -889,6 +889,19 @@ void freeRequest(void* request, ucs_status_t, void*)
   ucp_request_free(request);
 }
 
+// How long the node's progress thread keeps polling after it served a
+// request before it sleeps in the kernel again.  An importer's next request
+// usually follows its last reply within tens of microseconds; waking a
+// sleeping thread costs about as much again (more on a virtual machine).
+constexpr int64_t kLingerNanos = 150'000;
+
+int64_t steadyNanos()
+{
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+           std::chrono::steady_clock::now().time_since_epoch())
+    .count();
+}
+
 class Node {
  public:
   std::shared_ptr<ucxx::Context> context;
@@ -896,6 +909,11 @@ class Node {
   ucp_worker_h wh{nullptr};
   bool errorHandling;
   bool polling;
+  int wakeTimeout;
+  std::thread progressThread;
+  std::atomic<bool> stopping{false};
+  // When this node last served a request (steadyNanos), for the linger.
+  std::atomic<int64_t> lastServed{0};
 
   std::shared_mutex tableMutex;
   std::unordered_map<uint64_t, std::shared_ptr<Region>> regions;
@@ -911,7 +929,7 @@ class Node {
 
   Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
        int wakeTimeoutMs)
-    : errorHandling(errorHandling_), polling(polling_)
+    : errorHandling(errorHandling_), polling(polling_), wakeTimeout(wakeTimeoutMs)
   {
     logToStderr();
     ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -923,11 +941,52 @@ class Node {
       setHandler(kAmReply, &Node::onReply);
       // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
       // transport wakes the worker's event fd; stopping signals it.
-      worker->startProgressThread(polling, wakeTimeoutMs);
+      if (!polling) worker->initBlockingProgressMode();
+      progressThread = std::thread([this] { progressLoop(); });
       return 0;
     });
   }
   ~Node() { shutdown(); }
+
+  // The node's one progress thread.  Unlike libucxx's, it keeps polling for
+  // kLingerNanos after serving a request, so that a peer's next request
+  // finds it awake; it then sleeps in the kernel until an event (blocking
+  // mode), or never sleeps (polling mode).  Idle, it costs nothing.
+  void progressLoop()
+  {
+    while (!stopping.load(std::memory_order_acquire)) {
+      try {
+        if (worker->progress()) continue;
+        if (polling || steadyNanos() - lastServed.load(std::memory_order_relaxed) < kLingerNanos) {
+          std::this_thread::yield();
+          continue;
+        }
+        worker->progressWorkerEvent(wakeTimeout);
+      } catch (const std::exception& e) {
+        // UCX failed to arm or wait: say so, and poll slowly rather than spin.
+        std::fprintf(stderr, "[gpushare] UCX progress: %s\n", e.what());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  }
+
+  // Stop and join the progress thread, without the GIL (it may be waiting
+  // for the GIL to run a Python callback) unless Python is going away.
+  void stopProgress()
+  {
+    if (!progressThread.joinable()) return;
+    stopping.store(true, std::memory_order_release);
+    auto join = [this] {
+      if (!polling) ucp_worker_signal(wh);
+      progressThread.join();
+    };
+    if (pyFinalizing() || !PyGILState_Check()) {
+      join();
+      return;
+    }
+    nb::gil_scoped_release release;
+    join();
+  }
 
   void setHandler(unsigned id, ucp_am_recv_callback_t cb)
   {
@@ -1232,6 +1291,7 @@ class Node {
                                 size_t length, const ucp_am_recv_param_t* param)
   {
     Node* n = static_cast<Node*>(arg);
+    n->lastServed.store(steadyNanos(), std::memory_order_relaxed);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
       return UCS_OK;  // nobody to answer: drop
     ucp_ep_h ep = param->reply_ep;
@@ -1538,7 +1598,7 @@ class Node {
   void shutdown()
   {
     if (!worker) return;
-    stopProgressNoGil(worker);
+    stopProgress();
     {
       std::unique_lock<std::shared_mutex> lock(tableMutex);
       for (auto& [id, r] : regions) {
