@@ -7,7 +7,11 @@ backend works on host memory without a GPU).  Without it the script says so
 and exits 0.
 
 Both sides run as two processes on this machine with ``UCX_TLS=tcp`` (the
-transport gpushare's server uses by default) on host memory.  For each
+transport gpushare's server uses by default) and ``UCX_NET_DEVICES=lo`` on
+host memory: the same transport and the same device for both.  On a
+2-core machine NIXL's figures differ by 2 to 3 times between invocations
+(its target's progress thread and its initiator both spin); run it more
+than once.  For each
 operation the importer (NIXL's initiator) issues one request at a time and
 waits for it, so each figure is what one synchronous caller gets:
 
@@ -158,10 +162,12 @@ def main() -> int:
     except ImportError:
         print("NIXL is not installed (pip install nixl-cu13): skipping the comparison.")
         return 0
-    os.environ["UCX_TLS"] = "tcp"  # both sides, both libraries, inherited by the spawned processes
+    # Both sides, both libraries, inherited by the spawned processes.
+    os.environ["UCX_TLS"] = "tcp"
+    os.environ["UCX_NET_DEVICES"] = "lo"
     nixl = [nixl_run(args.quick) for _ in range(args.runs)]
     ours = [gpushare_run(args.quick) for _ in range(args.runs)]
-    print(f"UCX_TLS=tcp, host memory, {os.cpu_count()} CPUs; median of {args.runs} runs (lowest-highest); "
+    print(f"UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} CPUs; median of {args.runs} runs (lowest-highest); "
           "MiB/s; ratio = gpushare / NIXL of the medians\n")
     print(f"{'op':>4} {'size':>14} {'gpushare':>22} {'NIXL':>22} {'ratio':>6}")
     for op in ("get", "put"):

@@ -85,14 +85,16 @@ def _free_port() -> int:
 
 
 def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
-             wait: str | None = None) -> tuple[float, float, float]:
+             wait: str | None = None, settings: dict[str, str] | None = None) -> tuple[float, float, float]:
     """Run ucx_perftest; return (overall bandwidth MiB/s, average overhead usec, overall msg/s).
 
     ``wait="sleep"`` makes both perftest sides sleep on the worker's event fd
-    (``-E sleep``), as gpushare's blocking progress thread does.
+    (``-E sleep``), as gpushare's blocking progress thread does.  ``settings``:
+    more UCX variables for both perftest sides.
     """
     exe, env = _perftest_paths()
     env["UCX_TLS"] = tls
+    env.update(settings or {})
     port = _free_port()
     flags = (["-e"] if error_handling else []) + (["-E", wait] if wait else [])
     server = subprocess.Popen([exe, "-p", str(port), *flags], env=env,
@@ -242,18 +244,22 @@ def server_batch_rate(peer, cap, iters: int) -> float:
 def run_server(sizes, runs: int, quick: bool) -> None:
     from gpushare import _ucx
 
+    from gpushare._ucx._server import tcp_segment_config
+
     name, tls, eh = "server", "tcp", True
+    # perftest gets the TCP segment sizes the server's worker uses.
+    seg = {"UCX_" + k: v for k, v in tcp_segment_config().items()}
     print(f"== region server (UCX_TLS={tls}, error handling on, blocking progress; "
-          "perftest: active messages, -e -E sleep)")
+          f"perftest: active messages, -e -E sleep, {' '.join(f'{k}={v}' for k, v in seg.items())})")
     # perftest first, with no gpushare process alive.
     refs = {}
     for size in sizes:
         n = _iters(size, quick)
-        refs[size] = [perftest("ucp_am_bw", size, n, tls, eh, "sleep")[0] for _ in range(runs)]
+        refs[size] = [perftest("ucp_am_bw", size, n, tls, eh, "sleep", seg)[0] for _ in range(runs)]
     li = 2000 if quick else 10000
-    ping_pong = [2 * perftest("ucp_am_lat", 8, li, tls, eh, "sleep")[1] for _ in range(runs)]
-    rate = [perftest("ucp_am_bw", 8, 20 * li, tls, eh, "sleep")[2] for _ in range(runs)]
-    batch_ref = [perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep")[0]
+    ping_pong = [2 * perftest("ucp_am_lat", 8, li, tls, eh, "sleep", seg)[1] for _ in range(runs)]
+    rate = [perftest("ucp_am_bw", 8, 20 * li, tls, eh, "sleep", seg)[2] for _ in range(runs)]
+    batch_ref = [perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep", seg)[0]
                  for _ in range(runs)]
     with spawned(_server_exporter, max(max(sizes), BATCH * BATCH_SIZE)) as (address, cap):
         peer = _ucx.client().connect(address, timeout=30)
