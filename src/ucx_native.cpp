@@ -917,6 +917,7 @@ class Node {
   int wakeTimeout;
   std::thread progressThread;
   std::atomic<bool> stopping{false};
+  std::atomic<bool> progressFailed{false};
   // When this node last served a request (steadyNanos), for the linger.
   std::atomic<int64_t> lastServed{0};
 
@@ -968,8 +969,9 @@ class Node {
         }
         worker->progressWorkerEvent(wakeTimeout);
       } catch (const std::exception& e) {
-        // UCX failed to arm or wait: say so, and poll slowly rather than spin.
-        std::fprintf(stderr, "[gpushare] UCX progress: %s\n", e.what());
+        // UCX failed to arm or wait: say so once, and poll slowly rather than spin.
+        if (!progressFailed.exchange(true))
+          std::fprintf(stderr, "[gpushare] UCX progress failed, polling every millisecond: %s\n", e.what());
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     }
