@@ -90,18 +90,20 @@ def _items(items: Iterable[Any], direction: str) -> list[tuple[Any, int, Any]]:
 def _start(items: Iterable[Any], direction: str) -> BatchRequest:
     checked = _items(items, direction)
     parts: list[Any] = []
-    remote: dict[int, tuple[Any, list[tuple[int, bytes, int, Any]]]] = {}
+    # One request per exporter and kind of memory: puts into host shares
+    # travel gathered, several to a message.
+    remote: dict[tuple[int, bool], tuple[Any, bool, list[tuple[int, bytes, int, Any]]]] = {}
     for view, offset, buf in checked:
         if view.path == "ucx-rma":
-            peer = view._peer
-            remote.setdefault(id(peer), (peer, []))[1].append((*view._region, offset, buf))
+            peer, host = view._peer, view.share.device == "host"
+            remote.setdefault((id(peer), host), (peer, host, []))[2].append((*view._region, offset, buf))
             continue
         # cma: every item one request on its connection, all sent before any is awaited
         request = view._cma(buf, offset, direction) if view.path == "cma" else view._copy(buf, offset, direction, None)
         if request is not None:
             parts.append(request)
-    for peer, entries in remote.values():
-        parts.append(peer.get_batch(entries) if direction == "get" else peer.put_batch(entries))
+    for peer, host, entries in remote.values():
+        parts.append(peer.get_batch(entries) if direction == "get" else peer.put_batch(entries, host_regions=host))
     return BatchRequest(parts, len(checked))
 
 

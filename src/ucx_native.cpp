@@ -764,6 +764,11 @@ constexpr uint8_t kOpPut        = 2;
 // item's, its length the item count; the payload is that many BatchItems.
 // Each item is answered like a get of its own (requestId + index).
 constexpr uint8_t kOpGetBatch   = 3;
+// Several puts to host-memory regions in one message: requestId and length
+// as for kOpGetBatch; the payload is that many BatchItems followed by each
+// item's data in order.  Sent eagerly (the exporter copies every item out
+// of the message), at most kPutEagerMax bytes of data per message.
+constexpr uint8_t kOpPutBatch   = 4;
 constexpr uint64_t kMaxBatchItems = 4096;
 constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
@@ -931,7 +936,7 @@ class Node {
   uint64_t nextOp{1};
   uint64_t nextPeer{1};
 
-  std::atomic<uint64_t> served{0}, refused{0};
+  std::atomic<uint64_t> served{0}, refused{0}, messages{0};
 
   Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
        int wakeTimeoutMs)
@@ -1130,8 +1135,8 @@ class Node {
     return true;
   }
 
-  // (open regions, granted keys, refused requests, served requests)
-  std::tuple<size_t, size_t, uint64_t, uint64_t> stats()
+  // (open regions, granted keys, refused requests, served requests, request messages)
+  std::tuple<size_t, size_t, uint64_t, uint64_t, uint64_t> stats()
   {
     std::shared_lock<std::shared_mutex> lock(tableMutex);
     size_t open = 0, keys = 0;
@@ -1140,7 +1145,7 @@ class Node {
         ++open;
         keys += r->keys.size();
       }
-    return {open, keys, refused.load(), served.load()};
+    return {open, keys, refused.load(), served.load(), messages.load()};
   }
 
   // The access check: every request passes here before any byte moves.
@@ -1271,26 +1276,84 @@ class Node {
     const bool valid = count >= 1 && count <= kMaxBatchItems && length == count * sizeof(BatchItem) &&
                        !(recvAttr & UCP_AM_RECV_ATTR_FLAG_RNDV) && h.requestId <= UINT64_MAX - count;
     if (!valid) {
-      // Refuse every item the header claims, as far as it can be trusted.
-      const uint64_t n = std::min<uint64_t>(count, kMaxBatchItems);
-      refused.fetch_add(1, std::memory_order_relaxed);
-      for (uint64_t i = 0; i < n && h.requestId <= UINT64_MAX - i; ++i)
-        reply(ep, h.requestId + i, GS_BAD_REQUEST, kReplyData);
+      refuseBatch(ep, h);
       return;
     }
+    for (uint64_t i = 0; i < count; ++i) serveGet(ep, batchItem(h, kOpGet, data, i), 0);
+  }
+
+  // Refuse every item a malformed batch's header claims, as far as it can be trusted.
+  void refuseBatch(ucp_ep_h ep, const RequestHeader& h)
+  {
+    const uint64_t n = std::min<uint64_t>(h.length, kMaxBatchItems);
+    refused.fetch_add(1, std::memory_order_relaxed);
+    for (uint64_t i = 0; i < n && h.requestId <= UINT64_MAX - i; ++i)
+      reply(ep, h.requestId + i, GS_BAD_REQUEST, kReplyData);
+  }
+
+  // Item `i` of a (validated) batch as the request header of a single `op`.
+  static RequestHeader batchItem(const RequestHeader& h, uint8_t op, const void* items, uint64_t i)
+  {
+    BatchItem item;
+    std::memcpy(&item, static_cast<const char*>(items) + i * sizeof(BatchItem), sizeof(item));
+    RequestHeader one{};
+    one.magic     = kWireMagic;
+    one.op        = op;
+    one.requestId = h.requestId + i;
+    one.regionId  = item.regionId;
+    one.key[0]    = item.key[0];
+    one.key[1]    = item.key[1];
+    one.offset    = item.offset;
+    one.length    = item.length;
+    return one;
+  }
+
+  // A batch of puts in one eager message: each item is checked, copied into
+  // its region and answered alone.  Only host-memory regions take part (the
+  // importer gathers puts for regions it knows to be host memory); an item
+  // for any other region is refused.
+  void servePutBatch(ucp_ep_h ep, const RequestHeader& h, const void* data, size_t length, uint64_t recvAttr)
+  {
+    const uint64_t count = h.length;
+    bool valid = count >= 1 && count <= kMaxBatchItems && length >= count * sizeof(BatchItem) &&
+                 !(recvAttr & UCP_AM_RECV_ATTR_FLAG_RNDV) && h.requestId <= UINT64_MAX - count;
+    const char* items = static_cast<const char*>(data);
+    if (valid) {
+      // The items' lengths must add up to the data that follows them.
+      uint64_t left = length - count * sizeof(BatchItem);
+      for (uint64_t i = 0; i < count && valid; ++i) {
+        BatchItem item;
+        std::memcpy(&item, items + i * sizeof(BatchItem), sizeof(item));
+        valid = item.length <= left;
+        left -= valid ? item.length : 0;
+      }
+      valid = valid && left == 0;
+    }
+    if (!valid) {
+      refuseBatch(ep, h);
+      return;
+    }
+    const char* payload = items + count * sizeof(BatchItem);
     for (uint64_t i = 0; i < count; ++i) {
-      BatchItem item;
-      std::memcpy(&item, static_cast<const char*>(data) + i * sizeof(BatchItem), sizeof(item));
-      RequestHeader one{};
-      one.magic     = kWireMagic;
-      one.op        = kOpGet;
-      one.requestId = h.requestId + i;
-      one.regionId  = item.regionId;
-      one.key[0]    = item.key[0];
-      one.key[1]    = item.key[1];
-      one.offset    = item.offset;
-      one.length    = item.length;
-      serveGet(ep, one, 0);
+      const RequestHeader one = batchItem(h, kOpPut, items, i);
+      const char* src         = payload;
+      payload += one.length;
+      std::shared_ptr<Region> region;
+      std::shared_ptr<Grant> grant;
+      uint32_t verdict = admit(one, one.length, region, grant);
+      if (verdict == GS_OK && region->memoryType != UCS_MEMORY_TYPE_HOST) {
+        release(new ServerOp{this, region, grant, ep, one.requestId, one.length});  // let go of it
+        verdict = GS_BAD_REQUEST;
+      }
+      if (verdict != GS_OK) {
+        refused.fetch_add(1, std::memory_order_relaxed);
+        reply(ep, one.requestId, verdict, kReplyData);
+        continue;
+      }
+      served.fetch_add(1, std::memory_order_relaxed);
+      auto* op = new ServerOp{this, region, grant, ep, one.requestId, one.length};
+      std::memcpy(reinterpret_cast<void*>(region->base + one.offset), src, one.length);
+      finishPut(op, UCS_OK);
     }
   }
 
@@ -1302,6 +1365,7 @@ class Node {
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
       return UCS_OK;  // nobody to answer: drop
     ucp_ep_h ep = param->reply_ep;
+    n->messages.fetch_add(1, std::memory_order_relaxed);
     RequestHeader h;
     if (headerLength != sizeof(h)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
@@ -1309,13 +1373,18 @@ class Node {
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kWireMagic || (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch)) {
+    if (h.magic != kWireMagic ||
+        (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch && h.op != kOpPutBatch)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, GS_BAD_REQUEST, kReplyData);
       return UCS_OK;
     }
     if (h.op == kOpGetBatch) {
       n->serveGetBatch(ep, h, data, length, param->recv_attr);
+      return UCS_OK;
+    }
+    if (h.op == kOpPutBatch) {
+      n->servePutBatch(ep, h, data, length, param->recv_attr);
       return UCS_OK;
     }
     if (h.op == kOpGet) {
@@ -1404,6 +1473,7 @@ class Node {
     uint64_t first;
     uint64_t count;
     std::vector<BatchItem> items;
+    std::vector<ucp_dt_iov_t> iov;  // a put batch's payload: the items, then each item's data
   };
 
   static void onRequestSent(void* request, ucs_status_t status, void* user)
@@ -1513,9 +1583,12 @@ class Node {
     int memoryType;
   };
 
-  // Post one op per item; the request completes once all have.
+  // Post one op per item; the request completes once all have.  Gets of
+  // several items travel as kOpGetBatch messages; with `gather` (the caller
+  // knows every region to be host memory), consecutive small puts from host
+  // buffers travel as kOpPutBatch messages.
   Request post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& items,
-               const std::string& kind)
+               const std::string& kind, bool gather = false)
   {
     checkOpen();
     auto c     = std::make_shared<Completion>();
@@ -1551,10 +1624,12 @@ class Node {
     nb::gil_scoped_release release;
     bool signal = false;
     auto send = [&](SendCtx* ctx, const RequestHeader& h, const void* payload, size_t count, int memoryType,
-                    uint32_t flags) {
+                    uint32_t flags, bool iov = false) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+                       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE |
+                       (iov ? UCP_OP_ATTR_FIELD_DATATYPE : 0);
+      if (iov) p.datatype = ucp_dt_make_iov();
       p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY | flags;
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
@@ -1584,6 +1659,33 @@ class Node {
         send(ctx, h, ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER);
         i += k;
         continue;
+      }
+      if (opCode == kOpPut && gather) {
+        // The run of puts that fits one message.
+        size_t k = 0;
+        uint64_t bytes = 0;
+        while (i + k < items.size() && k < kMaxBatchItems) {
+          const Item& it = items[i + k];
+          if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutEagerMax)
+            break;
+          bytes += it.length;
+          ++k;
+        }
+        if (k > 1) {
+          auto* ctx = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k), {}};
+          ctx->iov.reserve(k + 1);
+          ctx->iov.push_back({ctx->items.data(), k * sizeof(BatchItem)});
+          for (size_t j = 0; j < k; ++j) {
+            const Item& it = items[i + j];
+            ctx->items[j]  = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+            ctx->iov.push_back({reinterpret_cast<void*>(it.buffer), it.length});
+          }
+          h.op     = kOpPutBatch;
+          h.length = k;
+          send(ctx, h, ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER, true);
+          i += k;
+          continue;
+        }
       }
       const Item& it = items[i];
       h.op           = opCode;
@@ -1670,7 +1772,7 @@ class Peer : public Endpoint {
   }
 
   Request post(uint8_t opCode, const std::vector<std::tuple<uint64_t, nb::bytes, uint64_t, uintptr_t, uint64_t, int>>& items,
-               const std::string& kind)
+               const std::string& kind, bool gather)
   {
     get();
     std::vector<Node::Item> v;
@@ -1678,7 +1780,7 @@ class Peer : public Endpoint {
     for (auto& [region, key, offset, buffer, length, mt] : items)
       v.push_back(Node::Item{region, keyFromBytes(std::string(key.c_str(), key.size())), offset, buffer,
                              length, mt});
-    return node->post(id, handle, opCode, v, kind);
+    return node->post(id, handle, opCode, v, kind, gather);
   }
 
   Request get1(uint64_t region, nb::bytes key, uint64_t offset, uintptr_t buffer, uint64_t length, int mt)
@@ -1850,7 +1952,7 @@ NB_MODULE(_native, m)
   nb::class_<Peer, Endpoint>(m, "Peer")
     .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
-    .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a)
+    .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a, "gather"_a = false)
     .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a)
     .def("close", &Peer::closePeer, "timeout"_a);
 }

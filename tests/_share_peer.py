@@ -185,6 +185,12 @@ def sockets(pid: int | str = "self") -> int:
     return n
 
 
+def _ucx_messages(state: dict) -> int:
+    from gpushare._ucx import _server
+
+    return _server.server().stats()["messages"]
+
+
 def _stats(state: dict) -> dict:
     """Threads, fds and gpushare's own tables in this process."""
     import threading
@@ -489,6 +495,7 @@ HANDLERS = {
     "export": _export,
     "die": _die,
     "stats": _stats,
+    "ucx_messages": _ucx_messages,
     "open_many": _open_many,
     "close_many": _close_many,
     "cycle": _cycle,

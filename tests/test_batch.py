@@ -52,6 +52,21 @@ def test_one_batch_moves_items_of_many_shares_on_every_path(exporter):
             v.close()
 
 
+def test_puts_into_a_host_share_over_ucx_rma_travel_gathered(exporter):
+    share = exporter.call("export", "numpy", 256 * KiB, {"lifetime": "revoked"})
+    with gs.open(share, prefer="ucx-rma") as view:
+        assert view.path == "ucx-rma"
+        chunks = [bytes([i]) * (3 * KiB + i) for i in range(40)]
+        offsets = [i * 6 * KiB for i in range(40)]
+        before = exporter.call("ucx_messages")
+        gs.put_batch(list(zip([view] * 40, offsets, chunks))).wait(30)
+        assert exporter.call("ucx_messages") - before < 5  # 40 puts, 120 KiB: gathered into one or two
+        for off, chunk in zip(offsets, chunks):
+            out = bytearray(len(chunk))
+            view.get(out, off)
+            assert bytes(out) == chunk
+
+
 def test_a_bad_item_stops_the_batch_before_anything_moves(exporter):
     share = exporter.call("export", "numpy", 4 * KiB, {"lifetime": "revoked"})
     readonly = exporter.call("export", "numpy", 4 * KiB, {"lifetime": "revoked", "readonly": True})

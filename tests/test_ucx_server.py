@@ -214,6 +214,15 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
         (header(op=3, length=2), item()),                     # fewer items than the header says
         (header(op=3, req=(1 << 64) - 1, length=2), item() * 2),  # request ids that wrap around
         (header(op=3, length=1), item(keys=(0, 0))),          # a batch item with a forged key
+        # Gathered puts: the items, then their data.
+        (header(op=4, length=0), b""),                        # a batch of no items
+        (header(op=4, length=2), item(length=4) + b"evil"),   # fewer items than the header says
+        (header(op=4, length=1), item(length=100) + b"x" * 10),  # less data than the items say
+        (header(op=4, length=1), item(length=4) + b"x" * 10),    # more data than the items say
+        (header(op=4, length=2), item(length=(1 << 64) - 1) + item(length=2) + b"x"),  # lengths that wrap
+        (header(op=4, length=1), item(keys=(0, 0), length=4) + b"evil"),  # a forged key
+        (header(op=4, req=(1 << 64) - 1, length=2), item(length=1) * 2 + b"ab"),  # request ids that wrap
+        (header(op=4, length=5000), item(length=1) * 5000 + b"x" * 5000),  # too many items
     ]
     before = exporter.call("digest", "big")
     refused = exporter.call("stats")["refused"]
@@ -227,6 +236,47 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
     out = bytearray(64)
     peer.get(rid, key, 0, out, timeout=30)
     assert bytes(out) == exporter.call("read", "big", 0, 64)
+
+
+def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):
+    rid, key = big
+    rng = np.random.default_rng(7)
+    # Small ones travel several to a message; the 512 KiB one alone.
+    sizes = [1, 7, 4096, 65536, 100, 3, 256 * 1024, 512 * 1024, 65536, 9] + [1000] * 40
+    items, offset = [], 2 * MiB
+    for n in sizes:
+        items.append((rid, key, offset, rng.integers(0, 256, n, dtype=np.uint8)))
+        offset += n + 5
+    stats = exporter.call("stats")
+    peer.put_batch(items, host_regions=True).wait(30)
+    after = exporter.call("stats")
+    assert after["served"] - stats["served"] == len(items)
+    # 50 items, 1.3 MiB: two or three messages of gathered puts and the 512 KiB put alone.
+    assert after["messages"] - stats["messages"] <= 4
+    for _, _, at, data in items:
+        assert exporter.call("read", "big", at, len(data)) == data.tobytes()
+
+    # One forged key among them: the batch fails, that item alone is refused.
+    before = exporter.call("read", "big", 0, 64)
+    fresh = [(rid, key, 8 * MiB + i * 64, np.full(64, i, np.uint8)) for i in range(10)]
+    fresh[4] = (rid, bytes(16), 0, np.full(64, 0xEE, np.uint8))
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.put_batch(fresh, host_regions=True).wait(30)
+    assert exporter.call("read", "big", 0, 64) == before
+    for i, (_, _, at, data) in enumerate(fresh):
+        if i != 4:
+            assert exporter.call("read", "big", at, 64) == data.tobytes()
+    with pytest.raises(gpushare.InvalidInputError, match="bool"):
+        peer.put_batch(fresh, host_regions=1)
+
+
+def test_gathered_puts_to_a_read_only_region_are_refused(exporter, peer):
+    exporter.call("add", "ro2", 8192, 13, True)
+    cap = exporter.call("grant", "ro2")
+    before = exporter.call("digest", "ro2")
+    with pytest.raises(gpushare.AccessDeniedError, match="read-only"):
+        peer.put_batch([(*cap, i * 100, np.ones(100, np.uint8)) for i in range(5)], host_regions=True).wait(30)
+    assert exporter.call("digest", "ro2") == before
 
 
 @pytest.mark.parametrize("offset,size", [(BIG, 1), (BIG - 1, 2), (BIG - 4096, 8192), (0, BIG + 1),

@@ -348,10 +348,12 @@ class Server:
         return Region._make(self._node, rid, local, readonly)
 
     def stats(self) -> dict[str, int]:
-        """Counts: open ``regions``, granted ``keys``, ``refused`` and ``served`` requests."""
+        """Counts: open ``regions``, granted ``keys``, ``refused`` and ``served``
+        requests (a batch's items count one each), and request ``messages``
+        received."""
         n = self._node.check()
-        regions, keys, refused, served = n.stats()
-        return {"regions": regions, "keys": keys, "refused": refused, "served": served}
+        regions, keys, refused, served, messages = n.stats()
+        return {"regions": regions, "keys": keys, "refused": refused, "served": served, "messages": messages}
 
     def info(self) -> str:
         """UCX's description of the worker (transports, devices)."""
@@ -421,17 +423,17 @@ class Peer(_Connection):
             raise OutOfBoundsError("offset + nbytes runs past 2**64")
         return (region_id, key, offset, local.address, nbytes, _MEMORY_TYPE_CODES[local.memory_type])
 
-    def _native_post(self, op: str, items: list[tuple], kind: str) -> Any:
+    def _native_post(self, op: str, items: list[tuple], kind: str, gather: bool = False) -> Any:
         n = self._check_open()
         try:
             if len(items) == 1 and kind == op:
                 return (n.get if op == "get" else n.put)(*items[0])
-            return n.post(1 if op == "get" else 2, items, kind)
+            return n.post(1 if op == "get" else 2, items, kind, gather)
         except native().NativeError as exc:
             raise translate(*exc.args) from None
 
-    def _post(self, op: str, items: list[tuple], locals_: list, kind: str) -> Request:
-        nreq = self._native_post(op, items, kind)
+    def _post(self, op: str, items: list[tuple], locals_: list, kind: str, gather: bool = False) -> Request:
+        nreq = self._native_post(op, items, kind, gather)
         return self._track(Request._from_native(nreq, locals_ or None, self))
 
     def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any,
@@ -469,7 +471,7 @@ class Peer(_Connection):
         self._track(Request._from_native(nreq, locals_ or None, self))
         raise WaitTimeoutError(f"{op} did not complete within {wait} s")
 
-    def _batch(self, op: str, items: Iterable) -> Request:
+    def _batch(self, op: str, items: Iterable, gather: bool = False) -> Request:
         locals_: list = []
         try:
             prepared = []
@@ -477,7 +479,7 @@ class Peer(_Connection):
                 if not isinstance(entry, tuple) or len(entry) != 4:
                     raise InvalidInputError(f"batch items are (region_id, key, offset, buffer) tuples, not {entry!r:.80}")
                 prepared.append(self._item(op, *entry, None, locals_))
-            return self._post(op, prepared, locals_, f"{op}_batch")
+            return self._post(op, prepared, locals_, f"{op}_batch", gather)
         except BaseException:
             for lb in locals_:
                 lb.release()
@@ -532,9 +534,18 @@ class Peer(_Connection):
         """
         return self._batch("get", items)
 
-    def put_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
-        """Post one put per ``(region_id, key, offset, src)``; one request for all, as :meth:`get_batch`."""
-        return self._batch("put", items)
+    def put_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, host_regions: bool = False) -> Request:
+        """Post one put per ``(region_id, key, offset, src)``; one request for all, as :meth:`get_batch`.
+
+        ``host_regions=True`` says that every region named is host memory:
+        then consecutive puts of up to 256 KiB from host buffers travel
+        together, up to 1 MiB of data per message, and the exporter copies
+        each into its region.  The exporter refuses such an item for a
+        region of other memory (:class:`InvalidInputError` for the batch).
+        """
+        if not isinstance(host_regions, bool):
+            raise InvalidInputError("host_regions must be a bool")
+        return self._batch("put", items, host_regions)
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect (idempotent); requests in flight fail.  The next
