@@ -238,6 +238,46 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
     assert bytes(out) == exporter.call("read", "big", 0, 64)
 
 
+def test_fuzzed_batch_messages_never_touch_what_they_may_not(exporter, peer, big):
+    """Random batch messages (gets and gathered puts) with items that name
+    the granted region, a region never granted, forged keys, ranges and
+    lengths of every kind: the server answers or refuses each and goes on,
+    the region no key here names stays untouched, and writes land only
+    where an item with the right key pointed."""
+    import struct
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    rid, key = big
+    k0, k1 = struct.unpack("<QQ", key)
+    exporter.call("add", "sentinel", 4096, 21)
+    srid, _ = exporter.call("grant", "sentinel")
+    sentinel = exporter.call("digest", "sentinel")
+    magic = 0x31585347
+    u64 = st.integers(0, (1 << 64) - 1)
+    items = st.lists(st.tuples(
+        st.sampled_from([rid, srid, rid + 999, 0]),
+        st.sampled_from([(k0, k1), (k0, k1 ^ 1), (0, 0)]),
+        st.one_of(st.integers(0, BIG + 10), u64),
+        st.one_of(st.integers(0, 300), u64)), min_size=0, max_size=12)
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.sampled_from([3, 4]), items, st.integers(-3, 3), st.integers(-20, 20), u64)
+    def fuzz(op, its, count_off, data_off, req):
+        body = b"".join(struct.pack("<QQQQQ", r, *k, o, n) for r, k, o, n in its)
+        data = b"\xa5" * max(0, sum(min(n, 300) for *_, n in its) + data_off) if op == 4 else b""
+        count = max(0, len(its) + count_off)
+        h = struct.pack("<IB3xQQQQQQ", magic, op, req, 0, 0, 0, 0, count)
+        peer._native._send_raw(h, body + data).wait(30.0)
+
+    fuzz()
+    out = bytearray(64)
+    peer.get(rid, key, 0, out, timeout=30)  # still serving
+    assert bytes(out) == exporter.call("read", "big", 0, 64)
+    assert exporter.call("digest", "sentinel") == sentinel
+
+
 def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):
     rid, key = big
     rng = np.random.default_rng(7)
