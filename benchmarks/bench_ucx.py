@@ -246,7 +246,7 @@ def run_server(sizes, runs: int, quick: bool) -> None:
 
     from gpushare._ucx._server import tcp_segment_config
 
-    name, tls, eh = "server", "tcp", True
+    tls, eh = "tcp", True
     # perftest gets the TCP segment sizes the server's worker uses.
     seg = {"UCX_" + k: v for k, v in tcp_segment_config().items()}
     print(f"== region server (UCX_TLS={tls}, error handling on, blocking progress; "
@@ -362,6 +362,7 @@ def _setup_cost_child(conn, kind: str, count: int) -> None:
     from gpushare._ucx._loader import native
 
     native()
+    kept: list = []  # what serves the regions, held until the parent is done
     if kind == "server":
         from gpushare import _ucx
 
@@ -369,22 +370,24 @@ def _setup_cost_child(conn, kind: str, count: int) -> None:
         t0 = time.perf_counter()
         srv = _ucx.server()
         arrays = [np.ones(4096, np.uint8) for _ in range(count)]
-        regions = [srv.add_region(a) for a in arrays]
-        for r in regions:
+        kept += [srv.add_region(a) for a in arrays]
+        for r in kept:
             r.grant()
     else:
         tls = {"agent, shared memory too": "tcp,sm,self"}.get(kind)
         ucx.Agent(transports=tls).close()  # load the transports once
         b = _usage()
         t0 = time.perf_counter()
-        agents = [ucx.Agent(transports=tls) for _ in range(count)]
-        handles = [a.create_memory_handle(4096) for a in agents]
+        for _ in range(count):
+            agent = ucx.Agent(transports=tls)
+            kept.append((agent, agent.create_memory_handle(4096)))
     dt = time.perf_counter() - t0
     a = _usage()
     time.sleep(5.0)
     idle = _usage()[3] - a[3]
     conn.send((dt, a[0] - b[0], a[1] - b[1], a[2] - b[2], idle))
     conn.recv()
+    kept.clear()
 
 
 def run_setup_cost(runs: int, count: int = 100) -> None:

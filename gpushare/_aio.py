@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-from typing import Any
 
 from ._api import PathList, View, open
 from ._errors import GpuShareError
