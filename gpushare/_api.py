@@ -1098,21 +1098,7 @@ class View:
 
         The bytes are in ``dst`` when this returns.
         """
-        if stream is None and self._fast_copy(dst, offset, True):
-            return
-        if self.path == "ucx-rma":
-            self._span(dst, offset, True)[0].release()  # checks bounds and the buffer
-            with _rma_errors(self.share):
-                self._peer.get(*self._region, offset, dst, timeout, alive=self._lease[0] if self._lease else None)
-            return
-        if self.path == "cma":
-            request = self._cma(dst, offset, "get")
-            if request is not None:
-                request.wait(timeout)
-            return
-        request = self._copy(dst, offset, "get", stream)
-        if request is not None:
-            request.wait(timeout)
+        self._move(dst, offset, "get", stream, timeout)
 
     def put(self, src: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
         """Copy ``src`` into the shared memory at ``offset``.
@@ -1123,19 +1109,23 @@ class View:
         bytes in its memory).
         """
         self._check_writable()
-        if stream is None and self._fast_copy(src, offset, False):
+        self._move(src, offset, "put", stream, timeout)
+
+    def _move(self, buf: Any, offset: int, direction: str, stream: Any, timeout: float | None) -> None:
+        """One get or put on this view's path, waited for."""
+        get = direction == "get"
+        if stream is None and self._fast_copy(buf, offset, get):
             return
         if self.path == "ucx-rma":
-            self._span(src, offset, False)[0].release()
+            self._span(buf, offset, get)[0].release()  # checks bounds and the buffer
             with _rma_errors(self.share):
-                self._peer.put(*self._region, offset, src, timeout, alive=self._lease[0] if self._lease else None)
+                (self._peer.get if get else self._peer.put)(
+                    *self._region, offset, buf, timeout, alive=self._lease[0] if self._lease else None)
             return
         if self.path == "cma":
-            request = self._cma(src, offset, "put")
-            if request is not None:
-                request.wait(timeout)
-            return
-        request = self._copy(src, offset, "put", stream)
+            request = self._cma(buf, offset, direction)
+        else:
+            request = self._copy(buf, offset, direction, stream)
         if request is not None:
             request.wait(timeout)
 
