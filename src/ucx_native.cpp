@@ -193,30 +193,32 @@ auto call(const char* what, F&& f) -> decltype(f())
   }
 }
 
+// Run `f` without the GIL if this thread holds it and Python is not going
+// away: `f` may wait for a progress thread that is itself waiting for the
+// GIL to run a callback.
+template <typename F>
+void withoutGil(F&& f)
+{
+  if (pyFinalizing() || !PyGILState_Check()) {
+    f();
+    return;
+  }
+  nb::gil_scoped_release release;
+  f();
+}
+
 // Drop a shared_ptr to a libucxx object without the GIL: destructors may wait
-// for the progress thread, which may itself be waiting for the GIL.
+// for the progress thread.
 template <typename T>
 void releaseNoGil(std::shared_ptr<T>& p)
 {
-  if (!p) return;
-  if (pyFinalizing() || !PyGILState_Check()) {
-    p.reset();
-    return;
-  }
-  nb::gil_scoped_release release;
-  p.reset();
+  if (p) withoutGil([&] { p.reset(); });
 }
 
-// Stop a worker's progress thread, joining it without the GIL (it may be
-// waiting for the GIL to run a callback) unless Python is going away.
+// Stop a worker's progress thread, joining it without the GIL.
 void stopProgressNoGil(const std::shared_ptr<ucxx::Worker>& w)
 {
-  if (pyFinalizing() || !PyGILState_Check()) {
-    w->stopProgressThread();
-    return;
-  }
-  nb::gil_scoped_release release;
-  w->stopProgressThread();
+  withoutGil([&] { w->stopProgressThread(); });
 }
 
 // ---------------------------------------------------------------------------
@@ -988,16 +990,10 @@ class Node {
   {
     if (!progressThread.joinable()) return;
     stopping.store(true, std::memory_order_release);
-    auto join = [this] {
+    withoutGil([this] {
       if (!polling) ucp_worker_signal(wh);
       progressThread.join();
-    };
-    if (pyFinalizing() || !PyGILState_Check()) {
-      join();
-      return;
-    }
-    nb::gil_scoped_release release;
-    join();
+    });
   }
 
   void setHandler(unsigned id, ucp_am_recv_callback_t cb)
