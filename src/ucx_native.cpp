@@ -1193,11 +1193,16 @@ class Node {
     return GS_OK;
   }
 
-  // The transfer lets go of the region's memory.
+  // A transfer admitted on `region` with `grant` lets go of the memory.
+  static void letGo(Region& region, Grant& grant)
+  {
+    grant.inflight.fetch_sub(1, std::memory_order_acq_rel);
+    region.inflight.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
   static void release(ServerOp* op)
   {
-    op->grant->inflight.fetch_sub(1, std::memory_order_acq_rel);
-    op->region->inflight.fetch_sub(1, std::memory_order_acq_rel);
+    letGo(*op->region, *op->grant);
     delete op;
   }
 
@@ -1338,7 +1343,7 @@ class Node {
       std::shared_ptr<Grant> grant;
       uint32_t verdict = admit(one, one.length, region, grant);
       if (verdict == GS_OK && region->memoryType != UCS_MEMORY_TYPE_HOST) {
-        release(new ServerOp{this, region, grant, ep, one.requestId, one.length});  // let go of it
+        letGo(*region, *grant);
         verdict = GS_BAD_REQUEST;
       }
       if (verdict != GS_OK) {
