@@ -8,10 +8,13 @@ and exits 0.
 
 Both sides run as two processes on this machine with ``UCX_TLS=tcp`` (the
 transport gpushare's server uses by default) and ``UCX_NET_DEVICES=lo`` on
-host memory: the same transport and the same device for both.  On a
-2-core machine NIXL's figures differ by 2 to 3 times between invocations
-(its target's progress thread and its initiator both spin); run it more
-than once.  For each
+host memory: the same transport and the same device for both.  Each
+process is pinned to a core of its own (the first two this process may use;
+``--no-pin`` leaves placement to the scheduler): unpinned, where the
+scheduler puts the two processes' threads decides the figures of both
+libraries, which then differ by 2 to 4 times between invocations on a
+2-core machine (NIXL's target and initiator both spin; sharing a core, a
+1 MiB NIXL put took 8 ms).  For each
 operation the importer (NIXL's initiator) issues one request at a time and
 waits for it, so each figure is what one synchronous caller gets:
 
@@ -21,7 +24,8 @@ waits for it, so each figure is what one synchronous caller gets:
   API does for host memory).
 
 Each figure is the median of ``--runs`` runs (lowest-highest) of either
-library, each run in processes of its own.  Unit: MiB/s (2**20 bytes per
+library, each run in processes of its own, the two libraries' runs
+alternating.  Unit: MiB/s (2**20 bytes per
 second) everywhere; the ratio is gpushare / NIXL of the medians (above 1:
 gpushare faster).  Differences to keep in mind: NIXL moves
 data with one-sided RMA and checks nothing on the target per request, and
@@ -49,6 +53,23 @@ BATCH_SIZE = 64 * KiB
 REGION = max(max(SIZES), BATCH * BATCH_SIZE)
 
 
+def _pinned(conn, cpu, target, *args) -> None:
+    """Run ``target(conn, *args)`` on core ``cpu`` (None: anywhere); threads
+    it starts stay there too."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    target(conn, *args)
+
+
+def _cores(pin: bool) -> tuple[int | None, int | None]:
+    """(importer's core, exporter's core), or (None, None) unpinned or with
+    fewer than two cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return cpus[0], cpus[1]
+
+
 def _iters(nbytes: int, quick: bool) -> int:
     budget = (32 if quick else 256) * MiB
     return max(8, min(5000, budget // nbytes))
@@ -68,12 +89,12 @@ def _nixl_target(conn) -> None:
     conn.recv()
 
 
-def nixl_run(quick: bool) -> dict:
+def nixl_run(quick: bool, cpu: int | None = None) -> dict:
     import numpy as np
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     results = {}
-    with spawned(_nixl_target) as (meta, raddr):
+    with spawned(_pinned, cpu, _nixl_target) as (meta, raddr):
         # The initiator polls the transfer state itself: no progress thread.
         agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False))
         local = np.zeros(REGION, np.uint8)
@@ -112,13 +133,13 @@ def nixl_run(quick: bool) -> dict:
 # -- gpushare ---------------------------------------------------------------------
 
 
-def gpushare_run(quick: bool) -> dict:
+def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
     import numpy as np
 
     from gpushare import _ucx
 
     results = {}
-    with spawned(_server_exporter, REGION) as (address, (rid, key)):
+    with spawned(_pinned, cpu, _server_exporter, REGION) as (address, (rid, key)):
         peer = _ucx.client().connect(address, timeout=30)
         local = np.zeros(REGION, np.uint8)
 
@@ -157,6 +178,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="runs of each library (median, lowest-highest)")
     p.add_argument("--quick", action="store_true", help="fewer iterations per run")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the processes' placement on cores to the scheduler")
     args = p.parse_args()
     try:
         import nixl_cu13  # noqa: F401
@@ -166,10 +189,18 @@ def main() -> int:
     # Both sides, both libraries, inherited by the spawned processes.
     os.environ["UCX_TLS"] = "tcp"
     os.environ["UCX_NET_DEVICES"] = "lo"
-    nixl = [nixl_run(args.quick) for _ in range(args.runs)]
-    ours = [gpushare_run(args.quick) for _ in range(args.runs)]
-    print(f"UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} CPUs; median of {args.runs} runs (lowest-highest); "
-          "MiB/s; ratio = gpushare / NIXL of the medians\n")
+    mine, theirs = _cores(args.pin)
+    if mine is not None:
+        # Before either library starts a thread: they all stay on this core.
+        os.sched_setaffinity(0, {mine})
+    # Alternating, so that both libraries see the machine in the same states.
+    nixl, ours = [], []
+    for _ in range(args.runs):
+        nixl.append(nixl_run(args.quick, theirs))
+        ours.append(gpushare_run(args.quick, theirs))
+    where = f"importer on core {mine}, exporter on core {theirs}" if mine is not None else "unpinned"
+    print(f"UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} CPUs, {where}; median of {args.runs} runs "
+          "(lowest-highest); MiB/s; ratio = gpushare / NIXL of the medians\n")
     print(f"{'op':>4} {'size':>14} {'gpushare':>22} {'NIXL':>22} {'ratio':>6}")
     for op in ("get", "put"):
         for size in [*SIZES, "batch"]:
