@@ -306,17 +306,20 @@ struct Completion {
   }
 };
 
-// How long Request::wait spins before it sleeps.
-constexpr int64_t kSpinMicros = 100;
+// How long Request::wait spins before it sleeps: kSpinMicros, plus one
+// microsecond per kSpinBytesPerMicro bytes the request moves (a 1 MiB put
+// takes 0.2 ms and more on loopback), at most kSpinMaxMicros.
+constexpr int64_t kSpinMicros        = 100;
+constexpr int64_t kSpinBytesPerMicro = 2048;
+constexpr int64_t kSpinMaxMicros     = 2000;
 
 class Request {
  public:
   std::shared_ptr<Completion> completion;
   std::shared_ptr<ucxx::Request> request;
   std::string kind;
-  // The worker whose progress completes this request, when the waiting
-  // thread may drive it itself (the region server's requests).
-  ucp_worker_h progressWorker{nullptr};
+  // How long wait() spins before it sleeps.
+  int64_t spinMicros{kSpinMicros};
 
   Request(std::shared_ptr<Completion> c, std::string k)
     : completion(std::move(c)), kind(std::move(k))
@@ -337,17 +340,17 @@ class Request {
     auto c = completion;
     // Small transfers complete within tens of microseconds: spin (yielding
     // the core) that long before sleeping on the condition variable, whose
-    // wake-up costs more than the transfer itself.
+    // wake-up costs more than the transfer itself.  The node's progress
+    // thread, polling while requests are in flight, completes it: the
+    // waiter does not progress the worker itself, which on a core shared
+    // with the progress thread (or a process pinned to one core) had the
+    // two contend for the worker and the core.
     const auto spinUntil =
       std::chrono::steady_clock::now() +
-      std::chrono::microseconds(timeout < 0 ? kSpinMicros
-                                            : std::min<int64_t>(kSpinMicros, static_cast<int64_t>(timeout * 1e6)));
-    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-      if (progressWorker != nullptr && insideCallbacks == 0)
-        ucp_worker_progress(progressWorker);  // complete it here, not in a thread to be woken
-      else
-        std::this_thread::yield();
-    }
+      std::chrono::microseconds(timeout < 0 ? spinMicros
+                                            : std::min<int64_t>(spinMicros, static_cast<int64_t>(timeout * 1e6)));
+    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil)
+      std::this_thread::yield();
     std::unique_lock<std::mutex> lock(c->mutex);
     // A callback waiting on its own request: the status is final already.
     auto ready = [&] {
@@ -901,10 +904,13 @@ void freeRequest(void* request, ucs_status_t, void*)
   ucp_request_free(request);
 }
 
-// How long the node's progress thread keeps polling after it served a
-// request before it sleeps in the kernel again.  An importer's next request
-// usually follows its last reply within tens of microseconds; waking a
-// sleeping thread costs about as much again (more on a virtual machine).
+// How long the node's progress thread keeps polling after the last thing
+// it did (serving a request, completing an answer, any UCX event) or the
+// last request this process posted, before it sleeps in the kernel again.
+// An importer's next request usually follows its last reply within tens of
+// microseconds, and a reply within tens of microseconds of its request;
+// waking a sleeping thread costs about as much again (more on a virtual
+// machine).
 constexpr int64_t kLingerNanos = 150'000;
 
 int64_t steadyNanos()
@@ -925,8 +931,8 @@ class Node {
   std::thread progressThread;
   std::atomic<bool> stopping{false};
   std::atomic<bool> progressFailed{false};
-  // When this node last served a request (steadyNanos), for the linger.
-  std::atomic<int64_t> lastServed{0};
+  // When this node was last active (steadyNanos), for the linger.
+  std::atomic<int64_t> lastActive{0};
 
   std::shared_mutex tableMutex;
   std::unordered_map<uint64_t, std::shared_ptr<Region>> regions;
@@ -961,16 +967,21 @@ class Node {
   }
   ~Node() { shutdown(); }
 
-  // The node's one progress thread.  Unlike libucxx's, it keeps polling for
-  // kLingerNanos after serving a request, so that a peer's next request
-  // finds it awake; it then sleeps in the kernel until an event (blocking
-  // mode), or never sleeps (polling mode).  Idle, it costs nothing.
+  // The node's one progress thread, the only thread that progresses the
+  // worker.  Unlike libucxx's, it keeps polling for kLingerNanos after it
+  // last did something or this process last posted a request, so that a
+  // peer's next request, or the answer to ours, finds it awake; it then
+  // sleeps in the kernel until an event (blocking mode), or never sleeps
+  // (polling mode).  Idle, it costs nothing.
   void progressLoop()
   {
     while (!stopping.load(std::memory_order_acquire)) {
       try {
-        if (worker->progress()) continue;
-        if (polling || steadyNanos() - lastServed.load(std::memory_order_relaxed) < kLingerNanos) {
+        if (worker->progress()) {
+          lastActive.store(steadyNanos(), std::memory_order_relaxed);
+          continue;
+        }
+        if (polling || steadyNanos() - lastActive.load(std::memory_order_relaxed) < kLingerNanos) {
           std::this_thread::yield();
           continue;
         }
@@ -1362,7 +1373,7 @@ class Node {
                                 size_t length, const ucp_am_recv_param_t* param)
   {
     Node* n = static_cast<Node*>(arg);
-    n->lastServed.store(steadyNanos(), std::memory_order_relaxed);
+    n->lastActive.store(steadyNanos(), std::memory_order_relaxed);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
       return UCS_OK;  // nobody to answer: drop
     ucp_ep_h ep = param->reply_ep;
@@ -1597,7 +1608,9 @@ class Node {
     b->completion = c;
     b->left       = items.size();
     Request r(c, kind);
-    r.progressWorker = polling ? nullptr : wh;
+    uint64_t bytes = 0;
+    for (auto& it : items) bytes += it.length;
+    r.spinMicros = std::min<int64_t>(kSpinMaxMicros, kSpinMicros + static_cast<int64_t>(bytes / kSpinBytesPerMicro));
     if (items.empty()) {
       c->complete(UCS_OK);
       return r;
@@ -1700,7 +1713,9 @@ class Node {
            put ? it.length : 0, it.memoryType, put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
       ++i;
     }
-    // A request UCX queued is finished by the progress thread: wake it.
+    // A request UCX queued is finished by the progress thread: keep it
+    // polling for the answer (wake it if it sleeps).
+    lastActive.store(steadyNanos(), std::memory_order_relaxed);
     if (signal && !polling) ucp_worker_signal(wh);
     return r;
   }
