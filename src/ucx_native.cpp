@@ -363,6 +363,13 @@ class Request {
     return c->cv.wait_for(lock, std::chrono::duration<double>(timeout), ready);
   }
 
+  // Whether it completed successfully (status() says how it did not).
+  bool ok()
+  {
+    std::lock_guard<std::mutex> lock(completion->mutex);
+    return completion->done && completion->gsStatus == 0 && completion->status == UCS_OK;
+  }
+
   // (status_name, message) or None while in flight.
   nb::object status()
   {
@@ -407,6 +414,36 @@ std::shared_ptr<Completion> newCompletion(nb::object callback)
   if (!callback.is_none()) c->callbacks.push_back(callback.release().ptr());
   return c;
 }
+
+// A host buffer held through the buffer protocol (C-contiguous; writable
+// when asked) until release(): while held, its owner cannot resize or free
+// it.  What LocalBuffer does for any buffer, for the common host case at a
+// fraction of the cost (the address without going through NumPy).
+class HostPin {
+ public:
+  Py_buffer view{};
+  bool held{false};
+
+  HostPin(nb::handle obj, bool writable)
+  {
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
+      throw nb::python_error();
+    held = true;
+  }
+  ~HostPin() { release(); }
+  HostPin(const HostPin&)            = delete;
+  HostPin& operator=(const HostPin&) = delete;
+
+  void release()
+  {
+    if (!held) return;
+    held = false;
+    PyBuffer_Release(&view);
+  }
+  uintptr_t address() const { return held ? reinterpret_cast<uintptr_t>(view.buf) : 0; }
+  Py_ssize_t nbytes() const { return held ? view.len : 0; }
+  bool readonly() const { return held && view.readonly; }
+};
 
 // ---------------------------------------------------------------------------
 
@@ -1913,8 +1950,16 @@ NB_MODULE(_native, m)
     .def_ro("kind", &Request::kind)
     .def("done", &Request::done)
     .def("wait", &Request::wait, "timeout"_a)
+    .def("ok", &Request::ok)
     .def("status", &Request::status)
     .def("add_callback", &Request::addCallback, "fn"_a);
+
+  nb::class_<HostPin>(m, "HostPin")
+    .def(nb::init<nb::handle, bool>(), "obj"_a, "writable"_a)
+    .def_prop_ro("address", &HostPin::address)
+    .def_prop_ro("nbytes", &HostPin::nbytes)
+    .def_prop_ro("readonly", &HostPin::readonly)
+    .def("release", &HostPin::release);
 
   nb::class_<MemoryHandle>(m, "MemoryHandle")
     .def_prop_ro("handle", &MemoryHandle::ucpHandle)

@@ -345,6 +345,33 @@ def test_bad_arguments_are_refused_before_sending(peer, big):
         peer.get_batch([(rid, key, 0)])
 
 
+def test_host_buffers_are_pinned_while_in_flight_and_let_go_after(exporter, peer, big):
+    """NumPy arrays and Python byte buffers are pinned through the buffer
+    protocol for as long as their request is in flight, and let go after."""
+    rid, key = big
+    data = _pattern(4096, 51)
+    peer.put(rid, key, 0, memoryview(data.tobytes()), timeout=30)
+    out = bytearray(4096)
+    peer.get(rid, key, 0, out, timeout=30)
+    assert bytes(out) == data.tobytes()
+    out.extend(b"x")  # not pinned any more: it may be resized
+    large = bytearray(16 * MiB)
+    req = peer.get_async(rid, key, 0, large)
+    in_flight = not req.done()
+    if in_flight:
+        with pytest.raises(BufferError):
+            large.extend(b"y")  # pinned while the get is in flight
+    req.wait(30)
+    assert in_flight  # 16 MiB do not arrive before get_async returns
+    large.extend(b"y")
+    ro = np.zeros(16, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(gpushare.InvalidInputError, match="read-only"):
+        peer.get(rid, key, 0, ro, timeout=5)
+    with pytest.raises(gpushare.InvalidInputError, match="contiguous"):
+        peer.get(rid, key, 0, np.zeros(32, np.uint8)[::2], timeout=5)
+
+
 def test_read_only_region_refuses_puts(exporter, peer):
     exporter.call("add", "ro", 8192, 3, True)
     cap = exporter.call("grant", "ro")

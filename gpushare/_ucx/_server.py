@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -373,6 +374,23 @@ def server() -> Server:
 # -- importer side ---------------------------------------------------------------
 
 
+# Buffers whose exact type is one of these are host memory read through the
+# buffer protocol (what _buffers.resolve concludes for them too).  NumPy's
+# ndarray joins once a caller passes one; NumPy is not imported for it (its
+# import starts threads in processes that never use it).
+_HOST_TYPES = {bytearray, bytes, memoryview}
+
+
+def _host_type(t: type) -> bool:
+    if t in _HOST_TYPES:
+        return True
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray:
+        _HOST_TYPES.add(t)
+        return True
+    return False
+
+
 def _check_region_id(region_id: Any) -> int:
     return _check_int(region_id, "region_id", minimum=1)
 
@@ -408,9 +426,22 @@ class Peer(_Connection):
         _check_region_id(region_id)
         key = _check_key(key)
         _check_int(offset, "offset")
-        local = _buffers.resolve(buffer, writable=(op == "get"))
-        if local is not buffer:
-            locals_.append(local)
+        local = None
+        if _host_type(type(buffer)):
+            # NumPy arrays and Python's byte buffers: pinned natively, the
+            # general path below when that fails (it says why).
+            try:
+                local = native().HostPin(buffer, op == "get")
+            except (BufferError, TypeError, ValueError):
+                pass
+            else:
+                locals_.append(local)
+                memory_type = _MEMORY_TYPE_CODES["host"]
+        if local is None:
+            local = _buffers.resolve(buffer, writable=(op == "get"))
+            if local is not buffer:
+                locals_.append(local)
+            memory_type = _MEMORY_TYPE_CODES[local.memory_type]
         if nbytes is None:
             nbytes = local.nbytes
         else:
@@ -421,7 +452,7 @@ class Peer(_Connection):
             raise InvalidInputError(f"a {op} moves at least one byte")
         if offset + nbytes > _U64:
             raise OutOfBoundsError("offset + nbytes runs past 2**64")
-        return (region_id, key, offset, local.address, nbytes, _MEMORY_TYPE_CODES[local.memory_type])
+        return (region_id, key, offset, local.address, nbytes, memory_type)
 
     def _native_post(self, op: str, items: list[tuple], kind: str, gather: bool = False) -> Any:
         n = self._check_open()
@@ -463,9 +494,10 @@ class Peer(_Connection):
             self._track(Request._from_native(nreq, locals_ or None, self))  # its buffer stays referenced
             raise
         if done:
-            status = nreq.status()
-            if status[0] not in _OK:
-                raise translate(status[0], f"{op} failed: {status[1]}")
+            if not nreq.ok():
+                status = nreq.status()
+                if status[0] not in _OK:
+                    raise translate(status[0], f"{op} failed: {status[1]}")
             return None
         # Still in flight: its buffer stays referenced until it completes.
         self._track(Request._from_native(nreq, locals_ or None, self))
