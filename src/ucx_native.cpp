@@ -811,6 +811,11 @@ constexpr uint8_t kOpGetBatch   = 3;
 // item's data in order.  Sent eagerly (the exporter copies every item out
 // of the message), at most kPutEagerMax bytes of data per message.
 constexpr uint8_t kOpPutBatch   = 4;
+// One part of a put sent in several messages: a PartHeader, whose request
+// header names the whole put's range (checked as a whole by every part, so
+// that a put refused for its range, key or region writes nothing), then
+// where this part's payload lies in it.
+constexpr uint8_t kOpPutPart    = 5;
 constexpr uint64_t kMaxBatchItems = 4096;
 constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
@@ -835,6 +840,11 @@ struct RequestHeader {
   uint64_t key[2];
   uint64_t offset;
   uint64_t length;
+};
+
+struct PartHeader {
+  RequestHeader whole;
+  uint64_t partOffset;
 };
 
 struct BatchItem {
@@ -965,6 +975,9 @@ class Node {
   bool errorHandling;
   bool polling;
   int wakeTimeout;
+  // Puts from host memory of more than this many bytes, up to kPutEagerMax,
+  // travel in parts of this size (0: whole).
+  uint64_t putPart;
   std::thread progressThread;
   std::atomic<bool> stopping{false};
   std::atomic<bool> progressFailed{false};
@@ -984,8 +997,8 @@ class Node {
   std::atomic<uint64_t> served{0}, refused{0}, messages{0};
 
   Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
-       int wakeTimeoutMs)
-    : errorHandling(errorHandling_), polling(polling_), wakeTimeout(wakeTimeoutMs)
+       int wakeTimeoutMs, uint64_t putPart_)
+    : errorHandling(errorHandling_), polling(polling_), wakeTimeout(wakeTimeoutMs), putPart(putPart_)
   {
     logToStderr();
     ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -1416,14 +1429,16 @@ class Node {
     ucp_ep_h ep = param->reply_ep;
     n->messages.fetch_add(1, std::memory_order_relaxed);
     RequestHeader h;
-    if (headerLength != sizeof(h)) {
+    if (headerLength != sizeof(h) && headerLength != sizeof(PartHeader)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, 0, GS_BAD_REQUEST, kReplyData);
       return UCS_OK;
     }
     std::memcpy(&h, header, sizeof(h));
-    if (h.magic != kWireMagic ||
-        (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch && h.op != kOpPutBatch)) {
+    // A part header for a part, a plain one for anything else.
+    const bool part = h.op == kOpPutPart;
+    if (h.magic != kWireMagic || part != (headerLength == sizeof(PartHeader)) ||
+        (h.op != kOpGet && h.op != kOpPut && h.op != kOpGetBatch && h.op != kOpPutBatch && !part)) {
       n->refused.fetch_add(1, std::memory_order_relaxed);
       n->reply(ep, h.requestId, GS_BAD_REQUEST, kReplyData);
       return UCS_OK;
@@ -1440,31 +1455,47 @@ class Node {
       n->serveGet(ep, h, length);
       return UCS_OK;
     }
+    uint64_t partOffset = 0;
+    if (part) std::memcpy(&partOffset, static_cast<const char*>(header) + sizeof(h), sizeof(partOffset));
+    return n->servePut(ep, h, partOffset, data, length, param->recv_attr);
+  }
+
+  // Check one put, or one part of one, and land its data (or refuse it).
+  ucs_status_t servePut(ucp_ep_h ep, const RequestHeader& h, uint64_t partOffset, void* data, size_t length,
+                        uint64_t recvAttr)
+  {
+    const bool part = h.op == kOpPutPart;
+    RequestHeader whole = h;
+    whole.op            = kOpPut;
     std::shared_ptr<Region> region;
     std::shared_ptr<Grant> grant;
-    uint32_t verdict = n->admit(h, length, region, grant);
+    uint32_t verdict = admit(whole, part ? h.length : length, region, grant);
+    if (verdict == GS_OK && part && (length == 0 || partOffset > h.length || length > h.length - partOffset)) {
+      letGo(*region, *grant);
+      verdict = GS_BAD_REQUEST;
+    }
     if (verdict != GS_OK) {
-      n->refused.fetch_add(1, std::memory_order_relaxed);
-      n->reply(ep, h.requestId, verdict, kReplyData);
+      refused.fetch_add(1, std::memory_order_relaxed);
+      reply(ep, h.requestId, verdict, kReplyData);
       return UCS_OK;  // a rendezvous payload is dropped unread
     }
-    n->served.fetch_add(1, std::memory_order_relaxed);
-    void* at = reinterpret_cast<void*>(region->base + h.offset);
-    auto* op = new ServerOp{n, region, grant, ep, h.requestId, h.length};
+    served.fetch_add(1, std::memory_order_relaxed);
+    void* at = reinterpret_cast<void*>(region->base + h.offset + partOffset);
+    auto* op = new ServerOp{this, region, grant, ep, h.requestId, length};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH;
     p.user_data   = op;
     p.memory_type = region->memoryType;
     p.memh        = region->ucpMemh;
-    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    const bool rndv = (recvAttr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     if (!rndv && region->memoryType == UCS_MEMORY_TYPE_HOST) {
       std::memcpy(at, data, length);
       finishPut(op, UCS_OK);
       return UCS_OK;
     }
     p.cb.recv_am        = &Node::onPutReceived;
-    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(n->wh, data, at, length, &p);
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(wh, data, at, length, &p);
     if (!UCS_PTR_IS_PTR(sp)) finishPut(op, UCS_PTR_STATUS(sp));
     return UCS_INPROGRESS;  // UCX owns the descriptor now
   }
@@ -1636,10 +1667,37 @@ class Node {
   // several items travel as kOpGetBatch messages; with `gather` (the caller
   // knows every region to be host memory), consecutive small puts from host
   // buffers travel as kOpPutBatch messages.
-  Request post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& items,
+  Request post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& asked,
                const std::string& kind, bool gather = false)
   {
     checkOpen();
+    // A put of more than putPart bytes (up to kPutEagerMax) travels in
+    // parts, each an op of its own: each part is one eager message that
+    // UCX sends from the buffer itself and the exporter copies straight
+    // from its receive buffer (a whole 1 MiB message is copied on both
+    // sides and reassembled), and the parts' copies overlap.
+    struct Part {
+      uint64_t wholeOffset, wholeLength, partOffset;  // wholeLength 0: not a part
+    };
+    std::vector<Item> items;
+    std::vector<Part> parts;
+    items.reserve(asked.size());
+    parts.reserve(asked.size());
+    for (auto& it : asked) {
+      if (opCode == kOpPut && putPart > 0 && it.memoryType == UCS_MEMORY_TYPE_HOST && it.length > putPart &&
+          it.length <= kPutEagerMax) {
+        for (uint64_t o = 0; o < it.length; o += putPart) {
+          Item x   = it;
+          x.buffer = it.buffer + o;
+          x.length = std::min(putPart, it.length - o);
+          items.push_back(x);
+          parts.push_back({it.offset, it.length, o});
+        }
+      } else {
+        items.push_back(it);
+        parts.push_back({0, 0, 0});
+      }
+    }
     auto c     = std::make_shared<Completion>();
     auto b     = std::make_shared<Batch>();
     b->completion = c;
@@ -1674,8 +1732,8 @@ class Node {
     }
     nb::gil_scoped_release release;
     bool signal = false;
-    auto send = [&](SendCtx* ctx, const RequestHeader& h, const void* payload, size_t count, int memoryType,
-                    uint32_t flags, bool iov = false) {
+    auto send = [&](SendCtx* ctx, const void* header, size_t headerLength, const void* payload, size_t count,
+                    int memoryType, uint32_t flags, bool iov = false) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE |
@@ -1685,7 +1743,7 @@ class Node {
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
       p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
-      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, &h, sizeof(h), payload, count, &p);
+      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, header, headerLength, payload, count, &p);
       if (UCS_PTR_IS_PTR(sp)) {
         signal = true;
       } else {
@@ -1707,7 +1765,8 @@ class Node {
         }
         h.op     = kOpGetBatch;
         h.length = k;
-        send(ctx, h, ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER);
+        send(ctx, &h, sizeof(h), ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST,
+             UCP_AM_SEND_FLAG_EAGER);
         i += k;
         continue;
       }
@@ -1717,7 +1776,8 @@ class Node {
         uint64_t bytes = 0;
         while (i + k < items.size() && k < kMaxBatchItems) {
           const Item& it = items[i + k];
-          if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutEagerMax)
+          if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutEagerMax ||
+              parts[i + k].wholeLength != 0)
             break;
           bytes += it.length;
           ++k;
@@ -1733,7 +1793,8 @@ class Node {
           }
           h.op     = kOpPutBatch;
           h.length = k;
-          send(ctx, h, ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER, true);
+          send(ctx, &h, sizeof(h), ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER,
+               true);
           i += k;
           continue;
         }
@@ -1746,8 +1807,17 @@ class Node {
       h.offset       = it.offset;
       h.length       = it.length;
       const bool put = opCode == kOpPut;
-      send(new SendCtx{this, ids[i], 1, {}}, h, put ? reinterpret_cast<const void*>(it.buffer) : nullptr,
-           put ? it.length : 0, it.memoryType, put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+      const void* src = put ? reinterpret_cast<const void*>(it.buffer) : nullptr;
+      const uint32_t eager = put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0;
+      if (parts[i].wholeLength != 0) {
+        PartHeader ph{h, parts[i].partOffset};
+        ph.whole.op     = kOpPutPart;
+        ph.whole.offset = parts[i].wholeOffset;
+        ph.whole.length = parts[i].wholeLength;
+        send(new SendCtx{this, ids[i], 1, {}}, &ph, sizeof(ph), src, it.length, it.memoryType, eager);
+      } else {
+        send(new SendCtx{this, ids[i], 1, {}}, &h, sizeof(h), src, put ? it.length : 0, it.memoryType, eager);
+      }
       ++i;
     }
     // A request UCX queued is finished by the progress thread: keep it
@@ -1997,8 +2067,8 @@ NB_MODULE(_native, m)
     .def_prop_ro("closed", &Agent::closed);
 
   nb::class_<Node>(m, "Node")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
-         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int, uint64_t>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a, "put_part"_a = 0)
     .def("address", &Node::address)
     .def("info", &Node::info)
     .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)

@@ -201,6 +201,9 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
     def item(region=rid, keys=(k0, k1), offset=0, length=8):
         return struct.pack("<QQQQQ", region, *keys, offset, length)
 
+    def part(offset):
+        return struct.pack("<Q", offset)
+
     bad = [
         (b"short", b""),                                     # a header of the wrong size
         (header(m=0xDEADBEEF), b""),                          # wrong magic
@@ -223,6 +226,15 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
         (header(op=4, length=1), item(keys=(0, 0), length=4) + b"evil"),  # a forged key
         (header(op=4, req=(1 << 64) - 1, length=2), item(length=1) * 2 + b"ab"),  # request ids that wrap
         (header(op=4, length=5000), item(length=1) * 5000 + b"x" * 5000),  # too many items
+        # Parts of a put: the header names the whole put, then the part's offset in it.
+        (header(op=5, length=16), b"x" * 8),                  # a part without its offset
+        (header(op=2, length=8) + part(0), b"x" * 8),          # a whole put with a part's header
+        (header(op=5, length=16) + part(16), b"x" * 8),        # a part starting past the whole
+        (header(op=5, length=16) + part(12), b"x" * 8),        # a part running past the whole
+        (header(op=5, length=16) + part((1 << 64) - 4), b"x" * 8),  # a part offset that wraps
+        (header(op=5, length=16) + part(0), b""),              # an empty part
+        (header(op=5, keys=(k0, k1 ^ 1), length=16) + part(0), b"x" * 8),  # a forged key
+        (header(op=5, offset=BIG - 8, length=16) + part(0), b"x" * 8),  # in bounds, its whole is not
     ]
     before = exporter.call("digest", "big")
     refused = exporter.call("stats")["refused"]
@@ -276,6 +288,83 @@ def test_fuzzed_batch_messages_never_touch_what_they_may_not(exporter, peer, big
     peer.get(rid, key, 0, out, timeout=30)  # still serving
     assert bytes(out) == exporter.call("read", "big", 0, 64)
     assert exporter.call("digest", "sentinel") == sentinel
+
+
+def test_a_put_in_parts_lands_whole_or_not_at_all(exporter, peer, big):
+    """Over TCP a put of 512 KiB to 1 MiB travels in parts of 512 KiB, each
+    naming the whole put's range: the exporter checks that range (bounds,
+    key, writability) for every part, so a refused put writes nothing even
+    where a part alone would have fitted."""
+    from gpushare._ucx._server import PUT_PART
+
+    rid, key = big
+    data = _pattern(MiB - 3, 31)
+    stats = exporter.call("stats")
+    peer.put(rid, key, 5, data, timeout=30)
+    after = exporter.call("stats")
+    assert after["messages"] - stats["messages"] == 2  # in two parts
+    assert after["served"] - stats["served"] == 2
+    assert exporter.call("digest", "big", 5, MiB - 3) == hashlib.sha256(data).hexdigest()
+
+    exporter.call("add", "parts", MiB, 33)
+    cap = exporter.call("grant", "parts")
+    before = exporter.call("digest", "parts")
+    # The first part would fit the region; the whole put does not.
+    with pytest.raises(gpushare.OutOfBoundsError):
+        peer.put(*cap, MiB - PUT_PART - 10, np.ones(PUT_PART + 100, np.uint8), timeout=30)
+    with pytest.raises(gpushare.AccessDeniedError):
+        peer.put(cap[0], bytes(16), 0, np.ones(MiB, np.uint8), timeout=30)
+    assert exporter.call("digest", "parts") == before
+    exporter.call("add", "parts_ro", MiB, 34, True)
+    ro = exporter.call("grant", "parts_ro")
+    ro_before = exporter.call("digest", "parts_ro")
+    with pytest.raises(gpushare.AccessDeniedError, match="read-only"):
+        peer.put(*ro, 0, np.ones(MiB, np.uint8), timeout=30)
+    assert exporter.call("digest", "parts_ro") == ro_before
+
+
+def test_fuzzed_parts_write_only_inside_their_whole_put(exporter, peer):
+    """Random part messages (whole ranges, part offsets and lengths of every
+    kind, right and forged keys, a read-only region): each part lands at its
+    whole put's offset plus its own, only where the whole range, the key and
+    the region allow; a model of the region written by the same rules
+    matches the exporter's memory byte for byte."""
+    import struct
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    size = 64 * 1024
+    exporter.call("add", "fuzzparts", size, 41)
+    rid, key = exporter.call("grant", "fuzzparts")
+    exporter.call("add", "fuzzparts_ro", 4096, 42, True)
+    ro_rid, ro_key = exporter.call("grant", "fuzzparts_ro")
+    ro_before = exporter.call("digest", "fuzzparts_ro")
+    model = np.frombuffer(exporter.call("read", "fuzzparts", 0, size), np.uint8).copy()
+    k = struct.unpack("<QQ", key)
+    magic = 0x31585347
+    u64 = st.integers(0, (1 << 64) - 1)
+    counter = iter(range(1, 1 << 20))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.sampled_from(["good", "forged", "ro"]), st.one_of(st.integers(0, size + 10), u64),
+           st.one_of(st.integers(0, size + 10), u64), st.one_of(st.integers(0, size + 10), u64),
+           st.integers(0, 2000))
+    def fuzz(who, offset, length, part, n):
+        region, keys = {"good": (rid, k), "forged": (rid, (k[0], k[1] ^ 1)),
+                        "ro": (ro_rid, struct.unpack("<QQ", ro_key))}[who]
+        fill = next(counter) % 251 + 1
+        h = struct.pack("<IB3xQQQQQQQ", magic, 5, 1 << 62, region, *keys, offset, length, part)
+        peer._native._send_raw(h, bytes([fill]) * n).wait(30.0)
+        if (who == "good" and length > 0 and offset <= size and length <= size - offset
+                and n > 0 and part <= length and n <= length - part):
+            model[offset + part: offset + part + n] = fill
+
+    fuzz()
+    out = np.zeros(8, np.uint8)
+    peer.get(rid, key, 0, out, timeout=30)  # still serving, and every message served
+    assert exporter.call("read", "fuzzparts", 0, size) == model.tobytes()
+    assert exporter.call("digest", "fuzzparts_ro") == ro_before
 
 
 def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):
