@@ -543,6 +543,17 @@ class Endpoint {
 
   bool alive() { return ep && ep->isAlive(); }
 
+  // A request on an endpoint whose peer has failed completes at once with
+  // UCS_ERR_CONNECTION_RESET, without reaching UCX: posted on the failed
+  // endpoint, it left an operation UCX never flushed (reported when the
+  // worker is destroyed).
+  static bool failFast(const std::shared_ptr<ucxx::Endpoint>& e, const std::shared_ptr<Completion>& c)
+  {
+    if (e->isAlive()) return false;
+    c->complete(UCS_ERR_CONNECTION_RESET);
+    return true;
+  }
+
   // What ucp_ep_print_info says: the lanes and transports this endpoint uses.
   std::string info()
   {
@@ -578,6 +589,7 @@ class Endpoint {
     if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
     auto c = newCompletion(std::move(callback));
     Request r(c, "put");
+    if (failFast(e, c)) return r;
     r.request = call("ucp_put_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
       std::shared_ptr<ucxx::Request> req =
         e->memPutBuilder(reinterpret_cast<const void*>(buffer), length, remoteAddress, key->getHandle())
@@ -596,6 +608,7 @@ class Endpoint {
     if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
     auto c = newCompletion(std::move(callback));
     Request r(c, "get");
+    if (failFast(e, c)) return r;
     r.request = call("ucp_get_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
       std::shared_ptr<ucxx::Request> req =
         e->memGetBuilder(reinterpret_cast<void*>(buffer), length, remoteAddress, key->getHandle())
@@ -611,6 +624,7 @@ class Endpoint {
     auto e = get();
     auto c = newCompletion(std::move(callback));
     Request r(c, "flush");
+    if (failFast(e, c)) return r;
     r.request = call("ucp_ep_flush_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
       std::shared_ptr<ucxx::Request> req = e->flushBuilder().callbackFunction(completer(c)).build();
       return req;

@@ -509,6 +509,47 @@ def test_dead_peer_fails_outstanding_and_new_requests(agent):
     ep.close()
 
 
+_FAILED_ENDPOINT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from _procs import Child
+    import _rma_peer
+    import gpushare
+    from gpushare import ucx
+
+    agent = ucx.Agent()
+    child = Child(_rma_peer.setup, 1 << 20)
+    ep = agent.connect(child.hello["address"])
+    rk = ep.unpack_remote_key(child.hello["key"])
+    ep.mem_get(bytearray(16), rk.base_address, rk).wait(30)
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.join(10)
+    child.close()
+    deadline = time.monotonic() + 30
+    while ep.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ep.alive
+    for request in (ep.mem_get(bytearray(16), rk.base_address, rk), ep.mem_put(b"x" * 16, rk.base_address, rk),
+                    ep.flush()):
+        assert request.done(), "a request on a failed endpoint did not fail at once"
+        assert isinstance(request.exception(timeout=5), gpushare.UCXConnectionError), request.exception()
+    ep.close()
+    agent.close()
+    print("done")
+""")
+
+
+def test_requests_on_a_failed_endpoint_fail_at_once_and_leave_nothing_behind():
+    """Once an endpoint's peer has failed, gets, puts and flushes on it fail
+    at once without reaching UCX: posted there, each left an operation UCX
+    never completed (it warned of it when the worker went)."""
+    out = subprocess.run([sys.executable, "-c", _FAILED_ENDPOINT, os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("done")
+    assert "not flushed" not in out.stderr, out.stderr
+
+
 def test_connect_to_dead_peer_fails_within_timeout(agent):
     child = Child(_rma_peer.setup, 4096)
     address = child.hello["address"]
