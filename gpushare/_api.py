@@ -572,22 +572,31 @@ def _unreachable(share: Share, detail: str) -> str:
             "stuck, or its control channel bound to an address this process cannot reach (GPUSHARE_CONTROL_HOST)")
 
 
-@contextlib.contextmanager
-def _rma_errors(share: Share) -> Iterator[None]:
-    """Say what a broken ucx-rma connection means: the exporter's side went away."""
-    try:
-        yield
-    except UCXConnectionError as exc:
+def _rma_error(share: Share, exc: BaseException) -> BaseException | None:
+    """What a broken ucx-rma connection means (the exporter's side went
+    away), as the error to raise instead of ``exc``; None to raise ``exc``."""
+    if isinstance(exc, UCXConnectionError):
         pid = share.exporter_pid
         what = ("has exited" if _exporter_exited(share) else
                 "closed its side: the share was revoked or its lifetime ended, or the process exited")
-        raise type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
-                                    "any more: close it, and open a share from a running exporter") from exc
-    except ClosedError as exc:
-        if "exporter" not in str(exc):
+        return type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
+                                     "any more: close it, and open a share from a running exporter")
+    if isinstance(exc, ClosedError) and "exporter" in str(exc):
+        return ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
+                           "more: close it (and open the share again if it is still exported)")
+    return None
+
+
+@contextlib.contextmanager
+def _rma_errors(share: Share) -> Iterator[None]:
+    """Raise :func:`_rma_error`'s account of a broken ucx-rma connection."""
+    try:
+        yield
+    except (UCXConnectionError, ClosedError) as exc:
+        better = _rma_error(share, exc)
+        if better is None:
             raise
-        raise ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
-                          "more: close it (and open the share again if it is still exported)") from None
+        raise better from (exc if isinstance(exc, UCXConnectionError) else None)
 
 
 def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
@@ -993,6 +1002,25 @@ class View:
             )
         return local, offset
 
+    def _host_span(self, buf: Any, offset: Any) -> bool:
+        """What :meth:`_span` checks for a NumPy array or a byte buffer
+        within bounds, without resolving it (the ucx-rma path pins it
+        itself, and says what is wrong with one it cannot use).  False for
+        anything else: :meth:`_span` checks it."""
+        np_ = sys.modules.get("numpy")
+        t = type(buf)
+        if np_ is not None and t is np_.ndarray:
+            n = buf.nbytes
+        elif t is bytearray or t is bytes:
+            n = len(buf)
+        elif t is memoryview:
+            n = buf.nbytes
+        else:
+            return False
+        if self._closed or self.strides is not None or type(offset) is not int or not 0 <= offset <= self.nbytes - n:
+            return False
+        return True
+
     def _fast_copy(self, buf: Any, offset: Any, get: bool) -> bool:
         """Copy between a mapped host view and a C-contiguous NumPy array
         within bounds with ``numpy.copyto``: a few microseconds a call less
@@ -1117,10 +1145,16 @@ class View:
         if stream is None and self._fast_copy(buf, offset, get):
             return
         if self.path == "ucx-rma":
-            self._span(buf, offset, get)[0].release()  # checks bounds and the buffer
-            with _rma_errors(self.share):
+            if not self._host_span(buf, offset):
+                self._span(buf, offset, get)[0].release()  # checks bounds and the buffer
+            try:
                 (self._peer.get if get else self._peer.put)(
                     *self._region, offset, buf, timeout, alive=self._lease[0] if self._lease else None)
+            except (UCXConnectionError, ClosedError) as exc:
+                better = _rma_error(self.share, exc)
+                if better is None:
+                    raise
+                raise better from (exc if isinstance(exc, UCXConnectionError) else None)
             return
         if self.path == "cma":
             request = self._cma(buf, offset, direction)

@@ -157,6 +157,21 @@ def test_remote_view_refuses_zero_copy_and_checks_bounds(how, path):
                 view.get(bytearray(10), 4090)
             with pytest.raises(gs.InvalidInputError):
                 view.get(bytearray(10), -1)
+            # Destinations refused whatever the path, each with the general path's reason.
+            ro = np.zeros(8, np.uint8)
+            ro.flags.writeable = False
+            with pytest.raises(gs.InvalidInputError, match="read-only"):
+                view.get(ro)
+            with pytest.raises(gs.InvalidInputError, match="read-only"):
+                view.get(b"immutable")
+            with pytest.raises(gs.InvalidInputError, match="contiguous"):
+                view.get(np.zeros(16, np.uint8)[::2])
+            with pytest.raises(gs.InvalidInputError, match="contiguous"):
+                view.get(memoryview(bytearray(16))[::2])
+            with pytest.raises(gs.OutOfBoundsError):
+                view.get(np.zeros(8, np.uint8), 4090)
+            with pytest.raises(gs.OutOfBoundsError):
+                view.put(memoryview(b"x" * 8), 4090)
             out = bytearray(4096)
             view.get(out)
             assert out == bytes(np.arange(4096, dtype=np.uint64).astype(np.uint8))
@@ -168,6 +183,8 @@ def test_remote_view_refuses_zero_copy_and_checks_bounds(how, path):
                 return bytes(back)
 
             assert asyncio.run(go()) == b"async!"
+        with pytest.raises(gs.ClosedError):
+            view.get(bytearray(8))
     finally:
         child.close()
 
