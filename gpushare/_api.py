@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -12,8 +11,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, NoReturn
 
 from . import _arrays, _buffers, _types
 from ._errors import (
@@ -572,31 +571,19 @@ def _unreachable(share: Share, detail: str) -> str:
             "stuck, or its control channel bound to an address this process cannot reach (GPUSHARE_CONTROL_HOST)")
 
 
-def _rma_error(share: Share, exc: BaseException) -> BaseException | None:
-    """What a broken ucx-rma connection means (the exporter's side went
-    away), as the error to raise instead of ``exc``; None to raise ``exc``."""
+def _raise_rma_error(share: Share, exc: UCXConnectionError | ClosedError) -> NoReturn:
+    """Raise ``exc`` (caught from a ucx-rma transfer), saying what a broken
+    connection means: the exporter's side went away."""
     if isinstance(exc, UCXConnectionError):
         pid = share.exporter_pid
         what = ("has exited" if _exporter_exited(share) else
                 "closed its side: the share was revoked or its lifetime ended, or the process exited")
-        return type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
-                                     "any more: close it, and open a share from a running exporter")
-    if isinstance(exc, ClosedError) and "exporter" in str(exc):
-        return ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
-                           "more: close it (and open the share again if it is still exported)")
-    return None
-
-
-@contextlib.contextmanager
-def _rma_errors(share: Share) -> Iterator[None]:
-    """Raise :func:`_rma_error`'s account of a broken ucx-rma connection."""
-    try:
-        yield
-    except (UCXConnectionError, ClosedError) as exc:
-        better = _rma_error(share, exc)
-        if better is None:
-            raise
-        raise better from (exc if isinstance(exc, UCXConnectionError) else None)
+        raise type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
+                                    "any more: close it, and open a share from a running exporter") from exc
+    if "exporter" in str(exc):
+        raise ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
+                          "more: close it (and open the share again if it is still exported)") from None
+    raise exc
 
 
 def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
@@ -1007,17 +994,8 @@ class View:
         within bounds, without resolving it (the ucx-rma path pins it
         itself, and says what is wrong with one it cannot use).  False for
         anything else: :meth:`_span` checks it."""
-        np_ = sys.modules.get("numpy")
-        t = type(buf)
-        if np_ is not None and t is np_.ndarray:
-            n = buf.nbytes
-        elif t is bytearray or t is bytes:
-            n = len(buf)
-        elif t is memoryview:
-            n = buf.nbytes
-        else:
-            return False
-        if self._closed or self.strides is not None or type(offset) is not int or not 0 <= offset <= self.nbytes - n:
+        n = _buffers.plain_host_nbytes(buf)
+        if n is None or self._closed or self.strides is not None or type(offset) is not int or not 0 <= offset <= self.nbytes - n:
             return False
         return True
 
@@ -1151,10 +1129,7 @@ class View:
                 (self._peer.get if get else self._peer.put)(
                     *self._region, offset, buf, timeout, alive=self._lease[0] if self._lease else None)
             except (UCXConnectionError, ClosedError) as exc:
-                better = _rma_error(self.share, exc)
-                if better is None:
-                    raise
-                raise better from (exc if isinstance(exc, UCXConnectionError) else None)
+                _raise_rma_error(self.share, exc)
             return
         if self.path == "cma":
             request = self._cma(buf, offset, direction)
@@ -1183,10 +1158,12 @@ class View:
             self._span(buf, offset, direction == "get")[0].release()
             from ._importer import _await_alive
 
-            with _rma_errors(self.share):
-                post = self._peer.get_async if direction == "get" else self._peer.put_async
+            post = self._peer.get_async if direction == "get" else self._peer.put_async
+            try:
                 # Liveness as for the blocking calls: a frozen exporter ends the wait.
                 await _await_alive(post(*self._region, offset, buf), self._lease[0] if self._lease else None)
+            except (UCXConnectionError, ClosedError) as exc:
+                _raise_rma_error(self.share, exc)
             return
         if self.path == "cma":
             request = self._cma(buf, offset, direction)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ._errors import InvalidInputError
 
-__all__ = ["LocalBuffer", "resolve", "MEMORY_TYPES"]
+__all__ = ["LocalBuffer", "resolve", "plain_host_nbytes", "MEMORY_TYPES"]
 
 #: Memory type names, as accepted by ``memory_type=`` arguments.
 MEMORY_TYPES = ("host", "cuda")
@@ -111,6 +112,22 @@ def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:
 def _is_cuda_core_buffer(obj: Any) -> bool:
     mod = type(obj).__module__ or ""
     return mod.startswith("cuda.core") and hasattr(obj, "handle") and hasattr(obj, "size")
+
+
+def plain_host_nbytes(obj: Any) -> int | None:
+    """The size of ``obj`` when its exact type is a NumPy array or one of
+    Python's byte buffers (host memory read through the buffer protocol, as
+    :func:`resolve` concludes for them), without resolving it; None for
+    anything else.  NumPy is not imported for this."""
+    t = type(obj)
+    if t is bytearray or t is bytes:
+        return len(obj)
+    if t is memoryview:
+        return obj.nbytes
+    np = sys.modules.get("numpy")
+    if np is not None and t is np.ndarray:
+        return obj.nbytes
+    return None
 
 
 def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuffer:

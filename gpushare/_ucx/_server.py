@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -398,23 +397,6 @@ def server() -> Server:
 # -- importer side ---------------------------------------------------------------
 
 
-# Buffers whose exact type is one of these are host memory read through the
-# buffer protocol (what _buffers.resolve concludes for them too).  NumPy's
-# ndarray joins once a caller passes one; NumPy is not imported for it (its
-# import starts threads in processes that never use it).
-_HOST_TYPES = {bytearray, bytes, memoryview}
-
-
-def _host_type(t: type) -> bool:
-    if t in _HOST_TYPES:
-        return True
-    np = sys.modules.get("numpy")
-    if np is not None and t is np.ndarray:
-        _HOST_TYPES.add(t)
-        return True
-    return False
-
-
 def _check_region_id(region_id: Any) -> int:
     return _check_int(region_id, "region_id", minimum=1)
 
@@ -451,7 +433,7 @@ class Peer(_Connection):
         key = _check_key(key)
         _check_int(offset, "offset")
         local = None
-        if _host_type(type(buffer)):
+        if _buffers.plain_host_nbytes(buffer) is not None:
             # NumPy arrays and Python's byte buffers: pinned natively, the
             # general path below when that fails (it says why).
             try:
