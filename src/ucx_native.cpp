@@ -1412,24 +1412,9 @@ class Node {
     const char* payload = items + count * sizeof(BatchItem);
     for (uint64_t i = 0; i < count; ++i) {
       const RequestHeader one = batchItem(h, kOpPut, items, i);
-      const char* src         = payload;
+      // The item's bytes are part of the message, not a UCX data descriptor.
+      servePut(ep, one, 0, const_cast<char*>(payload), one.length, 0, true);
       payload += one.length;
-      std::shared_ptr<Region> region;
-      std::shared_ptr<Grant> grant;
-      uint32_t verdict = admit(one, one.length, region, grant);
-      if (verdict == GS_OK && region->memoryType != UCS_MEMORY_TYPE_HOST) {
-        letGo(*region, *grant);
-        verdict = GS_BAD_REQUEST;
-      }
-      if (verdict != GS_OK) {
-        refused.fetch_add(1, std::memory_order_relaxed);
-        reply(ep, one.requestId, verdict, kReplyData);
-        continue;
-      }
-      served.fetch_add(1, std::memory_order_relaxed);
-      auto* op = new ServerOp{this, region, grant, ep, one.requestId, one.length};
-      std::memcpy(reinterpret_cast<void*>(region->base + one.offset), src, one.length);
-      finishPut(op, UCS_OK);
     }
   }
 
@@ -1475,8 +1460,10 @@ class Node {
   }
 
   // Check one put, or one part of one, and land its data (or refuse it).
+  // `hostOnly`: `data` is plain bytes (an item of a gathered put), which only
+  // a host-memory region can take (copied); any other region refuses it.
   ucs_status_t servePut(ucp_ep_h ep, const RequestHeader& h, uint64_t partOffset, void* data, size_t length,
-                        uint64_t recvAttr)
+                        uint64_t recvAttr, bool hostOnly = false)
   {
     const bool part = h.op == kOpPutPart;
     RequestHeader whole = h;
@@ -1484,7 +1471,8 @@ class Node {
     std::shared_ptr<Region> region;
     std::shared_ptr<Grant> grant;
     uint32_t verdict = admit(whole, part ? h.length : length, region, grant);
-    if (verdict == GS_OK && part && (length == 0 || partOffset > h.length || length > h.length - partOffset)) {
+    if (verdict == GS_OK && ((part && (length == 0 || partOffset > h.length || length > h.length - partOffset)) ||
+                             (hostOnly && region->memoryType != UCS_MEMORY_TYPE_HOST))) {
       letGo(*region, *grant);
       verdict = GS_BAD_REQUEST;
     }
