@@ -12,8 +12,10 @@
 #include <nanobind/stl/unordered_map.h>
 #include <nanobind/stl/vector.h>
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -674,6 +676,45 @@ static void logToStderr()
   });
 }
 
+// UCX's memory hooks (libucm) look up the C library's mmap, munmap, mremap
+// and madvise lazily, with dlopen and dlsym, the first time each is needed.
+// In "reloc" hook mode the first need arises while ucp_init patches every
+// loaded library from inside dl_iterate_phdr, which holds the loader's
+// write lock; dlsym then waits for the loader's main lock.  A dlopen in
+// another thread at that moment (a Python extension module being imported,
+// say) holds the main lock and waits for the write lock: the process hangs
+// for good.  Calling each lookup once beforehand, with arguments that
+// change nothing, leaves nothing for ucp_init to look up there.  Where
+// libucm has no such functions, there is nothing to do.
+static void resolveUcmOriginals()
+{
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ucm = dlopen("libucm.so.0", RTLD_LAZY | RTLD_NOLOAD);
+    if (ucm == nullptr) return;
+    const int saved = errno;
+    using Mmap    = void* (*)(void*, size_t, int, int, int, off_t);
+    using Munmap  = int (*)(void*, size_t);
+    using Mremap  = void* (*)(void*, size_t, size_t, int, void*);
+    using Madvise = int (*)(void*, size_t, int);
+    // Each fails with EINVAL (length 0) or does nothing (madvise of no pages).
+    if (auto f = reinterpret_cast<Mmap>(dlsym(ucm, "ucm_orig_mmap_dlsym")))
+      (void)f(nullptr, 0, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (auto f = reinterpret_cast<Munmap>(dlsym(ucm, "ucm_orig_munmap_dlsym"))) (void)f(nullptr, 0);
+    if (auto f = reinterpret_cast<Mremap>(dlsym(ucm, "ucm_orig_mremap_dlsym"))) (void)f(nullptr, 0, 0, 0, nullptr);
+    if (auto f = reinterpret_cast<Madvise>(dlsym(ucm, "ucm_orig_madvise_dlsym"))) (void)f(nullptr, 0, MADV_NORMAL);
+    errno = saved;
+    dlclose(ucm);
+  });
+}
+
+// Before any ucp_init in this process.
+static void beforeUcpInit()
+{
+  logToStderr();
+  resolveUcmOriginals();
+}
+
 class Agent {
  public:
   std::shared_ptr<ucxx::Context> context;
@@ -685,7 +726,7 @@ class Agent {
         int wakeTimeoutMs)
     : errorHandling(errorHandling_), polling(polling_)
   {
-    logToStderr();
+    beforeUcpInit();
     ucxx::ConfigMap cfg(config.begin(), config.end());
     call("ucp_init", [&] {
       context = ucxx::contextBuilder(UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP | UCP_FEATURE_AM)
@@ -1014,7 +1055,7 @@ class Node {
        int wakeTimeoutMs, uint64_t putPart_)
     : errorHandling(errorHandling_), polling(polling_), wakeTimeout(wakeTimeoutMs), putPart(putPart_)
   {
-    logToStderr();
+    beforeUcpInit();
     ucxx::ConfigMap cfg(config.begin(), config.end());
     call("ucp_init", [&] {
       context = ucxx::contextBuilder(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP).configMap(cfg).build();

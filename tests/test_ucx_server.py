@@ -641,3 +641,20 @@ def test_fork_makes_a_new_server_and_leaves_the_parents(exporter, peer, big):
     region.close()
     with pytest.raises(gpushare.ClosedError):
         region.grant()
+
+
+def test_starting_ucx_while_another_thread_loads_libraries_does_not_hang():
+    """UCX's memory hooks ("reloc" mode) patch every loaded library inside
+    dl_iterate_phdr while ucp_init runs; a library loaded by another thread
+    at that moment used to leave both threads waiting for each other's
+    loader lock forever (a first ucx-rma open racing an import hung so)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "_ucx_dlopen_race.py"
+    env = dict(os.environ, UCX_MEM_MMAP_HOOK_MODE="reloc")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
+        assert int(r.stdout.split()[1]) > 0  # libraries were loaded while UCX started
