@@ -315,6 +315,68 @@ constexpr int64_t kSpinMicros        = 100;
 constexpr int64_t kSpinBytesPerMicro = 2048;
 constexpr int64_t kSpinMaxMicros     = 2000;
 
+int64_t steadyNanos()
+{
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+           std::chrono::steady_clock::now().time_since_epoch())
+    .count();
+}
+
+// Who progresses a node's worker.  Its progress thread does, except while a
+// thread waiting for one of the node's requests has claimed the worker: that
+// thread then progresses it itself, and the progress thread stands aside
+// (parked), so that a synchronous caller's answer needs no hand-over
+// between two threads (on a core the two share, each hand-over is a context
+// switch).  Shared by the node and its requests: a waiter never progresses
+// a worker that is going away.
+struct Progress {
+  std::shared_ptr<ucxx::Worker> worker;
+  std::atomic<bool> claimed{false};
+  std::atomic<bool> closed{false};
+  // When the node was last active (steadyNanos), for the progress thread's
+  // linger.
+  std::atomic<int64_t> lastActive{0};
+  std::mutex parkMutex;
+  std::condition_variable parkCv;
+
+  // Claim the worker; false if another thread holds it or it is closing.
+  bool claim()
+  {
+    if (closed.load(std::memory_order_acquire)) return false;
+    bool expected = false;
+    if (!claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst)) return false;
+    // Stores claimed, then reads closed; shutdown stores closed, then reads
+    // claimed: one of the two sees the other.
+    if (closed.load(std::memory_order_seq_cst)) {
+      claimed.store(false, std::memory_order_release);
+      return false;
+    }
+    return true;
+  }
+
+  // Give the worker back.  The progress thread is not woken here: it looks
+  // again within kParkNanos (a synchronous caller's next request usually
+  // claims the worker again before that, and a wake-up on a core the two
+  // threads share costs two context switches per request).
+  void release()
+  {
+    lastActive.store(steadyNanos(), std::memory_order_relaxed);
+    claimed.store(false, std::memory_order_release);
+  }
+
+  // Wake the progress thread if it is parked (the worker is closing, or a
+  // request needs it).
+  void unpark()
+  {
+    { std::lock_guard<std::mutex> lock(parkMutex); }
+    parkCv.notify_all();
+  }
+};
+
+// How long the progress thread stands aside while a waiter holds the
+// worker, before it looks again.
+constexpr int64_t kParkNanos = 200'000;
+
 class Request {
  public:
   std::shared_ptr<Completion> completion;
@@ -322,6 +384,8 @@ class Request {
   std::string kind;
   // How long wait() spins before it sleeps.
   int64_t spinMicros{kSpinMicros};
+  // For a node's requests: a waiter may progress the node's worker itself.
+  std::shared_ptr<Progress> progress;
 
   Request(std::shared_ptr<Completion> c, std::string k)
     : completion(std::move(c)), kind(std::move(k))
@@ -351,8 +415,28 @@ class Request {
       std::chrono::steady_clock::now() +
       std::chrono::microseconds(timeout < 0 ? spinMicros
                                             : std::min<int64_t>(spinMicros, static_cast<int64_t>(timeout * 1e6)));
-    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil)
+    // Not from inside UCX progress (a callback's wait): UCX forbids recursion.
+    Progress* p = insideCallbacks == 0 ? progress.get() : nullptr;
+    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
+      if (p != nullptr && p->claim()) {
+        try {
+          while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil &&
+                 !p->closed.load(std::memory_order_acquire))
+            p->worker->progress();
+        } catch (...) {
+          // UCX failed: leave the worker to the progress thread, which says so.
+          p->release();
+          p->unpark();
+          p = nullptr;
+          continue;
+        }
+        p->release();
+        continue;
+      }
       std::this_thread::yield();
+    }
+    // Sleeping now, or done: the progress thread finishes what is left.
+    if (p != nullptr && !c->settledFlag.load(std::memory_order_acquire)) p->unpark();
     std::unique_lock<std::mutex> lock(c->mutex);
     // A callback waiting on its own request: the status is final already.
     auto ready = [&] {
@@ -843,17 +927,40 @@ class PinnedBuffer {
 // region is writable, before any byte moves.  Data travels as the AM payload:
 // eager messages are copied, rendezvous ones land in (or are read from) the
 // region's registered memory with ucp_am_recv_data_nbx / ucp_am_send_nbx.
-// Handlers run in the progress thread and never take the GIL.
+// Handlers run in whichever thread progresses the worker (the progress
+// thread, or a thread waiting for its request) and never take the GIL.
 //
 // Wire format (little-endian, both headers fixed size):
-//   request  (importer -> exporter, AM id kAmRequest, payload: put data)
-//   reply    (exporter -> importer, AM id kAmReply, payload: get data)
+//   request  (importer -> exporter, AM id kAmRequest or kAmRequestKeep,
+//            payload: put data)
+//   reply    (exporter -> importer, AM id kAmReply or kAmReplyKeep, payload:
+//            get data)
 //   trailer  (exporter -> importer, kAmReply, kind kTrailer): after the data
 //            of a get of kTrailerMin bytes or more, saying whether the region
 //            was still open when the data had left.
+//
+// Two AM ids each way, because UCX copies every eager payload that arrives
+// without a descriptor of the transport's own (TCP's) into one of its own
+// before a handler registered with UCP_AM_FLAG_PERSISTENT_DATA sees it: a
+// second copy of all the data.  kAmRequest and kAmReply are registered
+// without that flag, and their handlers copy eager payloads straight out of
+// the transport's receive buffer; that works for host memory only.  Eager
+// payloads bound for other memory (a put to a CUDA region, a get into a
+// CUDA buffer) travel on the *Keep ids, whose handlers hand UCX's
+// descriptor to ucp_am_recv_data_nbx, which copies it to the device.  An
+// importer asks for a kAmReplyKeep answer with kReqReplyKeep; it sends a
+// put on kAmRequest only to a region that the exporter has said is host
+// memory (kReplyHostRegion), else on kAmRequestKeep.  A put on kAmRequest to
+// any other region is refused.
 
-constexpr unsigned kAmRequest   = 0x4753;  // "GS"
-constexpr unsigned kAmReply     = 0x4754;
+constexpr unsigned kAmRequest     = 0x4753;  // "GS"
+constexpr unsigned kAmReply       = 0x4754;
+constexpr unsigned kAmRequestKeep = 0x4755;
+constexpr unsigned kAmReplyKeep   = 0x4756;
+// RequestHeader.flags: answer a get's data on kAmReplyKeep.
+constexpr uint8_t kReqReplyKeep   = 1;
+// ReplyHeader.flags: the request's region is host memory.
+constexpr uint32_t kReplyHostRegion = 1;
 constexpr uint32_t kWireMagic   = 0x31585347;  // "GSX1"
 constexpr uint8_t kOpGet        = 1;
 constexpr uint8_t kOpPut        = 2;
@@ -876,6 +983,7 @@ constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
 constexpr uint64_t kTrailerMin  = 64 * 1024;
 constexpr size_t kMaxTombstones = 4096;
+constexpr size_t kMaxHostRegions = 65536;
 // Payloads up to this size go eagerly (one message) rather than by
 // rendezvous (three legs across the network, each a thread wake-up on a
 // sleeping peer); above it rendezvous saves the receiver a copy.
@@ -889,7 +997,8 @@ constexpr uint64_t kPutEagerMax = 1024 * 1024;
 struct RequestHeader {
   uint32_t magic;
   uint8_t op;
-  uint8_t reserved[3];
+  uint8_t flags;  // kReqReplyKeep
+  uint8_t reserved[2];
   uint64_t requestId;
   uint64_t regionId;
   uint64_t key[2];
@@ -915,7 +1024,7 @@ struct ReplyHeader {
   uint64_t requestId;
   uint64_t length;
   uint32_t kind;
-  uint32_t reserved;
+  uint32_t flags;  // kReplyHostRegion
 };
 
 struct Key128 {
@@ -984,6 +1093,7 @@ struct ClientOp {
   uint64_t peerId;
   ucp_ep_h ep;
   uint8_t op;
+  uint64_t regionId;
   void* buffer;
   uint64_t length;
   ucs_memory_type_t memoryType;
@@ -1015,13 +1125,6 @@ void freeRequest(void* request, ucs_status_t, void*)
 // machine).
 constexpr int64_t kLingerNanos = 150'000;
 
-int64_t steadyNanos()
-{
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-           std::chrono::steady_clock::now().time_since_epoch())
-    .count();
-}
-
 class Node {
  public:
   std::shared_ptr<ucxx::Context> context;
@@ -1036,8 +1139,11 @@ class Node {
   std::thread progressThread;
   std::atomic<bool> stopping{false};
   std::atomic<bool> progressFailed{false};
-  // When this node was last active (steadyNanos), for the linger.
-  std::atomic<int64_t> lastActive{0};
+  // Shared with the node's requests: who progresses the worker.
+  std::shared_ptr<Progress> prog;
+  // Whether the progress thread sleeps in the kernel (a request queued
+  // then must wake it).
+  std::atomic<bool> asleep{false};
 
   std::shared_mutex tableMutex;
   std::unordered_map<uint64_t, std::shared_ptr<Region>> regions;
@@ -1046,10 +1152,21 @@ class Node {
 
   std::mutex opsMutex;
   std::unordered_map<uint64_t, std::unique_ptr<ClientOp>> ops;
+  // (peer, region) pairs whose exporter said the region is host memory
+  // (kReplyHostRegion): puts to them travel on kAmRequest.  Region ids are
+  // never reused by a node; at most kMaxHostRegions, then forgotten.
+  struct PairHash {
+    size_t operator()(const std::pair<uint64_t, uint64_t>& p) const
+    {
+      return std::hash<uint64_t>()(p.first * 0x9E3779B97F4A7C15ull ^ p.second);
+    }
+  };
+  std::unordered_set<std::pair<uint64_t, uint64_t>, PairHash> hostRegions;
   uint64_t nextOp{1};
   uint64_t nextPeer{1};
 
-  std::atomic<uint64_t> served{0}, refused{0}, messages{0};
+  // kept: request messages received on kAmRequestKeep.
+  std::atomic<uint64_t> served{0}, refused{0}, messages{0}, kept{0};
 
   Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
        int wakeTimeoutMs, uint64_t putPart_)
@@ -1061,8 +1178,12 @@ class Node {
       context = ucxx::contextBuilder(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP).configMap(cfg).build();
       worker  = context->workerBuilder().build();
       wh      = worker->getHandle();
-      setHandler(kAmRequest, &Node::onRequest);
-      setHandler(kAmReply, &Node::onReply);
+      prog    = std::make_shared<Progress>();
+      prog->worker = worker;
+      setHandler(kAmRequest, &Node::onRequest, false);
+      setHandler(kAmReply, &Node::onReply, false);
+      setHandler(kAmRequestKeep, &Node::onRequestKeep, true);
+      setHandler(kAmReplyKeep, &Node::onReply, true);
       // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
       // transport wakes the worker's event fd; stopping signals it.
       if (!polling) worker->initBlockingProgressMode();
@@ -1082,16 +1203,33 @@ class Node {
   {
     while (!stopping.load(std::memory_order_acquire)) {
       try {
-        if (worker->progress()) {
-          lastActive.store(steadyNanos(), std::memory_order_relaxed);
+        if (prog->claimed.load(std::memory_order_acquire)) {
+          // A waiter progresses the worker: stand aside.
+          std::unique_lock<std::mutex> lock(prog->parkMutex);
+          prog->parkCv.wait_for(lock, std::chrono::nanoseconds(kParkNanos));
           continue;
         }
-        if (polling || steadyNanos() - lastActive.load(std::memory_order_relaxed) < kLingerNanos) {
+        if (worker->progress()) {
+          prog->lastActive.store(steadyNanos(), std::memory_order_relaxed);
+          continue;
+        }
+        if (polling || steadyNanos() - prog->lastActive.load(std::memory_order_relaxed) < kLingerNanos) {
           std::this_thread::yield();
           continue;
         }
+        // About to sleep: a request posted from now on wakes it (post()
+        // stores lastActive, then reads asleep; this stores asleep, then
+        // reads lastActive: one of the two sees the other).
+        asleep.store(true, std::memory_order_seq_cst);
+        if (steadyNanos() - prog->lastActive.load(std::memory_order_seq_cst) < kLingerNanos ||
+            prog->claimed.load(std::memory_order_seq_cst)) {
+          asleep.store(false, std::memory_order_relaxed);
+          continue;
+        }
         worker->progressWorkerEvent(wakeTimeout);
+        asleep.store(false, std::memory_order_relaxed);
       } catch (const std::exception& e) {
+        asleep.store(false, std::memory_order_relaxed);
         // UCX failed to arm or wait: say so once, and poll slowly rather than spin.
         if (!progressFailed.exchange(true))
           std::fprintf(stderr, "[gpushare] UCX progress failed, polling every millisecond: %s\n", e.what());
@@ -1107,12 +1245,18 @@ class Node {
     if (!progressThread.joinable()) return;
     stopping.store(true, std::memory_order_release);
     withoutGil([this] {
+      // No waiter progresses the worker from now on.
+      prog->closed.store(true, std::memory_order_seq_cst);
+      while (prog->claimed.load(std::memory_order_acquire)) std::this_thread::yield();
+      prog->unpark();
       if (!polling) ucp_worker_signal(wh);
       progressThread.join();
     });
   }
 
-  void setHandler(unsigned id, ucp_am_recv_callback_t cb)
+  // `keep`: UCX hands eager payloads over in descriptors of its own, which
+  // the handler may keep (UCP_AM_FLAG_PERSISTENT_DATA; copied once more).
+  void setHandler(unsigned id, ucp_am_recv_callback_t cb, bool keep)
   {
     ucp_am_handler_param_t p{};
     p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -1120,7 +1264,7 @@ class Node {
     p.id    = id;
     p.cb    = cb;
     p.arg   = this;
-    p.flags = UCP_AM_FLAG_PERSISTENT_DATA;
+    p.flags = keep ? UCP_AM_FLAG_PERSISTENT_DATA : 0;
     ucs_status_t s = ucp_worker_set_am_recv_handler(wh, &p);
     if (s != UCS_OK) throw NativeError(statusName(s), "ucp_worker_set_am_recv_handler failed");
   }
@@ -1248,7 +1392,7 @@ class Node {
   }
 
   // (open regions, granted keys, refused requests, served requests, request messages)
-  std::tuple<size_t, size_t, uint64_t, uint64_t, uint64_t> stats()
+  std::tuple<size_t, size_t, uint64_t, uint64_t, uint64_t, uint64_t> stats()
   {
     std::shared_lock<std::shared_mutex> lock(tableMutex);
     size_t open = 0, keys = 0;
@@ -1257,7 +1401,7 @@ class Node {
         ++open;
         keys += r->keys.size();
       }
-    return {open, keys, refused.load(), served.load(), messages.load()};
+    return {open, keys, refused.load(), served.load(), messages.load(), kept.load()};
   }
 
   // The access check: every request passes here before any byte moves.
@@ -1281,9 +1425,9 @@ class Node {
     return GS_OK;
   }
 
-  void reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind)
+  void reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind, uint32_t flags = 0)
   {
-    ReplyHeader rh{kWireMagic, status, requestId, 0, kind, 0};
+    ReplyHeader rh{kWireMagic, status, requestId, 0, kind, flags};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
     p.flags        = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
@@ -1345,7 +1489,8 @@ class Node {
   {
     Node* n = op->node;
     if (status == UCS_OK) {
-      n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyData);
+      n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyData,
+               op->region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0);
     } else if (connectionAlive(status)) {
       n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
     }
@@ -1372,7 +1517,8 @@ class Node {
     served.fetch_add(1, std::memory_order_relaxed);
     void* at = reinterpret_cast<void*>(region->base + h.offset);
     auto* op = new ServerOp{this, region, grant, ep, h.requestId, h.length};
-    ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData, 0};
+    ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData,
+                   region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0u};
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_FLAGS;
@@ -1382,7 +1528,8 @@ class Node {
     p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
               (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
     p.cb.send     = &Node::onGetSent;
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), at, h.length, &p);
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, (h.flags & kReqReplyKeep) ? kAmReplyKeep : kAmReply, &rh, sizeof(rh),
+                                          at, h.length, &p);
     if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
   }
 
@@ -1416,6 +1563,7 @@ class Node {
     RequestHeader one{};
     one.magic     = kWireMagic;
     one.op        = op;
+    one.flags     = h.flags;
     one.requestId = h.requestId + i;
     one.regionId  = item.regionId;
     one.key[0]    = item.key[0];
@@ -1459,11 +1607,18 @@ class Node {
     }
   }
 
+  static ucs_status_t onRequestKeep(void* arg, const void* header, size_t headerLength, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param)
+  {
+    static_cast<Node*>(arg)->kept.fetch_add(1, std::memory_order_relaxed);
+    return onRequest(arg, header, headerLength, data, length, param);
+  }
+
   static ucs_status_t onRequest(void* arg, const void* header, size_t headerLength, void* data,
                                 size_t length, const ucp_am_recv_param_t* param)
   {
     Node* n = static_cast<Node*>(arg);
-    n->lastActive.store(steadyNanos(), std::memory_order_relaxed);
+    n->prog->lastActive.store(steadyNanos(), std::memory_order_relaxed);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
       return UCS_OK;  // nobody to answer: drop
     ucp_ep_h ep = param->reply_ep;
@@ -1501,12 +1656,15 @@ class Node {
   }
 
   // Check one put, or one part of one, and land its data (or refuse it).
-  // `hostOnly`: `data` is plain bytes (an item of a gathered put), which only
+  // `hostOnly`: `data` is plain bytes (an item of a gathered put, or an
+  // eager payload on kAmRequest), which only
   // a host-memory region can take (copied); any other region refuses it.
   ucs_status_t servePut(ucp_ep_h ep, const RequestHeader& h, uint64_t partOffset, void* data, size_t length,
                         uint64_t recvAttr, bool hostOnly = false)
   {
     const bool part = h.op == kOpPutPart;
+    // An eager payload UCX did not keep can be copied to host memory only.
+    hostOnly = hostOnly || !(recvAttr & (UCP_AM_RECV_ATTR_FLAG_RNDV | UCP_AM_RECV_ATTR_FLAG_DATA));
     RequestHeader whole = h;
     whole.op            = kOpPut;
     std::shared_ptr<Region> region;
@@ -1630,6 +1788,10 @@ class Node {
     // Unknown (already failed) or from another exporter than asked: ignore.
     if (it == n->ops.end() || it->second->ep != from) return UCS_OK;
     ClientOp* op = it->second.get();
+    if ((rh.flags & kReplyHostRegion) && rh.status == GS_OK && (op->op == kOpPut || op->op == kOpGet)) {
+      if (n->hostRegions.size() >= kMaxHostRegions) n->hostRegions.clear();
+      n->hostRegions.emplace(op->peerId, op->regionId);
+    }
     if (rh.kind == kReplyTrailer) {
       if (!(op->waiting & kWaitTrailer)) return UCS_OK;
       if (rh.status != GS_OK) op->fail(UCS_OK, rh.status > GS_LAST ? GS_BAD_REPLY : rh.status);
@@ -1656,6 +1818,14 @@ class Node {
     if (!rndv && op->memoryType == UCS_MEMORY_TYPE_HOST) {
       std::memcpy(op->buffer, data, length);
       n->clearParts(op, kWaitReply, done);
+      lock.unlock();
+      runDone(done);
+      return UCS_OK;
+    }
+    if (!rndv && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA)) {
+      // Eager data for device memory on kAmReply, which we did not ask for.
+      op->fail(UCS_OK, GS_BAD_REPLY);
+      n->clearParts(op, kWaitReply | kWaitTrailer, done);
       lock.unlock();
       runDone(done);
       return UCS_OK;
@@ -1746,6 +1916,7 @@ class Node {
     b->completion = c;
     b->left       = items.size();
     Request r(c, kind);
+    r.progress = prog;
     uint64_t bytes = 0;
     for (auto& it : items) bytes += it.length;
     r.spinMicros = std::min<int64_t>(kSpinMaxMicros, kSpinMicros + static_cast<int64_t>(bytes / kSpinBytesPerMicro));
@@ -1755,14 +1926,20 @@ class Node {
     }
     std::vector<uint64_t> ids;
     ids.reserve(items.size());
+    // Puts to regions known to be host memory travel on kAmRequest.
+    std::vector<char> hostRegion(items.size(), 0);
     {
       std::lock_guard<std::mutex> lock(opsMutex);
+      if (opCode == kOpPut)
+        for (size_t i = 0; i < items.size(); ++i)
+          hostRegion[i] = hostRegions.count({peerId, items[i].regionId}) != 0;
       for (auto& it : items) {
         auto op        = std::make_unique<ClientOp>();
         op->id         = nextOp++;
         op->peerId     = peerId;
         op->ep         = ep;
         op->op         = opCode;
+        op->regionId   = it.regionId;
         op->buffer     = reinterpret_cast<void*>(it.buffer);
         op->length     = it.length;
         op->memoryType = static_cast<ucs_memory_type_t>(it.memoryType);
@@ -1775,8 +1952,8 @@ class Node {
     }
     nb::gil_scoped_release release;
     bool signal = false;
-    auto send = [&](SendCtx* ctx, const void* header, size_t headerLength, const void* payload, size_t count,
-                    int memoryType, uint32_t flags, bool iov = false) {
+    auto send = [&](unsigned amId, SendCtx* ctx, const void* header, size_t headerLength, const void* payload,
+                    size_t count, int memoryType, uint32_t flags, bool iov = false) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE |
@@ -1786,7 +1963,7 @@ class Node {
       p.cb.send     = &Node::onRequestSent;
       p.user_data   = ctx;
       p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
-      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmRequest, header, headerLength, payload, count, &p);
+      ucs_status_ptr_t sp = ucp_am_send_nbx(ep, amId, header, headerLength, payload, count, &p);
       if (UCS_PTR_IS_PTR(sp)) {
         signal = true;
       } else {
@@ -1805,10 +1982,11 @@ class Node {
         for (size_t j = 0; j < k; ++j) {
           const Item& it   = items[i + j];
           ctx->items[j]    = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+          if (it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
         }
         h.op     = kOpGetBatch;
         h.length = k;
-        send(ctx, &h, sizeof(h), ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST,
+        send(kAmRequest, ctx, &h, sizeof(h), ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST,
              UCP_AM_SEND_FLAG_EAGER);
         i += k;
         continue;
@@ -1836,8 +2014,8 @@ class Node {
           }
           h.op     = kOpPutBatch;
           h.length = k;
-          send(ctx, &h, sizeof(h), ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER,
-               true);
+          send(kAmRequest, ctx, &h, sizeof(h), ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST,
+               UCP_AM_SEND_FLAG_EAGER, true);
           i += k;
           continue;
         }
@@ -1850,6 +2028,8 @@ class Node {
       h.offset       = it.offset;
       h.length       = it.length;
       const bool put = opCode == kOpPut;
+      if (!put && it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
+      const unsigned amId = put && !hostRegion[i] ? kAmRequestKeep : kAmRequest;
       const void* src = put ? reinterpret_cast<const void*>(it.buffer) : nullptr;
       const uint32_t eager = put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0;
       if (parts[i].wholeLength != 0) {
@@ -1857,16 +2037,16 @@ class Node {
         ph.whole.op     = kOpPutPart;
         ph.whole.offset = parts[i].wholeOffset;
         ph.whole.length = parts[i].wholeLength;
-        send(new SendCtx{this, ids[i], 1, {}}, &ph, sizeof(ph), src, it.length, it.memoryType, eager);
+        send(amId, new SendCtx{this, ids[i], 1, {}}, &ph, sizeof(ph), src, it.length, it.memoryType, eager);
       } else {
-        send(new SendCtx{this, ids[i], 1, {}}, &h, sizeof(h), src, put ? it.length : 0, it.memoryType, eager);
+        send(amId, new SendCtx{this, ids[i], 1, {}}, &h, sizeof(h), src, put ? it.length : 0, it.memoryType, eager);
       }
       ++i;
     }
     // A request UCX queued is finished by the progress thread: keep it
     // polling for the answer (wake it if it sleeps).
-    lastActive.store(steadyNanos(), std::memory_order_relaxed);
-    if (signal && !polling) ucp_worker_signal(wh);
+    prog->lastActive.store(steadyNanos(), std::memory_order_seq_cst);
+    if (signal && !polling && asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(wh);
     return r;
   }
 
@@ -1894,6 +2074,12 @@ class Node {
       }
     }
     if (!pyFinalizing()) runDone(done);
+    if (prog) {
+      // stopProgress() closed it: no waiter holds the worker or claims it.
+      prog->closed.store(true, std::memory_order_seq_cst);
+      while (prog->claimed.load(std::memory_order_acquire)) std::this_thread::yield();
+      prog->worker.reset();
+    }
     releaseNoGil(worker);
     releaseNoGil(context);
   }
@@ -1967,7 +2153,7 @@ class Peer : public Endpoint {
 
   // Send arbitrary bytes as a request message (tests of the exporter's
   // parsing); the request completes when UCX has sent them.
-  Request sendRaw(nb::bytes header, nb::bytes payload)
+  Request sendRaw(nb::bytes header, nb::bytes payload, bool keep)
   {
     get();
     auto c  = std::make_shared<Completion>();
@@ -1993,7 +2179,7 @@ class Peer : public Endpoint {
     ucs_status_ptr_t sp;
     {
       nb::gil_scoped_release release;
-      sp = ucp_am_send_nbx(handle, kAmRequest, h->first.data(), h->first.size(), h->second.data(),
+      sp = ucp_am_send_nbx(handle, keep ? kAmRequestKeep : kAmRequest, h->first.data(), h->first.size(), h->second.data(),
                            h->second.size(), &p);
       if (UCS_PTR_IS_PTR(sp)) ucp_worker_signal(node->wh);
     }
@@ -2127,6 +2313,6 @@ NB_MODULE(_native, m)
     .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
     .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a, "gather"_a = false)
-    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a)
+    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a, "keep"_a = false)
     .def("close", &Peer::closePeer, "timeout"_a);
 }

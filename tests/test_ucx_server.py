@@ -187,8 +187,11 @@ def test_forged_capabilities_are_refused_and_touch_nothing(exporter, peer, big):
     assert exporter.call("stats")["refused"] >= 2 * len(forged) + 1
 
 
-def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, big):
-    """Requests crafted byte by byte (as a hostile importer would) touch nothing."""
+@pytest.mark.parametrize("keep", [False, True], ids=["copied-once", "kept-by-ucx"])
+def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, big, keep):
+    """Requests crafted byte by byte (as a hostile importer would) touch
+    nothing, on either of the server's request ids (payload copied from
+    UCX's receive buffer, or kept by UCX first)."""
     import struct
 
     rid, key = big
@@ -239,7 +242,7 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
     before = exporter.call("digest", "big")
     refused = exporter.call("stats")["refused"]
     for h, payload in bad:
-        peer._native._send_raw(h, payload).wait(30.0)
+        peer._native._send_raw(h, payload, keep).wait(30.0)
     deadline = time.monotonic() + 30
     while exporter.call("stats")["refused"] < refused + len(bad) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -275,13 +278,13 @@ def test_fuzzed_batch_messages_never_touch_what_they_may_not(exporter, peer, big
         st.one_of(st.integers(0, 300), u64)), min_size=0, max_size=12)
 
     @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.sampled_from([3, 4]), items, st.integers(-3, 3), st.integers(-20, 20), u64)
-    def fuzz(op, its, count_off, data_off, req):
+    @given(st.sampled_from([3, 4]), items, st.integers(-3, 3), st.integers(-20, 20), u64, st.booleans())
+    def fuzz(op, its, count_off, data_off, req, keep):
         body = b"".join(struct.pack("<QQQQQ", r, *k, o, n) for r, k, o, n in its)
         data = b"\xa5" * max(0, sum(min(n, 300) for *_, n in its) + data_off) if op == 4 else b""
         count = max(0, len(its) + count_off)
         h = struct.pack("<IB3xQQQQQQ", magic, op, req, 0, 0, 0, 0, count)
-        peer._native._send_raw(h, body + data).wait(30.0)
+        peer._native._send_raw(h, body + data, keep).wait(30.0)
 
     fuzz()
     out = bytearray(64)
@@ -349,13 +352,13 @@ def test_fuzzed_parts_write_only_inside_their_whole_put(exporter, peer):
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.sampled_from(["good", "forged", "ro"]), st.one_of(st.integers(0, size + 10), u64),
            st.one_of(st.integers(0, size + 10), u64), st.one_of(st.integers(0, size + 10), u64),
-           st.integers(0, 2000))
-    def fuzz(who, offset, length, part, n):
+           st.integers(0, 2000), st.booleans())
+    def fuzz(who, offset, length, part, n, keep):
         region, keys = {"good": (rid, k), "forged": (rid, (k[0], k[1] ^ 1)),
                         "ro": (ro_rid, struct.unpack("<QQ", ro_key))}[who]
         fill = next(counter) % 251 + 1
         h = struct.pack("<IB3xQQQQQQQ", magic, 5, 1 << 62, region, *keys, offset, length, part)
-        peer._native._send_raw(h, bytes([fill]) * n).wait(30.0)
+        peer._native._send_raw(h, bytes([fill]) * n, keep).wait(30.0)
         if (who == "good" and length > 0 and offset <= size and length <= size - offset
                 and n > 0 and part <= length and n <= length - part):
             model[offset + part: offset + part + n] = fill
@@ -365,6 +368,88 @@ def test_fuzzed_parts_write_only_inside_their_whole_put(exporter, peer):
     peer.get(rid, key, 0, out, timeout=30)  # still serving, and every message served
     assert exporter.call("read", "fuzzparts", 0, size) == model.tobytes()
     assert exporter.call("digest", "fuzzparts_ro") == ro_before
+
+
+def test_puts_to_a_host_region_are_copied_once_at_the_exporter(exporter, peer):
+    """The first put to a region travels on the request id whose payload
+    UCX keeps (copying it into a buffer of its own); its answer says the
+    region is host memory, and every later put to it travels on the id
+    whose payload the server copies straight from UCX's receive buffer into
+    the region.  Gets never travel on the keeping id."""
+    exporter.call("add", "once", MiB, 5)
+    rid, key = exporter.call("grant", "once")
+    before = exporter.call("stats")
+    sizes = [4096, 65536, 300_000, 1, 65536, 4096]
+    for i, size in enumerate(sizes):
+        data = _pattern(size, 50 + i)
+        peer.put(rid, key, 8 * i, data, timeout=60)
+        assert exporter.call("read", "once", 8 * i, size) == data.tobytes()
+        out = np.zeros(size, np.uint8)
+        peer.get(rid, key, 8 * i, out, timeout=60)
+        assert np.array_equal(out, data)
+    after = exporter.call("stats")
+    assert after["messages"] - before["messages"] == 2 * len(sizes)
+    assert after["kept"] - before["kept"] == 1  # the first put only
+    # Another region of the same exporter is unknown again: kept once.
+    exporter.call("add", "once2", 4096, 6)
+    rid2, key2 = exporter.call("grant", "once2")
+    for i in range(3):
+        peer.put(rid2, key2, 0, _pattern(100, i), timeout=60)
+    assert exporter.call("stats")["kept"] - after["kept"] == 1
+    assert exporter.call("read", "once2", 0, 100) == _pattern(100, 2).tobytes()
+
+
+def test_requests_nobody_waits_for_complete_while_another_thread_waits(exporter, peer, big):
+    """A thread waiting for its own request progresses the worker while the
+    progress thread stands aside; requests that nobody waits for (their
+    callbacks only) still complete, during and after those waits, and after
+    the progress thread has gone to sleep."""
+    import threading
+
+    stop = threading.Event()
+    errors = []
+
+    def waiter() -> None:
+        out = np.zeros(4096, np.uint8)
+        try:
+            while not stop.is_set():
+                peer.get(*big, 0, out, timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def post_many(n: int, offset: int) -> list:
+        done = threading.Semaphore(0)
+        outs = []
+        for i in range(n):
+            out = np.zeros(8192, np.uint8)
+            outs.append(out)
+            req = peer.get_async(*big, offset + 8192 * i, out)
+            req.add_done_callback(lambda r: done.release())
+        deadline = time.monotonic() + 30
+        for _ in range(n):
+            assert done.acquire(timeout=max(0.0, deadline - time.monotonic())), "a request never completed"
+        return outs
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    try:
+        outs = post_many(200, 0)
+    finally:
+        stop.set()
+        th.join(60)
+    assert not errors, errors
+    assert b"".join(o.tobytes() for o in outs) == exporter.call("read", "big", 0, 200 * 8192)
+    time.sleep(0.5)  # the progress thread sleeps in the kernel again
+    outs = post_many(3, 5 * MiB)
+    big_put = _pattern(8 * MiB, 77)  # queued by UCX: the sleeping thread is woken for it
+    done = []
+    peer.put_async(*big, 16 * MiB, big_put).add_done_callback(lambda r: done.append(r.exception(0)))
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == [None]
+    assert exporter.call("digest", "big", 16 * MiB, big_put.size) == hashlib.sha256(big_put).hexdigest()
+    assert b"".join(o.tobytes() for o in outs) == exporter.call("read", "big", 5 * MiB, 3 * 8192)
 
 
 def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):

@@ -373,11 +373,15 @@ class Server:
 
     def stats(self) -> dict[str, int]:
         """Counts: open ``regions``, granted ``keys``, ``refused`` and ``served``
-        requests (a batch's items count one each), and request ``messages``
-        received."""
+        requests (a batch's items count one each), request ``messages``
+        received, and ``kept`` of them: puts whose data UCX copied into a
+        buffer of its own before the server copied it into the region (a
+        put to a region the importer did not yet know to be host memory,
+        or to device memory)."""
         n = self._node.check()
-        regions, keys, refused, served, messages = n.stats()
-        return {"regions": regions, "keys": keys, "refused": refused, "served": served, "messages": messages}
+        regions, keys, refused, served, messages, kept = n.stats()
+        return {"regions": regions, "keys": keys, "refused": refused, "served": served, "messages": messages,
+                "kept": kept}
 
     def info(self) -> str:
         """UCX's description of the worker (transports, devices)."""
