@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <deque>
 #include <cstdint>
+#include <cxxabi.h>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -226,11 +227,17 @@ void stopProgressNoGil(const std::shared_ptr<ucxx::Worker>& w)
 // ---------------------------------------------------------------------------
 // Completion state shared by a request and the callback libucxx calls.
 
-// Set while this thread runs Python callbacks from inside UCX progress: a
-// wait() there must not progress the worker again (UCX forbids recursion).
-thread_local int insideCallbacks = 0;
+struct Progress;
+struct Completion;
+// The node whose worker this thread progresses: its progress thread, or a
+// waiter holding the worker (see Progress).  Callbacks of requests that
+// complete here are handed to the node's progress thread, which runs them
+// outside UCX's progress.
+thread_local Progress* deferTo = nullptr;
+// Hand a completion's Python callbacks to the node's progress thread.
+void deferCallbacks(Progress* p, std::shared_ptr<Completion> c);
 
-struct Completion {
+struct Completion : std::enable_shared_from_this<Completion> {
   std::mutex mutex;
   std::condition_variable cv;
   bool done{false};     // status is final (callbacks may still be running)
@@ -253,8 +260,9 @@ struct Completion {
       Py_DECREF(cb);
   }
 
-  // `settled`, readable without the mutex (for the spin before a wait).
+  // `settled` and `done`, readable without the mutex (for the spin before a wait).
   std::atomic<bool> settledFlag{false};
+  std::atomic<bool> doneFlag{false};
 
   void settle()
   {
@@ -266,10 +274,15 @@ struct Completion {
     cv.notify_all();
   }
 
-  // Called by libucxx: in the progress thread, or at once in the submitting
-  // thread (which has released the GIL) when the request completes
-  // immediately.  Callbacks run before waiters wake, so that a wait() that
-  // returns has seen every callback registered before completion run.
+  // Called by libucxx or the node: in whichever thread progresses the
+  // worker, or at once in the submitting thread (which has released the
+  // GIL) when the request completes immediately.  Callbacks run before
+  // waiters wake, so that a wait() that returns has seen every callback
+  // registered before completion run.  Inside a node's progress they do
+  // not run: UCX holds the worker's lock there (and a waiter holds the
+  // worker), so a callback that blocked (on a lock its caller holds, say)
+  // would stall the worker for everyone; the node's progress thread runs
+  // them after its pass of progress.
   void complete(ucs_status_t s, uint32_t gs = 0)
   {
     bool runCallbacks;
@@ -279,10 +292,31 @@ struct Completion {
       status         = s;
       gsStatus       = gs;
       done           = true;
-      callbackThread = std::this_thread::get_id();
       runCallbacks   = !callbacks.empty();
+      // Where the callbacks run (none: the progress thread runs them later).
+      if (!runCallbacks || deferTo == nullptr || pyFinalizing())
+        callbackThread = std::this_thread::get_id();
+      doneFlag.store(true, std::memory_order_release);
     }
     if (!runCallbacks || pyFinalizing()) {
+      settle();
+      return;
+    }
+    if (deferTo != nullptr) {
+      deferCallbacks(deferTo, shared_from_this());
+      return;
+    }
+    runCallbacks_();
+  }
+
+  // Run the Python callbacks of a completed request, then wake its waiters.
+  void runCallbacks_()
+  {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      callbackThread = std::this_thread::get_id();
+    }
+    if (pyFinalizing()) {
       settle();
       return;
     }
@@ -293,7 +327,6 @@ struct Completion {
         std::lock_guard<std::mutex> lock(mutex);
         todo.swap(callbacks);
       }
-      ++insideCallbacks;
       for (auto* cb : todo) {
         PyObject* r = PyObject_CallNoArgs(cb);
         if (r == nullptr)
@@ -302,7 +335,6 @@ struct Completion {
           Py_DECREF(r);
         Py_DECREF(cb);
       }
-      --insideCallbacks;
     }
     settle();
   }
@@ -338,6 +370,17 @@ struct Progress {
   std::atomic<int64_t> lastActive{0};
   std::mutex parkMutex;
   std::condition_variable parkCv;
+  // Completions whose callbacks the progress thread runs (under parkMutex).
+  std::vector<std::shared_ptr<Completion>> deferred;
+  std::atomic<bool> hasDeferred{false};
+  // Whether the progress thread is running Python callbacks (waiters then
+  // drive their requests themselves).
+  std::atomic<bool> callbacksRunning{false};
+  // Whether the progress thread sleeps in the kernel (then a request
+  // queued, or callbacks handed over, must wake it through the worker).
+  std::atomic<bool> asleep{false};
+  ucp_worker_h wh{nullptr};
+  bool polling{false};
 
   // Claim the worker; false if another thread holds it or it is closing.
   bool claim()
@@ -371,11 +414,42 @@ struct Progress {
     { std::lock_guard<std::mutex> lock(parkMutex); }
     parkCv.notify_all();
   }
+
+  // Run the callbacks handed over by waiters (the progress thread).
+  void runDeferred()
+  {
+    if (!hasDeferred.load(std::memory_order_acquire)) return;
+    std::vector<std::shared_ptr<Completion>> todo;
+    {
+      std::lock_guard<std::mutex> lock(parkMutex);
+      todo.swap(deferred);
+      hasDeferred.store(false, std::memory_order_relaxed);
+    }
+    callbacksRunning.store(true, std::memory_order_release);
+    for (auto& c : todo) c->runCallbacks_();
+    callbacksRunning.store(false, std::memory_order_release);
+  }
 };
+
+void deferCallbacks(Progress* p, std::shared_ptr<Completion> c)
+{
+  {
+    std::lock_guard<std::mutex> lock(p->parkMutex);
+    p->deferred.push_back(std::move(c));
+    p->hasDeferred.store(true, std::memory_order_seq_cst);
+  }
+  p->parkCv.notify_all();
+  // Stores hasDeferred, then reads asleep; the progress thread stores
+  // asleep, then reads hasDeferred: one of the two sees the other.
+  if (!p->polling && p->asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(p->wh);
+}
 
 // How long the progress thread stands aside while a waiter holds the
 // worker, before it looks again.
 constexpr int64_t kParkNanos = 200'000;
+// How often a thread sleeping on a node's request looks whether the
+// progress thread is held up in Python callbacks.
+constexpr std::chrono::milliseconds kWaitSlice{1};
 
 class Request {
  public:
@@ -404,49 +478,84 @@ class Request {
   {
     nb::gil_scoped_release release;
     auto c = completion;
-    // Small transfers complete within tens of microseconds: spin (yielding
-    // the core) that long before sleeping on the condition variable, whose
-    // wake-up costs more than the transfer itself.  The node's progress
-    // thread, polling while requests are in flight, completes it: the
-    // waiter does not progress the worker itself, which on a core shared
-    // with the progress thread (or a process pinned to one core) had the
-    // two contend for the worker and the core.
-    const auto spinUntil =
-      std::chrono::steady_clock::now() +
-      std::chrono::microseconds(timeout < 0 ? spinMicros
-                                            : std::min<int64_t>(spinMicros, static_cast<int64_t>(timeout * 1e6)));
-    // Not from inside UCX progress (a callback's wait): UCX forbids recursion.
-    Progress* p = insideCallbacks == 0 ? progress.get() : nullptr;
-    while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil) {
-      if (p != nullptr && p->claim()) {
-        try {
-          while (!c->settledFlag.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spinUntil &&
-                 !p->closed.load(std::memory_order_acquire))
-            p->worker->progress();
-        } catch (...) {
-          // UCX failed: leave the worker to the progress thread, which says so.
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    const auto deadline =
+      timeout < 0 || timeout > 1e9 ? Clock::time_point::max()
+                  : start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout));
+    const auto spin = std::chrono::microseconds(spinMicros);
+    // (Never from inside the node's own UCX progress, which UCX forbids:
+    // the node's callbacks run outside it, see Completion::complete.)
+    Progress* p = progress.get();
+    // Small transfers complete within tens of microseconds: drive the
+    // request that long before sleeping on the condition variable, whose
+    // wake-up costs more than the transfer itself.  A node's request is
+    // driven by progressing the node's worker here, when no other waiter
+    // holds it (the progress thread stands aside meanwhile); otherwise this
+    // thread spins, yielding its core.
+    auto drive = [&](Clock::time_point until) {
+      while (!c->settledFlag.load(std::memory_order_acquire) && Clock::now() < until) {
+        if (p != nullptr && p->claim()) {
+          // One pass of UCX progress at a time (never until the worker runs
+          // dry: this process's exports may keep it busy), checking the
+          // request, the time and the node between passes.
+          Progress* const outer = deferTo;  // the progress thread's own, in a callback
+          deferTo = p;
+          try {
+            while (!c->doneFlag.load(std::memory_order_acquire) && Clock::now() < until &&
+                   !p->closed.load(std::memory_order_seq_cst))
+              p->worker->progressOnce();
+          } catch (abi::__forced_unwind&) {
+            // The thread is being cancelled (pthread_exit): let go, and let it unwind.
+            deferTo = outer;
+            p->release();
+            p->unpark();
+            throw;
+          } catch (...) {
+            // UCX failed: leave the worker to the progress thread, which says so.
+            deferTo = outer;
+            p->release();
+            p->unpark();
+            p = nullptr;
+            continue;
+          }
+          deferTo = outer;
           p->release();
-          p->unpark();
-          p = nullptr;
+          if (c->doneFlag.load(std::memory_order_acquire)) return;  // callbacks may still run elsewhere
           continue;
         }
-        p->release();
-        continue;
+        std::this_thread::yield();
       }
-      std::this_thread::yield();
-    }
+    };
+    drive(std::min(deadline, start + spin));
     // Sleeping now, or done: the progress thread finishes what is left.
-    if (p != nullptr && !c->settledFlag.load(std::memory_order_acquire)) p->unpark();
+    if (p != nullptr && !c->doneFlag.load(std::memory_order_acquire)) p->unpark();
     std::unique_lock<std::mutex> lock(c->mutex);
     // A callback waiting on its own request: the status is final already.
     auto ready = [&] {
       return c->settled || (c->done && c->callbackThread == std::this_thread::get_id());
     };
-    if (timeout < 0) {
-      c->cv.wait(lock, ready);
-      return true;
+    while (!ready()) {
+      const auto now = Clock::now();
+      if (now >= deadline) return false;
+      if (p == nullptr) {
+        if (timeout < 0)
+          c->cv.wait(lock, ready);
+        else
+          c->cv.wait_until(lock, deadline, ready);
+        continue;
+      }
+      // A node's progress thread may be held up in a Python callback (which
+      // may wait for something this thread holds): look every kWaitSlice,
+      // and drive the request again meanwhile.
+      if (c->cv.wait_until(lock, std::min(deadline, now + kWaitSlice), ready)) break;
+      if (p->callbacksRunning.load(std::memory_order_acquire) && !c->doneFlag.load(std::memory_order_acquire)) {
+        lock.unlock();
+        drive(std::min(deadline, Clock::now() + spin));
+        lock.lock();
+      }
     }
-    return c->cv.wait_for(lock, std::chrono::duration<double>(timeout), ready);
+    return true;
   }
 
   // Whether it completed successfully (status() says how it did not).
@@ -961,7 +1070,7 @@ constexpr unsigned kAmReplyKeep   = 0x4756;
 constexpr uint8_t kReqReplyKeep   = 1;
 // ReplyHeader.flags: the request's region is host memory.
 constexpr uint32_t kReplyHostRegion = 1;
-constexpr uint32_t kWireMagic   = 0x31585347;  // "GSX1"
+constexpr uint32_t kWireMagic   = 0x32585347;  // "GSX2": the AM ids and flags of this version
 constexpr uint8_t kOpGet        = 1;
 constexpr uint8_t kOpPut        = 2;
 // Several gets in one request message: the header's requestId is the first
@@ -1141,9 +1250,6 @@ class Node {
   std::atomic<bool> progressFailed{false};
   // Shared with the node's requests: who progresses the worker.
   std::shared_ptr<Progress> prog;
-  // Whether the progress thread sleeps in the kernel (a request queued
-  // then must wake it).
-  std::atomic<bool> asleep{false};
 
   std::shared_mutex tableMutex;
   std::unordered_map<uint64_t, std::shared_ptr<Region>> regions;
@@ -1179,7 +1285,9 @@ class Node {
       worker  = context->workerBuilder().build();
       wh      = worker->getHandle();
       prog    = std::make_shared<Progress>();
-      prog->worker = worker;
+      prog->worker  = worker;
+      prog->wh      = wh;
+      prog->polling = polling;
       setHandler(kAmRequest, &Node::onRequest, false);
       setHandler(kAmReply, &Node::onReply, false);
       setHandler(kAmRequestKeep, &Node::onRequestKeep, true);
@@ -1201,12 +1309,18 @@ class Node {
   // (polling mode).  Idle, it costs nothing.
   void progressLoop()
   {
+    deferTo = prog.get();
     while (!stopping.load(std::memory_order_acquire)) {
       try {
+        prog->runDeferred();
         if (prog->claimed.load(std::memory_order_acquire)) {
-          // A waiter progresses the worker: stand aside.
+          // A waiter progresses the worker: stand aside, running the
+          // callbacks it hands over.
           std::unique_lock<std::mutex> lock(prog->parkMutex);
-          prog->parkCv.wait_for(lock, std::chrono::nanoseconds(kParkNanos));
+          prog->parkCv.wait_for(lock, std::chrono::nanoseconds(kParkNanos), [this] {
+            return prog->hasDeferred.load(std::memory_order_acquire) ||
+                   !prog->claimed.load(std::memory_order_acquire) || stopping.load(std::memory_order_acquire);
+          });
           continue;
         }
         if (worker->progress()) {
@@ -1220,16 +1334,16 @@ class Node {
         // About to sleep: a request posted from now on wakes it (post()
         // stores lastActive, then reads asleep; this stores asleep, then
         // reads lastActive: one of the two sees the other).
-        asleep.store(true, std::memory_order_seq_cst);
+        prog->asleep.store(true, std::memory_order_seq_cst);
         if (steadyNanos() - prog->lastActive.load(std::memory_order_seq_cst) < kLingerNanos ||
-            prog->claimed.load(std::memory_order_seq_cst)) {
-          asleep.store(false, std::memory_order_relaxed);
+            prog->claimed.load(std::memory_order_seq_cst) || prog->hasDeferred.load(std::memory_order_seq_cst)) {
+          prog->asleep.store(false, std::memory_order_relaxed);
           continue;
         }
         worker->progressWorkerEvent(wakeTimeout);
-        asleep.store(false, std::memory_order_relaxed);
+        prog->asleep.store(false, std::memory_order_relaxed);
       } catch (const std::exception& e) {
-        asleep.store(false, std::memory_order_relaxed);
+        prog->asleep.store(false, std::memory_order_relaxed);
         // UCX failed to arm or wait: say so once, and poll slowly rather than spin.
         if (!progressFailed.exchange(true))
           std::fprintf(stderr, "[gpushare] UCX progress failed, polling every millisecond: %s\n", e.what());
@@ -1243,14 +1357,18 @@ class Node {
   void stopProgress()
   {
     if (!progressThread.joinable()) return;
+    if (deferTo == prog.get())
+      throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node cannot be closed from inside its own progress");
     stopping.store(true, std::memory_order_release);
     withoutGil([this] {
       // No waiter progresses the worker from now on.
       prog->closed.store(true, std::memory_order_seq_cst);
-      while (prog->claimed.load(std::memory_order_acquire)) std::this_thread::yield();
+      while (prog->claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
       prog->unpark();
       if (!polling) ucp_worker_signal(wh);
       progressThread.join();
+      // Callbacks a waiter handed over after the thread's last look.
+      prog->runDeferred();
     });
   }
 
@@ -2046,7 +2164,7 @@ class Node {
     // A request UCX queued is finished by the progress thread: keep it
     // polling for the answer (wake it if it sleeps).
     prog->lastActive.store(steadyNanos(), std::memory_order_seq_cst);
-    if (signal && !polling && asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(wh);
+    if (signal && !polling && prog->asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(wh);
     return r;
   }
 
@@ -2077,7 +2195,7 @@ class Node {
     if (prog) {
       // stopProgress() closed it: no waiter holds the worker or claims it.
       prog->closed.store(true, std::memory_order_seq_cst);
-      while (prog->claimed.load(std::memory_order_acquire)) std::this_thread::yield();
+      while (prog->claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
       prog->worker.reset();
     }
     releaseNoGil(worker);

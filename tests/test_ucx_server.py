@@ -196,7 +196,7 @@ def test_malformed_requests_are_refused_and_the_server_goes_on(exporter, peer, b
 
     rid, key = big
     k0, k1 = struct.unpack("<QQ", key)
-    magic = 0x31585347
+    magic = 0x32585347  # "GSX2"
 
     def header(op=1, req=(1 << 62), region=rid, keys=(k0, k1), offset=0, length=8, m=magic):
         return struct.pack("<IB3xQQQQQQ", m, op, req, region, *keys, offset, length)
@@ -269,7 +269,7 @@ def test_fuzzed_batch_messages_never_touch_what_they_may_not(exporter, peer, big
     exporter.call("add", "sentinel", 4096, 21)
     srid, _ = exporter.call("grant", "sentinel")
     sentinel = exporter.call("digest", "sentinel")
-    magic = 0x31585347
+    magic = 0x32585347  # "GSX2"
     u64 = st.integers(0, (1 << 64) - 1)
     items = st.lists(st.tuples(
         st.sampled_from([rid, srid, rid + 999, 0]),
@@ -345,7 +345,7 @@ def test_fuzzed_parts_write_only_inside_their_whole_put(exporter, peer):
     ro_before = exporter.call("digest", "fuzzparts_ro")
     model = np.frombuffer(exporter.call("read", "fuzzparts", 0, size), np.uint8).copy()
     k = struct.unpack("<QQ", key)
-    magic = 0x31585347
+    magic = 0x32585347  # "GSX2"
     u64 = st.integers(0, (1 << 64) - 1)
     counter = iter(range(1, 1 << 20))
 
@@ -450,6 +450,66 @@ def test_requests_nobody_waits_for_complete_while_another_thread_waits(exporter,
     assert done == [None]
     assert exporter.call("digest", "big", 16 * MiB, big_put.size) == hashlib.sha256(big_put).hexdigest()
     assert b"".join(o.tobytes() for o in outs) == exporter.call("read", "big", 5 * MiB, 3 * 8192)
+
+
+def test_callbacks_run_in_the_progress_thread_not_in_a_waiting_one(exporter, peer, big):
+    """A thread waiting for its own request progresses the worker, and may
+    so complete other requests; their callbacks still run in the node's
+    progress thread (a callback that blocked, on a lock its caller holds or
+    by closing the node, would otherwise stall the worker for everyone).
+    Here each callback takes a lock that the waiting thread holds until its
+    own get is done, and that get completes."""
+    import threading
+
+    lock = threading.Lock()
+    where = []
+    for i in range(20):
+        out = np.zeros(4096, np.uint8)
+        registered = []
+        ran = threading.Event()
+
+        def callback(req, registered=registered, ran=ran):
+            if registered:  # not run at once by add_done_callback (already complete)
+                where.append(threading.get_ident())
+                with lock:  # held by the thread below until its own get is done
+                    pass
+            ran.set()
+
+        with lock:
+            r = peer.get_async(*big, 4096 * i, out)
+            r.add_done_callback(callback)
+            registered.append(True)
+            mine = np.zeros(64, np.uint8)
+            peer.get(*big, 0, mine, timeout=30)
+            assert mine.tobytes() == exporter.call("read", "big", 0, 64)
+        assert ran.wait(30)
+        assert out.tobytes() == exporter.call("read", "big", 4096 * i, 4096)
+    assert where, "no callback ran after its registration"
+    assert threading.get_ident() not in where
+
+
+def test_a_callback_may_make_a_synchronous_transfer(exporter, peer, big):
+    """Callbacks run in the progress thread outside UCX's progress: one may
+    move data synchronously itself (it drives the worker as any waiting
+    thread does)."""
+    import threading
+
+    got = []
+    done = threading.Event()
+
+    def callback(req):
+        try:
+            inner = np.zeros(256, np.uint8)
+            peer.get(*big, 1024, inner, timeout=30)
+            got.append(inner.tobytes())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            got.append(exc)
+        done.set()
+
+    out = np.zeros(64 * 1024, np.uint8)
+    peer.get_async(*big, 0, out).add_done_callback(callback)
+    assert done.wait(60)
+    assert got == [exporter.call("read", "big", 1024, 256)]
 
 
 def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):
