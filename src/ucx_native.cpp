@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -382,9 +383,15 @@ struct Progress {
   ucp_worker_h wh{nullptr};
   bool polling{false};
 
-  // Claim the worker; false if another thread holds it or it is closing.
+  // Claim the worker; false if another thread holds it or it is closing
+  // (except for the node's progress thread itself, in a callback: the worker
+  // lives until that thread is joined, and nobody else progresses it then).
   bool claim()
   {
+    if (deferTo == this) {
+      bool expected = false;
+      return claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst);
+    }
     if (closed.load(std::memory_order_acquire)) return false;
     bool expected = false;
     if (!claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst)) return false;
@@ -426,8 +433,39 @@ struct Progress {
       hasDeferred.store(false, std::memory_order_relaxed);
     }
     callbacksRunning.store(true, std::memory_order_release);
-    for (auto& c : todo) c->runCallbacks_();
+    size_t i = 0;
+    try {
+      for (; i < todo.size(); ++i) {
+        try {
+          todo[i]->runCallbacks_();
+        } catch (abi::__forced_unwind&) {
+          throw;
+        } catch (...) {
+          todo[i]->settle();  // its waiters wake all the same
+        }
+      }
+    } catch (...) {
+      // The thread is being cancelled: wake every waiter left, then unwind.
+      for (; i < todo.size(); ++i) todo[i]->settle();
+      callbacksRunning.store(false, std::memory_order_release);
+      throw;
+    }
     callbacksRunning.store(false, std::memory_order_release);
+  }
+
+  // Run `c`'s callbacks here if they wait in the hand-over list (the
+  // progress thread is busy, or is this thread); whether it did.
+  bool runOwn(const std::shared_ptr<Completion>& c)
+  {
+    {
+      std::lock_guard<std::mutex> lock(parkMutex);
+      auto it = std::find(deferred.begin(), deferred.end(), c);
+      if (it == deferred.end()) return false;
+      deferred.erase(it);
+      hasDeferred.store(!deferred.empty(), std::memory_order_release);
+    }
+    c->runCallbacks_();
+    return true;
   }
 };
 
@@ -503,7 +541,7 @@ class Request {
           deferTo = p;
           try {
             while (!c->doneFlag.load(std::memory_order_acquire) && Clock::now() < until &&
-                   !p->closed.load(std::memory_order_seq_cst))
+                   (outer == p || !p->closed.load(std::memory_order_seq_cst)))
               p->worker->progressOnce();
           } catch (abi::__forced_unwind&) {
             // The thread is being cancelled (pthread_exit): let go, and let it unwind.
@@ -538,6 +576,16 @@ class Request {
     while (!ready()) {
       const auto now = Clock::now();
       if (now >= deadline) return false;
+      // Done, its callbacks handed over to a progress thread that is this
+      // thread (a callback waiting) or busy with other callbacks (maybe
+      // blocked): run them here rather than wait for it.
+      if (p != nullptr && c->done && !c->settled &&
+          (deferTo == p || p->callbacksRunning.load(std::memory_order_acquire))) {
+        lock.unlock();
+        p->runOwn(c);
+        lock.lock();
+        continue;
+      }
       if (p == nullptr) {
         if (timeout < 0)
           c->cv.wait(lock, ready);
@@ -1389,7 +1437,8 @@ class Node {
 
   void checkOpen()
   {
-    if (!worker) throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node is closed");
+    if (!worker || stopping.load(std::memory_order_acquire))
+      throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node is closed");
   }
 
   nb::bytes address()
@@ -2311,6 +2360,13 @@ class Peer : public Endpoint {
 
   void closePeer(double timeout)
   {
+    // Closing progresses the worker in this thread: requests completed
+    // there hand their callbacks to the progress thread, as in a waiter.
+    struct Defer {
+      Progress* outer;
+      explicit Defer(Progress* p) : outer(deferTo) { deferTo = p; }
+      ~Defer() { deferTo = outer; }
+    } defer(node->prog ? node->prog.get() : deferTo);
     Endpoint::close(timeout);
     node->failPeer(id, UCS_ERR_CANCELED);
   }

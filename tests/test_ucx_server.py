@@ -512,6 +512,32 @@ def test_a_callback_may_make_a_synchronous_transfer(exporter, peer, big):
     assert got == [exporter.call("read", "big", 1024, 256)]
 
 
+def test_a_callback_may_wait_for_a_request_with_callbacks_of_its_own(exporter, peer, big):
+    """A callback (in the progress thread) waits for another request whose
+    own callbacks were handed to that same thread: it runs them itself
+    instead of waiting for itself."""
+    import threading
+
+    seen = []
+    done = threading.Event()
+    big_out = np.zeros(32 * MiB, np.uint8)
+    r2 = peer.get_async(*big, 0, big_out)
+    r2.add_done_callback(lambda r: seen.append("r2's callback"))
+
+    def callback(req):
+        try:
+            r2.wait(30)
+            seen.append("waited")
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            seen.append(exc)
+        done.set()
+
+    peer.get_async(*big, 0, np.zeros(64, np.uint8)).add_done_callback(callback)
+    assert done.wait(60)
+    assert seen[-1] == "waited" and "r2's callback" in seen, seen
+    assert exporter.call("digest", "big", 0, 32 * MiB) == hashlib.sha256(big_out).hexdigest()
+
+
 def test_gathered_puts_land_and_are_checked_one_by_one(exporter, peer, big):
     rid, key = big
     rng = np.random.default_rng(7)
