@@ -658,36 +658,6 @@ std::shared_ptr<Completion> newCompletion(nb::object callback)
   return c;
 }
 
-// A host buffer held through the buffer protocol (C-contiguous; writable
-// when asked) until release(): while held, its owner cannot resize or free
-// it.  What LocalBuffer does for any buffer, for the common host case at a
-// fraction of the cost (the address without going through NumPy).
-class HostPin {
- public:
-  Py_buffer view{};
-  bool held{false};
-
-  HostPin(nb::handle obj, bool writable)
-  {
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
-      throw nb::python_error();
-    held = true;
-  }
-  ~HostPin() { release(); }
-  HostPin(const HostPin&)            = delete;
-  HostPin& operator=(const HostPin&) = delete;
-
-  void release()
-  {
-    if (!held) return;
-    held = false;
-    PyBuffer_Release(&view);
-  }
-  uintptr_t address() const { return held ? reinterpret_cast<uintptr_t>(view.buf) : 0; }
-  Py_ssize_t nbytes() const { return held ? view.len : 0; }
-  bool readonly() const { return held && view.readonly; }
-};
-
 // ---------------------------------------------------------------------------
 
 class MemoryHandle {
@@ -1049,7 +1019,10 @@ void quarantine(uintptr_t addr, size_t length)
   if (p == MAP_FAILED) throw NativeError("UCS_ERR_NO_MEMORY", "mmap(MAP_FIXED) failed");
 }
 
-// Pin a Python buffer-protocol object for as long as this object lives.
+// A Python buffer-protocol object (C-contiguous; writable when asked) held
+// until release() or this object goes: while held, its owner cannot resize
+// or free it.  For the region server's requests, what LocalBuffer does for
+// any buffer, for the common host case at a fraction of the cost.
 class PinnedBuffer {
  public:
   Py_buffer view{};
@@ -1070,9 +1043,9 @@ class PinnedBuffer {
       PyBuffer_Release(&view);
     }
   }
-  uintptr_t address() const { return reinterpret_cast<uintptr_t>(view.buf); }
-  size_t nbytes() const { return static_cast<size_t>(view.len); }
-  bool readonly() const { return view.readonly != 0; }
+  uintptr_t address() const { return held ? reinterpret_cast<uintptr_t>(view.buf) : 0; }
+  size_t nbytes() const { return held ? static_cast<size_t>(view.len) : 0; }
+  bool readonly() const { return held && view.readonly != 0; }
 };
 
 // ---------------------------------------------------------------------------
@@ -2426,13 +2399,6 @@ NB_MODULE(_native, m)
     .def("ok", &Request::ok)
     .def("status", &Request::status)
     .def("add_callback", &Request::addCallback, "fn"_a);
-
-  nb::class_<HostPin>(m, "HostPin")
-    .def(nb::init<nb::handle, bool>(), "obj"_a, "writable"_a)
-    .def_prop_ro("address", &HostPin::address)
-    .def_prop_ro("nbytes", &HostPin::nbytes)
-    .def_prop_ro("readonly", &HostPin::readonly)
-    .def("release", &HostPin::release);
 
   nb::class_<MemoryHandle>(m, "MemoryHandle")
     .def_prop_ro("handle", &MemoryHandle::ucpHandle)

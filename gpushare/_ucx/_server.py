@@ -441,7 +441,7 @@ class Peer(_Connection):
             # NumPy arrays and Python's byte buffers: pinned natively, the
             # general path below when that fails (it says why).
             try:
-                local = native().HostPin(buffer, op == "get")
+                local = native().PinnedBuffer(buffer, op == "get")
             except (BufferError, TypeError, ValueError):
                 pass
             else:
