@@ -404,6 +404,17 @@ struct Progress {
     return true;
   }
 
+  // No waiter progresses the worker from now on: refuse claims and wait
+  // until the one held, if any, is given back.  (The progress thread itself
+  // may still claim it, in a callback, until it is joined.)  Stores closed,
+  // then reads claimed; claim() stores claimed, then reads closed: one of
+  // the two sees the other.
+  void close()
+  {
+    closed.store(true, std::memory_order_seq_cst);
+    while (claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
+  }
+
   // Give the worker back.  The progress thread is not woken here: it looks
   // again within kParkNanos (a synchronous caller's next request usually
   // claims the worker again before that, and a wake-up on a core the two
@@ -422,51 +433,62 @@ struct Progress {
     parkCv.notify_all();
   }
 
-  // Run the callbacks handed over by waiters (the progress thread).
+  // The first completion handed over (or `only`, if it is there); null if none.
+  std::shared_ptr<Completion> takeDeferred(const Completion* only = nullptr)
+  {
+    std::lock_guard<std::mutex> lock(parkMutex);
+    auto it = only == nullptr ? deferred.begin()
+                              : std::find_if(deferred.begin(), deferred.end(),
+                                             [only](const auto& d) { return d.get() == only; });
+    if (it == deferred.end()) return nullptr;
+    auto c = std::move(*it);
+    deferred.erase(it);
+    hasDeferred.store(!deferred.empty(), std::memory_order_release);
+    return c;
+  }
+
+  // Run the callbacks handed over by waiters (the progress thread), one
+  // completion at a time, so that a waiter may take its own meanwhile.
   void runDeferred()
   {
     if (!hasDeferred.load(std::memory_order_acquire)) return;
-    std::vector<std::shared_ptr<Completion>> todo;
-    {
-      std::lock_guard<std::mutex> lock(parkMutex);
-      todo.swap(deferred);
-      hasDeferred.store(false, std::memory_order_relaxed);
-    }
+    struct Running {
+      std::atomic<bool>& flag;
+      ~Running() { flag.store(false, std::memory_order_release); }
+    } running{callbacksRunning};
     callbacksRunning.store(true, std::memory_order_release);
-    size_t i = 0;
-    try {
-      for (; i < todo.size(); ++i) {
-        try {
-          todo[i]->runCallbacks_();
-        } catch (abi::__forced_unwind&) {
-          throw;
-        } catch (...) {
-          todo[i]->settle();  // its waiters wake all the same
-        }
+    while (auto c = takeDeferred()) {
+      try {
+        c->runCallbacks_();
+      } catch (abi::__forced_unwind&) {
+        // The thread is being cancelled: wake every waiter left, then unwind.
+        c->settle();
+        while (auto rest = takeDeferred()) rest->settle();
+        throw;
+      } catch (...) {
+        c->settle();  // its waiters wake all the same
       }
-    } catch (...) {
-      // The thread is being cancelled: wake every waiter left, then unwind.
-      for (; i < todo.size(); ++i) todo[i]->settle();
-      callbacksRunning.store(false, std::memory_order_release);
-      throw;
     }
-    callbacksRunning.store(false, std::memory_order_release);
   }
 
-  // Run `c`'s callbacks here if they wait in the hand-over list (the
-  // progress thread is busy, or is this thread); whether it did.
+  // Run `c`'s callbacks here if they still wait to be run (the progress
+  // thread is busy, or is this thread); whether it did.
   bool runOwn(const std::shared_ptr<Completion>& c)
   {
-    {
-      std::lock_guard<std::mutex> lock(parkMutex);
-      auto it = std::find(deferred.begin(), deferred.end(), c);
-      if (it == deferred.end()) return false;
-      deferred.erase(it);
-      hasDeferred.store(!deferred.empty(), std::memory_order_release);
-    }
-    c->runCallbacks_();
+    auto mine = takeDeferred(c.get());
+    if (!mine) return false;
+    mine->runCallbacks_();
     return true;
   }
+};
+
+// Sets deferTo for a scope (a waiter holding the worker, a peer closing).
+struct DeferTo {
+  Progress* const outer;  // the progress thread's own, when this runs in a callback
+  explicit DeferTo(Progress* p) : outer(deferTo) { deferTo = p; }
+  ~DeferTo() { deferTo = outer; }
+  DeferTo(const DeferTo&)            = delete;
+  DeferTo& operator=(const DeferTo&) = delete;
 };
 
 void deferCallbacks(Progress* p, std::shared_ptr<Completion> c)
@@ -537,28 +559,34 @@ class Request {
           // One pass of UCX progress at a time (never until the worker runs
           // dry: this process's exports may keep it busy), checking the
           // request, the time and the node between passes.
-          Progress* const outer = deferTo;  // the progress thread's own, in a callback
-          deferTo = p;
-          try {
-            while (!c->doneFlag.load(std::memory_order_acquire) && Clock::now() < until &&
-                   (outer == p || !p->closed.load(std::memory_order_seq_cst)))
-              p->worker->progressOnce();
-          } catch (abi::__forced_unwind&) {
-            // The thread is being cancelled (pthread_exit): let go, and let it unwind.
-            deferTo = outer;
-            p->release();
-            p->unpark();
-            throw;
-          } catch (...) {
-            // UCX failed: leave the worker to the progress thread, which says so.
-            deferTo = outer;
-            p->release();
-            p->unpark();
+          bool failed = false;
+          {
+            DeferTo here(p);
+            struct Held {
+              Progress* p;
+              bool wake{false};  // the progress thread takes over now
+              ~Held()
+              {
+                p->release();
+                if (wake) p->unpark();
+              }
+            } held{p};
+            try {
+              while (!c->doneFlag.load(std::memory_order_acquire) && Clock::now() < until &&
+                     (here.outer == p || !p->closed.load(std::memory_order_seq_cst)))
+                p->worker->progressOnce();
+            } catch (abi::__forced_unwind&) {
+              held.wake = true;  // the thread is being cancelled (pthread_exit): let it unwind
+              throw;
+            } catch (...) {
+              held.wake = true;  // UCX failed: the progress thread says so
+              failed = true;
+            }
+          }
+          if (failed) {
             p = nullptr;
             continue;
           }
-          deferTo = outer;
-          p->release();
           if (c->doneFlag.load(std::memory_order_acquire)) return;  // callbacks may still run elsewhere
           continue;
         }
@@ -582,9 +610,9 @@ class Request {
       if (p != nullptr && c->done && !c->settled &&
           (deferTo == p || p->callbacksRunning.load(std::memory_order_acquire))) {
         lock.unlock();
-        p->runOwn(c);
+        const bool ran = p->runOwn(c);
         lock.lock();
-        continue;
+        if (ran) continue;  // else the progress thread has them in hand: wait below
       }
       if (p == nullptr) {
         if (timeout < 0)
@@ -1382,9 +1410,7 @@ class Node {
       throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node cannot be closed from inside its own progress");
     stopping.store(true, std::memory_order_release);
     withoutGil([this] {
-      // No waiter progresses the worker from now on.
-      prog->closed.store(true, std::memory_order_seq_cst);
-      while (prog->claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
+      prog->close();
       prog->unpark();
       if (!polling) ucp_worker_signal(wh);
       progressThread.join();
@@ -2215,9 +2241,7 @@ class Node {
     }
     if (!pyFinalizing()) runDone(done);
     if (prog) {
-      // stopProgress() closed it: no waiter holds the worker or claims it.
-      prog->closed.store(true, std::memory_order_seq_cst);
-      while (prog->claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
+      prog->close();  // done by stopProgress() unless its thread never started
       prog->worker.reset();
     }
     releaseNoGil(worker);
@@ -2335,11 +2359,7 @@ class Peer : public Endpoint {
   {
     // Closing progresses the worker in this thread: requests completed
     // there hand their callbacks to the progress thread, as in a waiter.
-    struct Defer {
-      Progress* outer;
-      explicit Defer(Progress* p) : outer(deferTo) { deferTo = p; }
-      ~Defer() { deferTo = outer; }
-    } defer(node->prog ? node->prog.get() : deferTo);
+    DeferTo here(node->prog ? node->prog.get() : deferTo);
     Endpoint::close(timeout);
     node->failPeer(id, UCS_ERR_CANCELED);
   }
