@@ -8,9 +8,8 @@ or export, or :mod:`gpushare.ucx` making an agent, server or client.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._aio import open_async
 from ._api import View, export, open
@@ -49,13 +48,17 @@ from ._same_node import allocate, export_buffer, import_buffer
 from ._share import Share
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from . import ucx
+del TYPE_CHECKING
 
 __version__ = "0.1.0.dev0"
 
 # Library logging: silent unless the application configures logging
 # (``logging.getLogger("gpushare").setLevel(logging.DEBUG)``).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+del logging
 
 __all__ = [
     "__version__",
@@ -118,10 +121,12 @@ for _name in __all__:
 for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
              open_async, empty, zeros, empty_like, get_batch, put_batch, set_authkey):
     _obj.__module__ = __name__
-del _name, _obj
+del _name, _obj, annotations
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ucx":
+    if name == "ucx":  # loaded on first use: it brings in the native module
+        import importlib
+
         return importlib.import_module(".ucx", __name__)
     raise AttributeError(f"module 'gpushare' has no attribute {name!r}")

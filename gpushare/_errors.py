@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "GpuShareError",
@@ -58,7 +59,20 @@ class WaitTimeoutError(GpuShareError, TimeoutError):
     """A wait on a request ran past its timeout.  The request stays in flight."""
 
 
-class UCXError(GpuShareError):
+class _StatusError(GpuShareError):
+    """An error that carries the status name of the library that reported it."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{message} [{status}]")
+        self.status = status
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as (status, message), so it crosses multiprocessing intact.
+        return type(self), (self.status, self.message)
+
+
+class UCXError(_StatusError):
     """A failure reported by UCX.
 
     Attributes
@@ -66,11 +80,6 @@ class UCXError(GpuShareError):
     status : str
         UCX's status name, for example ``"UCS_ERR_CONNECTION_RESET"``.
     """
-
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(f"{message} [{status}]")
-        self.status = status
-        self.message = message
 
 
 class UCXConnectionError(UCXError, ConnectionError):
@@ -165,7 +174,7 @@ class UnsupportedError(GpuShareError):
     type the device or driver lacks, no CUDA driver.  The message says which."""
 
 
-class CUDAError(GpuShareError):
+class CUDAError(_StatusError):
     """A failure reported by the CUDA driver.
 
     Attributes
@@ -173,11 +182,6 @@ class CUDAError(GpuShareError):
     status : str
         The driver's status name, for example ``"CUDA_ERROR_INVALID_VALUE"``.
     """
-
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(f"{message} [{status}]")
-        self.status = status
-        self.message = message
 
 
 # Refusals and protocol failures of the region server (gpushare._ucx._server).

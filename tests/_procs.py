@@ -3,23 +3,49 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 CTX = mp.get_context("spawn")
 
 
 class ChildError(RuntimeError):
-    """A command failed in the child; the message holds its traceback."""
+    """A command failed in the child with an exception that does not survive
+    pickling; the message holds its traceback."""
+
+
+def _error(exc: BaseException) -> tuple[bytes | None, str]:
+    """What the child sends home for ``exc``: the pickled exception when it
+    unpickles to the same type, and its traceback."""
+    tb = traceback.format_exc()
+    try:
+        blob = pickle.dumps(exc)
+        if type(pickle.loads(blob)) is not type(exc):
+            blob = None
+    except Exception:  # noqa: BLE001 - an exception that does not pickle goes home as text
+        blob = None
+    return blob, tb
+
+
+def _raise(value: tuple[bytes | None, str]) -> NoReturn:
+    """Raise the child's exception here, as its own type where it pickles
+    (so tests name the type they expect), with the child's traceback as a note."""
+    blob, tb = value
+    if blob is not None:
+        exc = pickle.loads(blob)
+        exc.add_note(f"raised in the child:\n{tb}")
+        raise exc
+    raise ChildError(tb)
 
 
 def _serve(conn: Any, setup: Callable[..., dict], args: tuple) -> None:
     try:
         state = setup(*args)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(("error", _error(exc)))
         return
     conn.send(("ok", state.pop("_reply", None)))
     while True:
@@ -33,8 +59,8 @@ def _serve(conn: Any, setup: Callable[..., dict], args: tuple) -> None:
         try:
             result = state["_handlers"][cmd](state, *payload)
             conn.send(("ok", result))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:
+            conn.send(("error", _error(exc)))
 
 
 class Child:
@@ -56,7 +82,7 @@ class Child:
             raise TimeoutError(f"child {self.proc.pid} did not answer within {timeout} s")
         status, value = self.conn.recv()
         if status == "error":
-            raise ChildError(value)
+            _raise(value)
         return value
 
     def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:

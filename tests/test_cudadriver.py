@@ -16,6 +16,8 @@ import pickle
 from collections.abc import Iterator
 
 import pytest
+
+import gpushare as gs
 from _procs import Child
 
 pytestmark = pytest.mark.cudadriver
@@ -240,7 +242,7 @@ def test_open_maps_on_the_callers_current_device_or_the_one_asked_for(spawn):
     assert importer.call("view_get", "a", 0, 8) == b"\x04" * 8
     opened = importer.call("open_view", "b", share, {"device": 1})
     assert opened["device"] == 1 and opened["current"] == 0
-    with pytest.raises(Exception, match="no CUDA device 5"):
+    with pytest.raises(gs.InvalidInputError, match="no CUDA device 5"):
         importer.call("open_view", "c", share, {"device": 5})
 
 
@@ -282,7 +284,7 @@ def test_fabric_handles_between_processes(spawn, tmp_path):
 def test_without_a_fabric_export_says_why_and_open_falls_to_posix_fd(spawn):
     exporter, importer = spawn(), spawn()
     exporter.call("allocate", "buf", 2 * MiB, 0, None, 1)
-    with pytest.raises(Exception, match="fabric"):
+    with pytest.raises(gs.UnsupportedError, match="fabric"):
         exporter.call("export_buffer", "buf", "fabric")
     share = exporter.call("export", "buf")
     assert "fabric" not in share.offers
@@ -306,7 +308,9 @@ def test_capabilities_finds_devices_in_nvml_by_uuid(spawn):
 
 def test_capabilities_counts_no_clique_until_the_fabric_is_ready(spawn):
     p = spawn(GPUSHARE_STANDIN_FABRIC="incomplete")
-    for d in p.call("capabilities")["cuda"]["devices"]:
+    devices = p.call("capabilities")["cuda"]["devices"]
+    assert len(devices) == 2  # the stand-in's default: the loop below checks both
+    for d in devices:
         assert d["fabric"]["clique_id"] is None and d["fabric"]["cluster_uuid"] is None
         assert "not ready" in d["fabric"]["reason"]
 
@@ -326,7 +330,7 @@ def test_allocations_are_gpudirect_rdma_capable(spawn):
 def test_pool_memory_is_refused_by_legacy_ipc_with_the_reason(spawn):
     p = spawn()
     p.call("pool_alloc", "buf", MiB)
-    with pytest.raises(Exception, match="stream-ordered memory pool that was not made exportable"):
+    with pytest.raises(gs.UnsupportedError, match="stream-ordered memory pool that was not made exportable"):
         p.call("export_buffer", "buf", "cuda-ipc")
     share = p.call("export", "buf")
     assert "cuda-ipc" not in share.offers

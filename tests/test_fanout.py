@@ -114,7 +114,7 @@ def test_auto_keeps_the_object_while_the_share_is_held_and_ends_with_it(peer):
     del share
     assert wait_for(lambda: _gone(ref))  # nothing here holds it, no import is open: ended
     assert wait_for(lambda: export.retired and get_exporter().get(share_id) is None)
-    with pytest.raises(Exception, match="held neither the Share nor the object"):
+    with pytest.raises(gs.ClosedError, match="held neither the Share nor the object"):
         peer.call("open", "late", copy)
 
 
@@ -129,7 +129,7 @@ def test_auto_share_sent_and_dropped_lives_until_its_first_import(peer):
     peer.call("open", "s1", share)
     peer.call("close", "s1")
     assert wait_for(lambda: _gone(ref))  # after it, nothing here needs it
-    with pytest.raises(Exception, match="no longer available"):
+    with pytest.raises(gs.ClosedError, match="no longer available"):
         peer.call("open", "s2", share)
 
 

@@ -60,9 +60,10 @@ def test_any_share_shaped_json_is_a_share_or_invalid_input(fields):
     real = json.loads(gs.export(np.zeros(8, np.uint8), lifetime="revoked").to_bytes())
     real.update(fields)
     try:
-        gs.Share.from_bytes(json.dumps(real).encode())
+        share = gs.Share.from_bytes(json.dumps(real).encode())
     except gs.InvalidInputError:
-        pass
+        return
+    assert gs.Share.from_bytes(share.to_bytes()) == share
 
 
 @FAST
@@ -71,18 +72,21 @@ def test_any_pickled_fields_are_a_share_or_invalid_input(fields):
     blob = pickle.dumps((_share._rebuild_share, tuple(fields)))
     fn, args = pickle.loads(blob)
     try:
-        fn(*args)
+        share = fn(*args)
     except gs.InvalidInputError:
-        pass
+        return
+    assert isinstance(share, gs.Share)
+    assert pickle.loads(pickle.dumps(share)) == share
 
 
 @FAST
 @given(st.binary(max_size=800))
 def test_any_bytes_are_a_channel_handle_or_invalid_input(data):
     try:
-        gs.ChannelHandle.from_bytes(data)
+        handle = gs.ChannelHandle.from_bytes(data)
     except gs.InvalidInputError:
-        pass
+        return
+    assert gs.ChannelHandle.from_bytes(handle.to_bytes()) == handle
 
 
 # ------------------------------------------------------------------ the fd broker

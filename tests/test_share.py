@@ -263,7 +263,7 @@ def test_lifetime_n_imports(peer):
     share = gs.export(np.zeros(4096, np.uint8), lifetime=2)
     peer.call("open", "n1", share)
     peer.call("open", "n2", share)
-    with pytest.raises(Exception, match="as many times as its lifetime allows"):
+    with pytest.raises(gs.ClosedError, match="as many times as its lifetime allows"):
         peer.call("open", "n3", share)
     export = registered(share)
     peer.call("close", "n1")
@@ -279,7 +279,7 @@ def test_lifetime_none_keeps_nothing_alive(peer):
     del box
     gc.collect()
     assert ref() is None
-    with pytest.raises(Exception, match="no longer available"):
+    with pytest.raises(gs.ClosedError, match="no longer available"):
         peer.call("open", "none", share)
     with pytest.raises(gs.InvalidInputError, match="weak"):
         gs.export(bytearray(10), lifetime="none")
@@ -296,14 +296,14 @@ def test_revocation_stops_remote_access_but_not_existing_mappings(peer, how, pat
     rma_share.revoke()
     fd_share.revoke()
     # Remote access stops at once...
-    with pytest.raises(Exception, match="ClosedError.*revoked" if path == "cma" else "UCX|Connection|connection|reset|failed"):
+    with pytest.raises(gs.ClosedError, match="revoked"):
         peer.call("get", "rv-rma", 0, 16)
     # ...but a mapping already made on this node cannot be taken back.
     np.asarray(buf)[:4] = 5
     assert peer.call("get", "rv-fd", 0, 4) == b"\x05" * 4
     # And nobody can open either share any more.
     for share in (rma_share, fd_share):
-        with pytest.raises(Exception, match="revoked"):
+        with pytest.raises(gs.ClosedError, match="revoked"):
             peer.call("open", "again", share)
     peer.call("close", "rv-rma")
     peer.call("close", "rv-fd")
@@ -453,7 +453,7 @@ def test_revocation_also_kills_descriptors_handed_out_before(peer):
     handed_out = registered(share).descriptors["host-fd"]
     assert peer.call("import_desc", handed_out) == b"\x2a" * 4
     share.revoke()
-    with pytest.raises(Exception, match="ExporterUnreachableError.*not served"):
+    with pytest.raises(gs.ExporterUnreachableError, match="not served"):
         peer.call("import_desc", handed_out)
     # Other exports of the same buffer are not affected.
     other = gs.export(buf, lifetime="revoked")
@@ -472,7 +472,7 @@ def test_read_only_memory_is_shared_read_only(peer):
             view.put(b"x")
         assert np.asarray(view).flags.writeable is False
     peer.call("open", "ro", share)
-    with pytest.raises(Exception, match="read-only"):
+    with pytest.raises(gs.InvalidInputError, match="read-only"):
         peer.call("put", "ro", 0, b"\x07")
     assert peer.call("get", "ro", 0, 4) == bytes(range(4))
     peer.call("close", "ro")
