@@ -201,6 +201,79 @@ def test_vmm_read_only_access_refuses_writes(run):
     assert lines(out) == ["1", "b'ro'", "CUDA_ERROR_ILLEGAL_ADDRESS"]
 
 
+# Device memory of each kind, for a process that then touches it with the CPU:
+# (what an exporting process does first, setting `q` (its own pointer to the
+# memory), `child` and `fds`; or None) and the code that makes `p` in the
+# process that touches it.
+DEVICE_MEMORY = {
+    "legacy": (None, "setup(0)\np = ok(drv.cuMemAlloc(4096))"),
+    "vmm": (None, "setup(0)\nh = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))\np = vmm_map(h, GRAN, (0, RW), (1, RW))"),
+    "pool": (None, "setup(0)\ns = ok(drv.cuStreamCreate(0))\np = ok(drv.cuMemAllocAsync(4096, s))"),
+    "ipc-opened": (
+        """
+        setup(0)
+        q = ok(drv.cuMemAlloc(4096))
+        handle = raw(ok(drv.cuIpcGetMemHandle(q)))
+        child += f"p = ok(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1))"
+        """,
+        "setup(0)\n",
+    ),
+    "pool-imported": (
+        """
+        setup(0)
+        pool = ok(drv.cuMemPoolCreate(pool_props(0)))
+        s = ok(drv.cuStreamCreate(0))
+        q = ok(drv.cuMemAllocFromPoolAsync(4096, pool, s)); ok(drv.cuStreamSynchronize(s))
+        fds = [ok(drv.cuMemPoolExportToShareableHandle(pool, POSIX, 0))]
+        data = raw(ok(drv.cuMemPoolExportPointer(q)))
+        child += (f"pool = ok(drv.cuMemPoolImportFromShareableHandle({fds[0]}, POSIX, 0))\\n"
+                  f"p = ok(drv.cuMemPoolImportPointer(pool, filled(drv.CUmemPoolPtrExportData(), {data!r})))")
+        """,
+        "setup(0)\n",
+    ),
+}
+CPU_TOUCH = {"read": "ctypes.string_at(int(p), 1)", "write": "ctypes.memset(int(p), 0x55, 1)"}
+TOUCH_AFTER_COPIES = """
+htod(p, b"through the driver")
+ok(drv.cuCtxSynchronize())
+print(dtoh(p, 18), flush=True)
+import ctypes
+{touch}
+print("the CPU reached device memory")
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "touch"), [(k, "read") for k in DEVICE_MEMORY] + [("legacy", "write"), ("vmm", "write"), ("pool", "write")]
+)
+def test_a_cpu_access_to_device_memory_kills_the_process_by_sigsegv(run, kind, touch):
+    exporter, child = DEVICE_MEMORY[kind]
+    code = "import signal\nq, fds, child = None, [], " + repr(child) + "\n"
+    code += textwrap.dedent(exporter or "")
+    code += "child += " + repr(TOUCH_AFTER_COPIES.format(touch=CPU_TOUCH[touch])) + "\n"
+    code += "rc, out = peer_status(child, pass_fds=fds)\n"
+    code += "print(rc == -signal.SIGSEGV, out.strip())\n"
+    code += "if q is not None: print(dtoh(q, 18))\n"
+    expected = ["True b'through the driver'"]
+    if exporter:
+        expected.append("b'through the driver'")  # the exporter sees what the importer wrote
+    assert lines(run(code)) == expected
+
+
+def test_vmm_access_granted_to_devices_is_not_granted_to_the_cpu(run):
+    out = run(
+        """
+        setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN, (0, RW), (1, RO))
+        prot = [line.split()[1] for line in open("/proc/self/maps")
+                if int(line.split("-")[0], 16) <= va < int(line.split()[0].split("-")[1], 16)]
+        print(prot)
+        """
+    )
+    assert lines(out) == ["['---p']"]
+
+
 def test_posix_fd_export_and_import_between_processes(run):
     out = run(
         """
@@ -634,13 +707,14 @@ def test_pinned_memory_copies_and_host_functions_run_in_stream_order(run):
         """
         import ctypes
         setup(0)
-        host = ok(drv.cuMemAllocHost(8)); dev = ok(drv.cuMemAlloc(8))
+        host = ok(drv.cuMemAllocHost(8)); dev = ok(drv.cuMemAlloc(8)); back = ok(drv.cuMemAllocHost(8))
         ctypes.memmove(int(host), b"pinned!!", 8)
         s = ok(drv.cuStreamCreate(0))
         ok(drv.cuMemcpyHtoDAsync(dev, host, 8, s))
         ctypes.memmove(int(host), b"changed!", 8)         # pinned: read when the copy runs
-        seen = []
-        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: seen.append(peek(dev, 8)))
+        ok(drv.cuMemcpyDtoHAsync(back, dev, 8, s))
+        seen = []                                         # a host function makes no CUDA calls
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: seen.append(ctypes.string_at(int(back), 8)))
         ok(drv.cuLaunchHostFunc(s, ctypes.cast(cb, ctypes.c_void_p).value, 0))
         ok(drv.cuMemsetD32Async(dev, 0x41414141, 2, s))
         print(seen)                                       # nothing ran yet

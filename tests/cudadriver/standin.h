@@ -158,6 +158,7 @@ struct vmap {
     size_t off;
     struct phys *p;
     unsigned char acc[MAXDEV];
+    uintptr_t alias;        /* where the stand-in itself reaches the memory (never handed out) */
     struct vmap *next;
 };
 
@@ -173,6 +174,7 @@ struct range {
     unsigned flags;
     struct vmap *maps;      /* RK_VMM: mappings inside the reservation */
     struct spool *pool;     /* RK_POOL: the pool whose region this is */
+    uintptr_t alias;        /* RK_LEGACY, RK_IPC: the private read-write mapping of fd */
     unsigned long long id;
     struct range *next;
 };
@@ -206,7 +208,8 @@ struct spool {
     int is_default;
     int dying;
     int fd;
-    uintptr_t base;
+    uintptr_t base;         /* the device addresses: PROT_NONE */
+    uintptr_t alias;        /* the private read-write mapping of fd */
     size_t cap;
     char nonce[33];
     struct pblock *blocks;  /* live allocations (imported pointers in an imported pool) */
@@ -277,6 +280,9 @@ int is_device_addr(uintptr_t a);
 int is_pinned_addr(uintptr_t a);
 int host_span_ok(uintptr_t a, size_t n);
 CUresult check_span(int phys, uintptr_t a, size_t n, int write);
+uintptr_t alias_of(uintptr_t a, size_t *run);
+void *reserve_none(size_t len);
+void *map_alias(int fd, size_t len, off_t off);
 
 /* pools (standin_pool.c) */
 void pool_block_free(struct spool *p, uintptr_t a);

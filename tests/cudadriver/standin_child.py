@@ -56,8 +56,17 @@ def filled(struct, data: bytes):
 
 
 def peek(ptr: int, n: int) -> bytes:
-    """The bytes at a device pointer right now (device memory is host memory here)."""
-    return ctypes.string_at(int(ptr), n)
+    """The bytes at a device pointer right now, before other queued work runs:
+    a copy on a stream of its own (non-blocking, so it waits for no other
+    stream) in the current context.  The CPU cannot read device memory."""
+    s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    buf = ctypes.create_string_buffer(n)
+    try:
+        ok(drv.cuMemcpyDtoHAsync(ctypes.addressof(buf), int(ptr), n, s))
+        ok(drv.cuStreamSynchronize(s))
+    finally:
+        drv.cuStreamDestroy(s)
+    return buf.raw
 
 
 def dtoh(ptr: int, n: int) -> bytes:
@@ -88,6 +97,16 @@ def access(ordinal: int, flags) -> drv.CUmemAccessDesc:
     return d
 
 
+def pool_props(ordinal: int = 0, handle_types: int = 1) -> drv.CUmemPoolProps:
+    """Properties of a device pool (``handle_types`` 1: exportable as a POSIX fd)."""
+    props = drv.CUmemPoolProps()
+    props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    props.handleTypes = handle_types
+    props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    props.location.id = ordinal
+    return props
+
+
 POSIX = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 FABRIC = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
 RW = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
@@ -103,11 +122,10 @@ def vmm_map(handle, size: int, *grants) -> int:
     return int(va)
 
 
-def peer(code: str, pass_fds=(), timeout: float = 60, **env: str) -> str:
-    """Run ``code`` in another process on the same stand-in; its stdout."""
+def _run_peer(code: str, pass_fds, timeout: float, env: dict) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env)
-    r = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", HEADER + textwrap.dedent(code)],
         capture_output=True,
         text=True,
@@ -115,6 +133,18 @@ def peer(code: str, pass_fds=(), timeout: float = 60, **env: str) -> str:
         pass_fds=tuple(pass_fds),
         env=e,
     )
+
+
+def peer(code: str, pass_fds=(), timeout: float = 60, **env: str) -> str:
+    """Run ``code`` in another process on the same stand-in; its stdout."""
+    r = _run_peer(code, pass_fds, timeout, env)
     if r.returncode != 0:
         raise RuntimeError(f"peer exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     return r.stdout
+
+
+def peer_status(code: str, pass_fds=(), timeout: float = 60, **env: str) -> tuple[int, str]:
+    """Run ``code`` in another process on the same stand-in; its exit status
+    (negative: the signal that killed it) and its stdout."""
+    r = _run_peer(code, pass_fds, timeout, env)
+    return r.returncode, r.stdout

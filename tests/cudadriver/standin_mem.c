@@ -1,10 +1,12 @@
 /* CUDA driver stand-in: memory kinds, VMM, legacy IPC (tests only; see README.md).
  *
- * Device memory is host virtual memory of each process: legacy allocations
- * are memfd-backed shared mappings, VMM allocations are memfds (or POSIX
- * shared memory when fabric-capable) mapped into PROT_NONE reservations.
- * A table of ranges classifies every pointer; unknown ones are pageable host.
- * Pools are in standin_pool.c.
+ * Device memory is memfds (POSIX shared memory for fabric-capable VMM
+ * allocations) that the CPU cannot reach at their device addresses: those are
+ * PROT_NONE reservations, so a CPU load or store there is a SIGSEGV, as on a
+ * GPU.  The stand-in's own copies and memsets reach the bytes through a
+ * private alias, a read-write mapping of the same memfd elsewhere, which it
+ * never hands out (alias_of translates).  A table of ranges classifies every
+ * pointer; unknown ones are pageable host.  Pools are in standin_pool.c.
  */
 #include "standin.h"
 
@@ -144,6 +146,47 @@ CUresult check_span(int phys, uintptr_t a, size_t n, int write) {
     return CUDA_SUCCESS;
 }
 
+/* Where the stand-in itself reads or writes the byte at `a` (device memory:
+   its alias; host memory: `a`), and in *run how many bytes from there on are
+   contiguous in the same way.  0 for a part of a reservation that is not
+   mapped (check_span refuses those first). */
+uintptr_t alias_of(uintptr_t a, size_t *run) {
+    struct range *r = find_range(a);
+    if (!r) {
+        uintptr_t nx;
+        *run = next_range_start(a, UINTPTR_MAX, &nx) ? nx - a : SIZE_MAX - a;
+        return a;
+    }
+    *run = r->base + r->size - a;
+    switch (r->kind) {
+    case RK_LEGACY:
+    case RK_IPC:
+        return r->alias + (a - r->base);
+    case RK_POOL:
+        return r->pool->alias + (a - r->pool->base);
+    case RK_VMM: {
+        struct vmap *m = find_map(r, a);
+        if (!m) return 0;
+        *run = m->va + m->size - a;
+        return m->alias + (a - m->va);
+    }
+    default: /* pinned host memory */
+        return a;
+    }
+}
+
+/* Device addresses: reserved, never accessible to the CPU. */
+void *reserve_none(size_t len) {
+    void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+/* The stand-in's own read-write view of [off, off+len) of a memfd. */
+void *map_alias(int fd, size_t len, off_t off) {
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, off);
+    return p == MAP_FAILED ? NULL : p;
+}
+
 int make_memfd(const char *name, size_t size) {
     int fd = memfd_create(name, MFD_CLOEXEC);
     if (fd < 0) return -1;
@@ -166,16 +209,21 @@ int fd_target(int fd, char *buf, size_t len) {
 
 /* ---------------------------------------------------------------- legacy allocations */
 
-/* Maps memfd `fd` (size bytes) read-write as a range of `kind`, which owns
-   the fd from then on; NULL, with the fd closed, when it fails. */
+/* Gives memfd `fd` (size bytes) device addresses (PROT_NONE) and an alias
+   as a range of `kind`, which owns the fd from then on; NULL, with the fd
+   closed, when it fails. */
 static struct range *map_fd_range(int kind, int fd, size_t size, int phys, struct sctx *c, const char *nonce) {
-    void *p = mmap(NULL, page_round(size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    struct range *rg = p == MAP_FAILED ? NULL : range_add(kind, (uintptr_t)p, size, phys);
+    size_t len = page_round(size);
+    void *p = reserve_none(len);
+    void *al = p ? map_alias(fd, len, 0) : NULL;
+    struct range *rg = al ? range_add(kind, (uintptr_t)p, size, phys) : NULL;
     if (!rg) {
-        if (p != MAP_FAILED) munmap(p, page_round(size));
+        if (al) munmap(al, len);
+        if (p) munmap(p, len);
         close(fd);
         return NULL;
     }
+    rg->alias = (uintptr_t)al;
     rg->fd = fd;
     rg->ctx = c;
     snprintf(rg->nonce, sizeof rg->nonce, "%s", nonce);
@@ -215,6 +263,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (!rg || rg->kind != RK_LEGACY || rg->base != (uintptr_t)dptr) RET(CUDA_ERROR_INVALID_VALUE);
     drain_ctx(c); /* cuMemFree synchronises */
     munmap((void *)rg->base, page_round(rg->size));
+    munmap((void *)rg->alias, page_round(rg->size));
     close(rg->fd);
     range_remove(rg);
     RET(c->sticky);
@@ -475,6 +524,7 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     while (rg->maps) { /* still mapped: the driver unmaps it (queued work touching it then fails) */
         struct vmap *m = rg->maps;
         rg->maps = m->next;
+        munmap((void *)m->alias, m->size);
         m->p->mrefs--;
         phys_maybe_free(m->p);
         free(m);
@@ -500,10 +550,12 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
         if (a < m->va + m->size && m->va < a + size) RET(CUDA_ERROR_INVALID_VALUE);
     struct vmap *m = calloc(1, sizeof *m);
     if (!m) RET(CUDA_ERROR_OUT_OF_MEMORY);
-    if (mmap((void *)a, size, PROT_NONE, MAP_SHARED | MAP_FIXED, p->fd, (off_t)offset) == MAP_FAILED) {
+    void *al = map_alias(p->fd, size, (off_t)offset); /* the reservation itself stays PROT_NONE */
+    if (!al) {
         free(m);
         RET(CUDA_ERROR_OUT_OF_MEMORY);
     }
+    m->alias = (uintptr_t)al;
     m->va = a;
     m->size = size;
     m->off = offset;
@@ -537,7 +589,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     for (struct vmap **pp = &rg->maps; *pp;) {
         struct vmap *m = *pp;
         if (m->va >= a && m->va < a + size) {
-            mmap((void *)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+            munmap((void *)m->alias, m->size);
             *pp = m->next;
             m->p->mrefs--;
             phys_maybe_free(m->p);
@@ -547,15 +599,6 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
         }
     }
     RET(CUDA_SUCCESS);
-}
-
-static void apply_protection(struct vmap *m) {
-    int prot = PROT_NONE;
-    for (int d = 0; d < MAXDEV; d++) {
-        if (m->acc[d] & 1) prot |= PROT_READ;
-        if ((m->acc[d] & ACC_RW) == ACC_RW) prot |= PROT_WRITE;
-    }
-    mprotect((void *)m->va, m->size, prot);
 }
 
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
@@ -577,8 +620,7 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
     }
     for (struct vmap *m = rg->maps; m; m = m->next) {
         if (!(a < m->va + m->size && m->va < a + size)) continue;
-        for (size_t i = 0; i < count; i++) m->acc[phys[i]] = (unsigned char)desc[i].flags;
-        apply_protection(m);
+        for (size_t i = 0; i < count; i++) m->acc[phys[i]] = (unsigned char)desc[i].flags; /* the CPU: never */
     }
     RET(CUDA_SUCCESS);
 }
@@ -815,6 +857,7 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
     if (--rg->refs > 0) RET(CUDA_SUCCESS);
     drain_all();
     munmap((void *)rg->base, page_round(rg->size));
+    munmap((void *)rg->alias, page_round(rg->size));
     close(rg->fd);
     range_remove(rg);
     RET(CUDA_SUCCESS);

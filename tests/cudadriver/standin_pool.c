@@ -1,9 +1,11 @@
 /* CUDA driver stand-in: memory pools, the stream-ordered allocator and pool
  * IPC (tests only; see README.md).
  *
- * Each pool is one sparse memfd mapped shared, with a first-fit allocator;
- * an imported pool maps the exporter's memfd, and imported pointers are
- * blocks in it at the exporter's offsets.
+ * Each pool is one sparse memfd with a first-fit allocator: its device
+ * addresses are a PROT_NONE reservation, the stand-in reaches the bytes
+ * through a private alias mapping (see standin_mem.c); an imported pool maps
+ * the exporter's memfd the same way, and imported pointers are blocks in it
+ * at the exporter's offsets.
  */
 #include "standin.h"
 
@@ -38,15 +40,17 @@ static int pool_valid(struct spool *p) {
 }
 
 static struct spool *pool_map(int fd, int dev, int htypes, size_t cap, const char *nonce, int imported) {
-    void *base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
-    if (base == MAP_FAILED) return NULL;
-    struct spool *p = calloc(1, sizeof *p);
+    void *base = reserve_none(cap);
+    void *al = base ? map_alias(fd, cap, 0) : NULL;
+    struct spool *p = al ? calloc(1, sizeof *p) : NULL;
     struct range *rg = p ? range_add(RK_POOL, (uintptr_t)base, cap, dev) : NULL;
     if (!rg) {
         free(p);
-        munmap(base, cap);
+        if (al) munmap(al, cap);
+        if (base) munmap(base, cap);
         return NULL;
     }
+    p->alias = (uintptr_t)al;
     p->magic = POOL_MAGIC;
     p->dev = dev;
     p->htypes = htypes;
@@ -81,6 +85,7 @@ static void pool_free(struct spool *p) {
             break;
         }
     munmap((void *)p->base, p->cap);
+    munmap((void *)p->alias, p->cap);
     close(p->fd);
     range_remove(p->region);
     for (int d = 0; d < MAXDEV; d++)

@@ -52,6 +52,52 @@ static int safe_copy(uintptr_t dst, uintptr_t src, size_t n) {
     return 0;
 }
 
+/* A copy of n bytes between device or host addresses, through the stand-in's
+   aliases of device memory (the device addresses themselves are PROT_NONE),
+   in pieces that are contiguous on both sides; a staged source is `staging`.
+   -1 when a piece faults. */
+static int alias_copy(uintptr_t dst, uintptr_t src, const void *staging, size_t n) {
+    while (n) {
+        size_t rd, rs = n, k;
+        uintptr_t d = alias_of(dst, &rd);
+        uintptr_t s = staging ? (uintptr_t)staging : alias_of(src, &rs);
+        if (!d || !s) return -1;
+        k = n < rd ? n : rd;
+        if (rs < k) k = rs;
+        if (safe_copy(d, s, k) != 0) return -1;
+        dst += k;
+        n -= k;
+        if (staging)
+            staging = (const char *)staging + k;
+        else
+            src += k;
+    }
+    return 0;
+}
+
+/* cuMemsetD8/16/32's pattern into n elements of `width` bytes at dst, through
+   the aliases (pieces end at allocation boundaries, which are page-aligned,
+   so no element is split). */
+static void alias_set(uintptr_t dst, unsigned v, size_t n, int width) {
+    size_t left = n * (size_t)width;
+    while (left) {
+        size_t run;
+        uintptr_t d = alias_of(dst, &run);
+        size_t k = left < run ? left : run;
+        if (width == 1) {
+            memset((void *)d, (int)(v & 0xff), k);
+        } else if (width == 2) {
+            unsigned short *p = (unsigned short *)d;
+            for (size_t i = 0; i < k / 2; i++) p[i] = (unsigned short)v;
+        } else {
+            unsigned int *p = (unsigned int *)d;
+            for (size_t i = 0; i < k / 4; i++) p[i] = v;
+        }
+        dst += k;
+        left -= k;
+    }
+}
+
 static double now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -204,7 +250,7 @@ static CUresult exec_op(struct op *o) {
                          "poisoned", o->n, (unsigned long)o->dst, (unsigned long)(o->staging ? 0 : o->src), dev);
             return r;
         }
-        if (safe_copy(o->dst, o->staging ? (uintptr_t)o->staging : o->src, o->n) != 0) {
+        if (alias_copy(o->dst, o->src, o->staging, o->n) != 0) {
             standin_note("illegal address: queued copy of %zu bytes into 0x%lx faulted on device %d; the context "
                          "is poisoned", o->n, (unsigned long)o->dst, dev);
             return CUDA_ERROR_ILLEGAL_ADDRESS;
@@ -217,15 +263,7 @@ static CUresult exec_op(struct op *o) {
                          (unsigned long)o->dst, dev);
             return r;
         }
-        if (o->setwidth == 1) {
-            memset((void *)o->dst, (int)(o->setval & 0xff), o->n);
-        } else if (o->setwidth == 2) {
-            unsigned short v = (unsigned short)o->setval, *p = (unsigned short *)o->dst;
-            for (size_t i = 0; i < o->n; i++) p[i] = v;
-        } else {
-            unsigned int v = o->setval, *p = (unsigned int *)o->dst;
-            for (size_t i = 0; i < o->n; i++) p[i] = v;
-        }
+        alias_set(o->dst, o->setval, o->n, o->setwidth);
         return CUDA_SUCCESS;
     case OP_RECORD:
         o->t_ms = now_ms();
