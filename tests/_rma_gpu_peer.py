@@ -1,4 +1,5 @@
-"""Peer for the GPU RMA tests: registers CUDA memory allocated by UCX."""
+"""Peer for the GPU RMA tests: registers CUDA memory allocated by UCX, in a
+process that makes no CUDA context current."""
 
 from __future__ import annotations
 
@@ -8,57 +9,53 @@ import os
 import numpy as np
 
 
-def _current_device():
-    from cuda.core import Device
-
-    dev = Device(0)
-    dev.set_current()
-    return dev
-
-
 def allocate(size: int):
     """cuda.core device memory from the device's pool; cuda.core 1.2 asks
-    for the stream that orders the allocation."""
-    dev = _current_device()
-    stream = dev.create_stream()
-    buf = dev.allocate(size, stream=stream)
-    stream.sync()
-    return buf
+    for the stream that orders the allocation.  cuda.core needs a current
+    device: it is made current in a thread of its own, so the caller's
+    thread keeps whatever it had (gpushare must not rely on one)."""
+    from _procs import in_thread
+
+    def make():
+        from cuda.core import Device
+
+        dev = Device(0)
+        dev.set_current()
+        stream = dev.create_stream()
+        buf = dev.allocate(size, stream=stream)
+        stream.sync()
+        return buf
+
+    return in_thread(make)
 
 
 def dtoh(address: int, n: int) -> np.ndarray:
-    from cuda.bindings import driver
+    from _gpu_share_peer import dtoh as dtoh_bytes
 
-    out = np.empty(n, np.uint8)
-    (err,) = driver.cuMemcpyDtoH(out.ctypes.data, address, n)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyDtoH failed: {err.name}")
-    return out
+    return np.frombuffer(dtoh_bytes(address, n), np.uint8)
 
 
 def htod(address: int, data: np.ndarray) -> None:
-    from cuda.bindings import driver
+    from _gpu_share_peer import htod as htod_bytes
 
-    (err,) = driver.cuMemcpyHtoD(address, data.ctypes.data, data.nbytes)
-    if err == driver.CUresult.CUDA_SUCCESS:
-        # A pageable source is only staged when the call returns: the bytes
-        # are in device memory (for UCX to read) after a synchronisation.
-        (err,) = driver.cuCtxSynchronize()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuMemcpyHtoD failed: {err.name}")
+    htod_bytes(address, data)
 
 
 def setup(size: int) -> dict:
     from gpushare import ucx
+    from _gpu_share_peer import current_context
 
-    _current_device()
+    # A fresh process that made no context current: gpushare.ucx must
+    # allocate the CUDA memory all the same.
+    before = current_context()
     agent = ucx.Agent()
     mh = agent.create_memory_handle(size, memory_type="cuda")
     key = mh.create_remote_key()
     state = {"agent": agent, "mh": mh, "_handlers": HANDLERS}
     state["_reply"] = {
         "address": agent.address, "key": key.serialize(), "base": mh.base_address,
-        "memory_type": mh.memory_type, "pid": os.getpid(),
+        "memory_type": mh.memory_type, "pid": os.getpid(), "context_before": before,
+        "context_after": current_context(),
     }
     return state
 

@@ -11,26 +11,61 @@ from collections.abc import Iterator
 import pytest
 
 
+#: Set to 1 (by ``tests/test_gpu_on_standin.py``) in a pytest run whose
+#: process loads the CUDA driver stand-in: ``gpu`` tests then take the
+#: stand-in for the device, and those marked ``kernels`` skip.  A contract
+#: check of the GPU tests themselves, never GPU verification.
+STANDIN_GPU_ENV = "GPUSHARE_TEST_STANDIN_GPU"
+KERNELS_ON_STANDIN = "needs kernels (CuPy/torch), the stand-in runs none"
+
+
+def standin_gpu_run() -> bool:
+    """Whether this pytest run takes the driver stand-in for the device."""
+    return os.environ.get(STANDIN_GPU_ENV) == "1"
+
+
 @functools.cache
-def cuda_device_reason() -> str | None:
-    """None when a CUDA device is usable here, else why not (never faked)."""
+def _cuda_device() -> tuple[str | None, bool]:
+    """(why no CUDA device is usable here or None, whether it is the stand-in)."""
     try:
         from cuda.bindings import driver
     except ImportError:
-        return "cuda-bindings is not installed (pip install cuda-bindings)"
+        return "cuda-bindings is not installed (pip install cuda-bindings)", False
     try:
         (err,) = driver.cuInit(0)
     except Exception as exc:  # libcuda.so missing
-        return f"no CUDA driver: {exc}"
+        return f"no CUDA driver: {exc}", False
     if err != driver.CUresult.CUDA_SUCCESS:
-        return f"no CUDA device: cuInit returned {err.name}"
+        return f"no CUDA device: cuInit returned {err.name}", False
     err, count = driver.cuDeviceGetCount()
     if err != driver.CUresult.CUDA_SUCCESS or count < 1:
-        return "no CUDA device visible"
+        return "no CUDA device visible", False
     err, name = driver.cuDeviceGetName(256, 0)
     if err == driver.CUresult.CUDA_SUCCESS and b"stand-in" in name:
-        return "the CUDA driver is the test stand-in (tests/cudadriver), not a GPU"
-    return None
+        return "the CUDA driver is the test stand-in (tests/cudadriver), not a GPU", True
+    return None, False
+
+
+def cuda_device_reason() -> str | None:
+    """None when a CUDA device is usable here, else why not (never faked).
+
+    The driver stand-in is refused, except in a run with
+    ``GPUSHARE_TEST_STANDIN_GPU=1`` (see :data:`STANDIN_GPU_ENV`), where the
+    ``gpu`` tests that need no kernels run against it as a contract check.
+    """
+    reason, standin = _cuda_device()
+    if standin and standin_gpu_run():
+        return None
+    return reason
+
+
+def kernels_reason() -> str | None:
+    """None when CuPy/torch kernels can run on the device, else why not
+    (only the stand-in, which has a device but runs no kernel, says so here)."""
+    reason, standin = _cuda_device()
+    if standin:
+        return KERNELS_ON_STANDIN
+    return reason
 
 
 STANDIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cudadriver")
@@ -66,6 +101,7 @@ def standin_env(libdir: str, **env: str | None) -> dict[str, str]:
     """
     out = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_STANDIN_")}
     out.pop("CUDA_VISIBLE_DEVICES", None)
+    out.pop(STANDIN_GPU_ENV, None)
     out["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
     for k, v in env.items():
         if v is None:
@@ -130,10 +166,20 @@ def netns_reason() -> str | None:
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "kernels: a gpu test that runs CuPy or torch kernels (the CUDA runtime); skipped against the "
+        "driver stand-in, which runs none",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             reason = cuda_device_reason()
+            if reason is None and "kernels" in item.keywords:
+                reason = kernels_reason()
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
         if "netns" in item.keywords:

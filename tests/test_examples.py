@@ -33,6 +33,7 @@ def test_share_arrays_host_memory():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
 def test_share_arrays_cupy():
     pytest.importorskip("cupy", reason="the CuPy variant needs cupy (pip install cupy-cuda12x or similar)")
     out = run_example("share_arrays.py")

@@ -65,6 +65,7 @@ def test_device_paths_say_there_is_no_driver():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
 def test_vmm_posix_fd_between_processes_kernel_writes_exporter_sees(child):
     cupy = pytest.importorskip("cupy")
     from _same_node_gpu_peer import as_cupy
@@ -91,6 +92,7 @@ def test_vmm_posix_fd_between_processes_kernel_writes_exporter_sees(child):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
 def test_cupy_pool_array_through_legacy_ipc(child):
     cupy = pytest.importorskip("cupy")
     whole = cupy.arange(1 << 16, dtype=cupy.uint8)
@@ -110,24 +112,24 @@ def test_cupy_pool_array_through_legacy_ipc(child):
 
 
 @pytest.mark.gpu
-def test_fabric_export_works_or_says_why(child):
+def test_fabric_export_says_why_and_falls_back_to_posix_fd(child):
+    """What one H200 without an NVLink fabric or IMEX channel gives (the
+    machine the GPU check runs on; the stand-in without
+    GPUSHARE_STANDIN_FABRIC likewise): no fabric handle type, a reason, a
+    refused fabric export, and posix-fd as the descriptor another process
+    imports."""
     caps = gs.capabilities(0)["cuda"]["devices"][0]
+    assert "fabric" not in caps["handle_types"], caps
+    assert caps["fabric_reason"], caps
     buf = gs.allocate(2 << 20, device=0)
     try:
-        if "fabric" not in caps["handle_types"]:
-            with pytest.raises(gs.UnsupportedError, match="fabric") as info:
-                gs.export_buffer(buf, handle_type="fabric")
-            assert caps["fabric_reason"] and str(info.value)
-            assert isinstance(gs.export_buffer(buf), gs.PosixFdBufferDescriptor)  # the fallback
-        else:
-            desc = gs.export_buffer(buf)
-            if isinstance(desc, gs.VirtualMemoryFabricBufferDescriptor):
-                assert all(len(h) == 64 for h in desc.handles)
-                assert child.call("import", pickle.loads(pickle.dumps(desc))) == buf.size
-                child.call("close")
-            else:  # allocation found no usable IMEX channel and fell back
-                with pytest.raises(gs.UnsupportedError, match="IMEX"):
-                    gs.export_buffer(buf, handle_type="fabric")
+        with pytest.raises(gs.UnsupportedError, match="(?i)fabric|imex") as info:
+            gs.export_buffer(buf, handle_type="fabric")
+        assert str(info.value)
+        desc = gs.export_buffer(buf)
+        assert isinstance(desc, gs.PosixFdBufferDescriptor)  # the fallback
+        assert child.call("import", pickle.loads(pickle.dumps(desc))) == buf.size
+        child.call("close")
     finally:
         buf.close()
 

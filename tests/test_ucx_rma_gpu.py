@@ -26,8 +26,7 @@ def cuda_peer():
 
 @pytest.fixture(scope="module")
 def link(cuda_peer):
-    gpu_peer._current_device()
-    agent = ucx.Agent()
+    agent = ucx.Agent()  # no context made current in this process either
     ep = agent.connect(cuda_peer.hello["address"])
     rk = ep.unpack_remote_key(cuda_peer.hello["key"])
     yield agent, ep, rk
@@ -38,6 +37,14 @@ def test_peer_region_is_cuda(cuda_peer, link):
     _, _, rk = link
     assert cuda_peer.hello["memory_type"] == "cuda"
     assert rk.memory_type == "cuda"
+
+
+def test_peer_allocated_its_cuda_region_with_no_current_context(cuda_peer):
+    """UCX allocates CUDA memory only under a current context; the peer made
+    none current, and gpushare.ucx leaves none current after allocating."""
+    assert cuda_peer.hello["context_before"] is None
+    assert cuda_peer.hello["context_after"] is None
+    assert cuda_peer.call("fill", 0, 4096, 7) == cuda_peer.call("digest", 0, 4096)  # device memory, bytes in and out
 
 
 @pytest.mark.parametrize("size,offset", [(1, 0), (4096, 3), (MiB + 1, 4096), (64 * MiB, 0)])
@@ -83,6 +90,7 @@ def test_register_local_cuda_buffer(link):
         buf.close()
 
 
+@pytest.mark.kernels
 def test_cupy_array_round_trip(link):
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     _, ep, rk = link
