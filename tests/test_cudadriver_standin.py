@@ -477,6 +477,62 @@ def test_pool_ipc_export_and_import_between_processes(run):
     assert lines(out) == ["b'pooled'", "CUDA_ERROR_INVALID_VALUE"]
 
 
+def test_pool_memory_is_accessible_from_other_devices_only_as_granted(run):
+    # One process per refused access: an illegal address poisons the device.
+    out = run(
+        """
+setup(1)
+mine = ok(drv.cuMemAlloc(64)); htod(mine, b"1" * 64)
+setup(0)
+pool = ok(drv.cuMemPoolCreate(pool_props(0)))
+p = ok(drv.cuMemAllocFromPoolAsync(64, pool, 0)); htod(p, b"0" * 64); ok(drv.cuCtxSynchronize())
+print(pool_flags(pool, 0), pool_flags(pool, 1))
+print(err(drv.cuMemPoolSetAccess(pool, [access(0, RO)], 1)))      # the resident device keeps its access
+ok(drv.cuMemPoolSetAccess(pool, [access(1, RO)], 1))
+print(pool_flags(pool, 1), copy_on(1, mine, p, 64), dtoh(mine, 2))  # device 1 may read now ...
+print(copy_on(1, p, mine, 64))                                     # ... but not write
+"""
+    )
+    assert lines(out) == ["3 0", "CUDA_ERROR_INVALID_DEVICE", "1 CUDA_SUCCESS b'00'", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    refused = run(
+        """
+setup(1)
+mine = ok(drv.cuMemAlloc(64))
+setup(0)
+p = ok(drv.cuMemAllocAsync(64, 0))                                # the default pool: device 0 only
+print(copy_on(1, mine, p, 64), err(drv.cuMemAlloc(8)))
+"""
+    )
+    assert lines(refused) == ["CUDA_ERROR_ILLEGAL_ADDRESS CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
+def test_an_imported_pool_is_accessible_only_from_its_resident_device_until_granted(run):
+    out = run(
+        """
+setup(0)
+pool = ok(drv.cuMemPoolCreate(pool_props(0)))
+ok(drv.cuMemPoolSetAccess(pool, [access(1, RW)], 1))             # granted here: not carried over
+p = ok(drv.cuMemAllocFromPoolAsync(64, pool, 0)); htod(p, b"exported" * 8); ok(drv.cuCtxSynchronize())
+fd = ok(drv.cuMemPoolExportToShareableHandle(pool, POSIX, 0))
+data = raw(ok(drv.cuMemPoolExportPointer(p)))
+importer = f'''
+setup(0)
+pool = ok(drv.cuMemPoolImportFromShareableHandle({fd}, POSIX, 0))
+p = ok(drv.cuMemPoolImportPointer(pool, filled(drv.CUmemPoolPtrExportData(), {data!r})))
+setup(1)
+mine = ok(drv.cuMemAlloc(64))
+print(pool_flags(pool, 0), pool_flags(pool, 1))
+'''
+print(peer(importer + '''
+ok(drv.cuMemPoolSetAccess(pool, [access(1, RW)], 1))
+print(pool_flags(pool, 1), copy_on(1, mine, p, 64), dtoh(mine, 8))
+''', pass_fds=[fd]).strip())
+print(peer(importer + "print(copy_on(1, mine, p, 64))", pass_fds=[fd]).strip())
+"""
+    )
+    assert lines(out) == ["3 0", "3 CUDA_SUCCESS b'exported'", "3 0", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+
+
 def test_cuda_core_ipc_memory_resource_between_processes(run):
     out = run(
         """
@@ -772,6 +828,43 @@ def test_work_queued_at_exit_still_lands_in_shared_memory(run):
         """
     )
     assert lines(out) == ["b'at exit!'"]
+
+
+def test_cuda_calls_in_a_child_forked_after_cuinit_fail_as_not_initialized(run):
+    out = run(
+        """
+        import glob
+        pid = os.fork()                                    # before cuInit: the child may use CUDA
+        if pid == 0:
+            print("early child", err(drv.cuInit(0)), err(drv.cuDeviceGetCount()), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        setup(0)
+        p = ok(drv.cuMemAlloc(8)); htod(p, b"parent.."); ok(drv.cuCtxSynchronize())
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0, handle_types=8), 0))
+        names = glob.glob(f"/dev/shm/gsf-{os.getpid()}-*")
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemcpyHtoDAsync(p, b"queued..", 8, s))  # not yet run
+        pid = os.fork()
+        if pid == 0:
+            print("child", err(drv.cuInit(0)), err(drv.cuDeviceGetCount()), err(drv.cuDeviceGet(0)),
+                  err(drv.cuCtxGetCurrent()), err(drv.cuMemAlloc(8)), err(drv.cuCtxSynchronize()),
+                  err(drv.cuMemcpyDtoH(bytearray(8), p, 8)), err(drv.cuInit(0)), flush=True)
+            sys.exit(0)                                    # a whole exit, destructors included
+        print(os.waitpid(pid, 0)[1])
+        print(peek(p, 8), len(names), glob.glob(f"/dev/shm/gsf-{os.getpid()}-*") == names)
+        ok(drv.cuStreamSynchronize(s)); print(dtoh(p, 8))
+        """,
+        GPUSHARE_STANDIN_FABRIC="1",
+    )
+    no = "CUDA_ERROR_NOT_INITIALIZED"
+    assert lines(out) == [
+        "early child CUDA_SUCCESS CUDA_SUCCESS",
+        "child " + " ".join([no] * 8),
+        "0",
+        "b'parent..' 1 True",  # the child's exit neither ran the parent's work nor removed its names
+        "b'queued..'",
+    ]
 
 
 def test_primary_context_release_and_reset(run):

@@ -225,6 +225,7 @@ struct spool {
 extern pthread_mutex_t g_lock;
 extern int g_inited, g_nphys, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
 extern int g_trace, g_fabric;
+extern int g_forked; /* this process forked from one that had called cuInit */
 extern __thread int t_ptds; /* inside a per-thread-default-stream variant */
 extern struct sctx *g_ctxs;
 extern struct sctx *g_primary[MAXDEV];

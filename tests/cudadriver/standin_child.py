@@ -135,6 +135,19 @@ def _run_peer(code: str, pass_fds, timeout: float, env: dict) -> subprocess.Comp
     )
 
 
+def pool_flags(pool, ordinal: int) -> int:
+    """cuMemPoolGetAccess of ``pool`` for device ``ordinal``."""
+    return int(ok(drv.cuMemPoolGetAccess(pool, access(ordinal, RW).location)))
+
+
+def copy_on(ordinal: int, dst: int, src: int, n: int) -> str:
+    """A device-to-device copy in device ``ordinal``'s primary context (left
+    current), synchronised: the driver's answer."""
+    setup(ordinal)
+    r = err(drv.cuMemcpyDtoDAsync(dst, src, n, 0))
+    return r if r != "CUDA_SUCCESS" else err(drv.cuCtxSynchronize())
+
+
 def peer(code: str, pass_fds=(), timeout: float = 60, **env: str) -> str:
     """Run ``code`` in another process on the same stand-in; its stdout."""
     r = _run_peer(code, pass_fds, timeout, env)

@@ -26,15 +26,33 @@ static unsigned long long g_next_id = 1;
 static __thread struct sctx *t_stack[64];
 static __thread int t_depth;
 
-static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
-static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
-static void atfork_child(void) { pthread_mutex_unlock(&g_lock); }
+int g_forked;
 
-__attribute__((constructor)) static void standin_setup(void) {
+static void lock_init(void) {
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&g_lock, &a);
+    pthread_mutexattr_destroy(&a);
+}
+
+static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
+static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
+/* The driver does not support a fork after cuInit: in such a child every
+   call, cuInit included, returns CUDA_ERROR_NOT_INITIALIZED (the state the
+   child inherited is the parent's and is never used, not even at exit).
+   The lock is made anew: the child's thread is not the owner the recursive
+   mutex recorded, so it could not unlock it. */
+static void atfork_child(void) {
+    if (g_inited) {
+        g_inited = 0;
+        g_forked = 1;
+    }
+    lock_init();
+}
+
+__attribute__((constructor)) static void standin_setup(void) {
+    lock_init();
     /* A fork while another thread holds the lock must not leave it held. */
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
     const char *t = getenv("GPUSHARE_STANDIN_TRACE");
@@ -247,6 +265,7 @@ struct sctx *primary_of(int phys) {
 EXPORT CUresult cuInit(unsigned int flags) {
     GUARD;
     if (flags != 0) RET(CUDA_ERROR_INVALID_VALUE);
+    if (g_forked) RET(CUDA_ERROR_NOT_INITIALIZED); /* forked after the parent's cuInit */
     if (!g_inited) {
         const char *n = getenv("GPUSHARE_STANDIN_DEVICES");
         if (n && *n) {

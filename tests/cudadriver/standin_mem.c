@@ -139,6 +139,8 @@ CUresult check_span(int phys, uintptr_t a, size_t n, int write) {
         } else if (r->kind == RK_POOL) {
             struct pblock *b = find_block(r->pool, a);
             if (!b) return CUDA_ERROR_ILLEGAL_ADDRESS;
+            int need = write ? ACC_RW : ACC_READ; /* as granted by cuMemPoolSetAccess in this process */
+            if ((r->pool->acc[phys] & need) != need) return CUDA_ERROR_ILLEGAL_ADDRESS;
             stop = r->pool->base + b->off + b->size;
         }
         a = stop < end ? stop : end;
@@ -397,6 +399,7 @@ static void phys_maybe_free(struct phys *p) {
 /* Names of fabric-capable allocations this process created go with it, even
    when it exits without releasing them (a killed process still leaves them). */
 __attribute__((destructor)) static void unlink_fabric_names(void) {
+    if (g_forked) return; /* the parent's names */
     for (struct phys *p = g_phys; p; p = p->next)
         if (p->owns_shm) shm_unlink(p->shm);
 }
@@ -941,6 +944,7 @@ static CUresult pointer_attr(int attr, uintptr_t a, struct range *r, void *data)
     case 16: {
         unsigned f = ACC_RW;
         if (m) f = cc ? m->acc[cc->phys] : ACC_NONE;
+        if (r->kind == RK_POOL) f = cc ? r->pool->acc[cc->phys] : ACC_NONE;
         put(data, &f, 4);
         return CUDA_SUCCESS;
     }

@@ -230,8 +230,12 @@ EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool p, const CUmemAccessDesc *desc, 
         if (desc[i].location.type != LOC_DEVICE) RET(CUDA_ERROR_INVALID_VALUE);
         if ((r = ordinal_to_phys(desc[i].location.id, &phys))) RET(r);
         if (f != ACC_NONE && f != ACC_READ && f != ACC_RW) RET(CUDA_ERROR_INVALID_VALUE);
-        if (phys == p->dev && f != ACC_RW && !p->imported) RET(CUDA_ERROR_INVALID_DEVICE);
-        p->acc[phys] = (unsigned char)f;
+        if (phys == p->dev && f != ACC_RW) RET(CUDA_ERROR_INVALID_DEVICE); /* the resident device's: never revoked */
+    }
+    for (size_t i = 0; i < count; i++) {
+        int phys;
+        ordinal_to_phys(desc[i].location.id, &phys);
+        p->acc[phys] = (unsigned char)desc[i].flags;
     }
     RET(CUDA_SUCCESS);
 }

@@ -341,6 +341,7 @@ void stream_free_all(struct sctx *c) {
 __attribute__((destructor)) static void finish_at_exit(void) {
     /* A thread still inside a call (a daemon thread in a host function) keeps
        the lock: give up after a second rather than hang the exit. */
+    if (g_forked) return; /* the parent's work, not this process's */
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 1;
