@@ -311,20 +311,22 @@ def _open_error(state: dict, share: Any, timeout: float) -> str:
 
 
 _SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
 }
 """
 
 
 def _busy(cupy: Any, stream: Any, seconds: float = 0.2) -> None:
-    """Queue a kernel that keeps ``stream`` busy for about ``seconds``: work
-    queued after it on the stream runs that much later."""
+    """Queue a kernel that keeps ``stream`` busy for about ``seconds`` (the
+    GPU's global nanosecond timer): work queued after it runs that much later."""
     kernel = cupy.RawKernel(_SPIN, "spin")
-    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0) * 1000  # kHz -> Hz
     with stream:
-        kernel((1,), (1,), (np.int64(int(rate * seconds)),))
+        kernel((1,), (1,), (np.uint64(int(seconds * 1e9)),))
 
 
 def _rma_stream_put(state: dict, name: str, n: int, value: int) -> None:
@@ -370,6 +372,24 @@ def _cupy_sum(state: dict, name: str) -> int:
     return total
 
 
+def _cupy_write_fault(state: dict, name: str) -> str:
+    """A CuPy kernel writes a read-only mapped view (through its pointer, as
+    any CUDA code could): what the CUDA runtime reports.  The context is
+    then unusable, as a GPU leaves it: run this only in a throwaway process."""
+    import cupy
+
+    view = state["views"][name]
+    ptr, readonly = view.__cuda_array_interface__["data"]
+    mem = cupy.cuda.UnownedMemory(ptr, view.nbytes, view, 0)
+    a = cupy.ndarray((view.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    try:
+        a.fill(1)
+        cupy.cuda.runtime.deviceSynchronize()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"readonly={readonly}: {exc}"
+    return f"readonly={readonly}: the write completed"
+
+
 def _torch_export_expandable(state: dict, n: int, value: int) -> Any:
     """A torch CUDA tensor from the caching allocator's expandable segments
     (PYTORCH_CUDA_ALLOC_CONF is set in this process's environment before
@@ -411,5 +431,6 @@ HANDLERS.update({
     "rma_stream_put": _rma_stream_put,
     "rma_stream_get": _rma_stream_get,
     "cupy_sum": _cupy_sum,
+    "cupy_write_fault": _cupy_write_fault,
     "torch_export_expandable": _torch_export_expandable,
 })
