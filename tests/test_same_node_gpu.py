@@ -96,6 +96,7 @@ def test_vmm_posix_fd_between_processes_kernel_writes_exporter_sees(child):
 def test_cupy_pool_array_through_legacy_ipc(child):
     cupy = pytest.importorskip("cupy")
     whole = cupy.arange(1 << 16, dtype=cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()  # written before another process reads it
     part = whole[1000:5000]  # not at the start of its allocation: the offset travels
     desc = gs.export_buffer(part)
     assert isinstance(desc, gs.CudaIpcBufferDescriptor)

@@ -67,6 +67,7 @@ def test_fabric_export_says_why_not_without_a_fabric():
 def test_cupy_pool_array_goes_over_cuda_ipc(peer):
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     a = cupy.arange(MiB, dtype=cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()  # written before it is shared, as a producer must
     share = gs.export(a, lifetime="revoked")
     assert share.offers[1:] == ("cuda-ipc", "ucx-rma")
     info = peer.call("open", "cupy", share)
@@ -101,6 +102,7 @@ def test_torch_cuda_tensor_goes_over_cuda_ipc(peer):
     if not torch.cuda.is_available():
         pytest.skip("this PyTorch build has no CUDA")
     t = torch.arange(4096, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()  # written before it is shared, as a producer must
     share = gs.export(t, lifetime="revoked")
     info = peer.call("open", "torch", share)
     assert info["path"] == "cuda-ipc", info
@@ -134,6 +136,7 @@ def test_torch_cuda_tensor_from_dlpack_of_a_view(peer):
     if not torch.cuda.is_available():
         pytest.skip("this PyTorch build has no CUDA")
     t = torch.full((4096,), 2, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
     share = gs.export(t, lifetime="revoked")
     assert peer.call("open", "td", share)["path"] == "cuda-ipc"
     assert peer.call("torch_sum", "td") == 2 * 4096
