@@ -390,6 +390,33 @@ def _cupy_write_fault(state: dict, name: str) -> str:
     return f"readonly={readonly}: the write completed"
 
 
+def _dlpack_into_torch_and_cupy(state: dict) -> dict:
+    """A gs.empty CUDA array into torch and CuPy through DLPack: torch
+    writes, CuPy reads and writes, torch reads; the array is then exported
+    (kept while this process lives).  In a peer, so that the test process
+    keeps no current context from torch or CuPy."""
+    import cupy
+    import torch
+
+    import gpushare as gs
+
+    a = gs.empty((8, 256), "int32", device=0)
+    t = torch.from_dlpack(a)
+    out: dict = {"torch": (tuple(t.shape), str(t.dtype), t.device.type)}
+    t.fill_(3)
+    t[1, 5] = 1000
+    c = cupy.from_dlpack(a)
+    out["cupy"] = (tuple(c.shape), str(c.dtype))
+    out["same_memory"] = t.data_ptr() == c.data.ptr == a.ptr
+    out["cupy_sum"] = int(c.sum())  # CuPy's kernel after torch's, on the legacy stream
+    c[0, 0] = 5
+    cupy.cuda.runtime.deviceSynchronize()
+    out["torch_reads"] = int(t[0, 0])
+    out["share"] = gs.export(a, lifetime="revoked")
+    state.setdefault("exported", []).append((a, t, c))
+    return out
+
+
 def _torch_export_expandable(state: dict, n: int, value: int) -> Any:
     """A torch CUDA tensor from the caching allocator's expandable segments
     (PYTORCH_CUDA_ALLOC_CONF is set in this process's environment before
@@ -432,5 +459,6 @@ HANDLERS.update({
     "rma_stream_get": _rma_stream_get,
     "cupy_sum": _cupy_sum,
     "cupy_write_fault": _cupy_write_fault,
+    "dlpack_into_torch_and_cupy": _dlpack_into_torch_and_cupy,
     "torch_export_expandable": _torch_export_expandable,
 })

@@ -198,3 +198,38 @@ def peer() -> Iterator:
     child = Child(_share_peer.setup)
     yield child
     child.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_peer() -> Iterator:
+    """Another process that opens shares and moves device bytes
+    (``tests/_gpu_share_peer.py``), one per test module."""
+    from _procs import Child
+    import _gpu_share_peer
+
+    child = Child(_gpu_share_peer.setup, timeout=120)
+    yield child
+    child.close()
+
+
+@pytest.fixture
+def fresh_gpu_peer(monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """Start peers of their own (``tests/_gpu_share_peer.py``), for tests that
+    end them or spoil their state: ``start(**env)`` adds ``env`` to the new
+    process's environment.  Each is closed after the test."""
+    from _procs import Child
+    import _gpu_share_peer
+
+    children: list = []
+
+    def start(**env: str):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            child = Child(_gpu_share_peer.setup, timeout=120)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.close()

@@ -14,8 +14,6 @@ import pytest
 import gpushare as gs
 
 from _gpu_share_peer import dtoh, htod, pattern
-from _procs import Child
-import _gpu_share_peer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernels]
 
@@ -33,31 +31,7 @@ def _torch_cuda():
     return torch
 
 
-@pytest.fixture(scope="module")
-def peer():
-    child = Child(_gpu_share_peer.setup, timeout=120)
-    yield child
-    child.close()
-
-
-@pytest.fixture
-def fresh_peer(monkeypatch):
-    children: list[Child] = []
-
-    def start(**env: str) -> Child:
-        with monkeypatch.context() as m:
-            for k, v in env.items():
-                m.setenv(k, v)
-            child = Child(_gpu_share_peer.setup, timeout=120)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.close()
-
-
-def test_ucx_rma_orders_cupy_work_on_a_non_blocking_stream(peer):
+def test_ucx_rma_orders_cupy_work_on_a_non_blocking_stream(gpu_peer):
     """Over ucx-rma, a put of a CuPy array that a kernel fills on a
     non-blocking stream (behind a kernel that keeps the stream busy) carries
     the kernel's bytes, ordered by the array's own stream; a get into a
@@ -68,21 +42,21 @@ def test_ucx_rma_orders_cupy_work_on_a_non_blocking_stream(peer):
     try:
         htod(int(buf.handle), bytes(n))
         share = gs.export(buf, lifetime="revoked")
-        assert peer.call("open", "rma", share, {"prefer": ["ucx-rma"]})["path"] == "ucx-rma"
-        peer.call("rma_stream_put", "rma", n, 0x77, timeout=120)
+        assert gpu_peer.call("open", "rma", share, {"prefer": ["ucx-rma"]})["path"] == "ucx-rma"
+        gpu_peer.call("rma_stream_put", "rma", n, 0x77, timeout=120)
         assert dtoh(int(buf.handle), n) == b"\x77" * n  # the kernel's bytes, not the zeros before it
         data = pattern(n, 4)
         htod(int(buf.handle), data)
-        got = peer.call("rma_stream_get", "rma", n, timeout=120)
+        got = gpu_peer.call("rma_stream_get", "rma", n, timeout=120)
         assert got["first"] == data[:16]  # the get's bytes, not the fill queued before it
         assert got["sum"] == sum(data)  # and the kernel after the get saw them
-        peer.call("close", "rma")
+        gpu_peer.call("close", "rma")
         share.revoke()
     finally:
         buf.close()
 
 
-def test_read_only_posix_fd_share_reads_in_cupy_and_a_kernel_write_faults(peer, fresh_peer):
+def test_read_only_posix_fd_share_reads_in_cupy_and_a_kernel_write_faults(gpu_peer, fresh_gpu_peer):
     """A read-only share of gpushare VMM memory maps read-only over
     posix-fd: CuPy reads it; a kernel that writes it faults (an illegal
     address, which leaves the context unusable, so in a throwaway process),
@@ -94,10 +68,10 @@ def test_read_only_posix_fd_share_reads_in_cupy_and_a_kernel_write_faults(peer, 
         data = pattern(n, 6)
         htod(int(buf.handle), data)
         share = gs.export(buf, lifetime="revoked", readonly=True)
-        assert peer.call("open", "ro", share)["path"] == "posix-fd"
-        assert peer.call("cupy_sum", "ro") == sum(data)
-        peer.call("close", "ro")
-        doomed = fresh_peer()
+        assert gpu_peer.call("open", "ro", share)["path"] == "posix-fd"
+        assert gpu_peer.call("cupy_sum", "ro") == sum(data)
+        gpu_peer.call("close", "ro")
+        doomed = fresh_gpu_peer()
         assert doomed.call("open", "ro", share)["path"] == "posix-fd"
         said = doomed.call("cupy_write_fault", "ro", timeout=120)
         assert said.startswith("readonly=True: "), said
@@ -109,47 +83,41 @@ def test_read_only_posix_fd_share_reads_in_cupy_and_a_kernel_write_faults(peer, 
         buf.close()
 
 
-def test_torch_expandable_segments_memory_opens_in_another_process(fresh_peer, peer):
+def test_torch_expandable_segments_memory_opens_in_another_process(fresh_gpu_peer, gpu_peer):
     """torch's caching allocator with expandable segments maps CUDA virtual
     memory of its own (cuMemCreate), which legacy CUDA IPC cannot export:
     gpushare offers it over ucx-rma, which another process on this node
     opens, saying why it is the slow path, and moves the bytes both ways."""
     _torch_cuda()
-    exporter = fresh_peer(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    exporter = fresh_gpu_peer(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     n = 4 * MiB
     share = exporter.call("torch_export_expandable", n, 7, timeout=120)
     assert "cuda-ipc" not in share.offers and "ucx-rma" in share.offers, share.offers
-    info = peer.call("open", "exp", share)
+    info = gpu_peer.call("open", "exp", share)
     assert info["path"] == "ucx-rma", info
     assert any("SlowPathWarning" in w for w in info["warnings"]), info
-    assert peer.call("get", "exp", 0, 4096) == b"\x07" * 4096
-    assert peer.call("get", "exp", n - 4096, 4096) == b"\x07" * 4096
-    peer.call("put", "exp", 10, b"expandable")
+    assert gpu_peer.call("get", "exp", 0, 4096) == b"\x07" * 4096
+    assert gpu_peer.call("get", "exp", n - 4096, 4096) == b"\x07" * 4096
+    gpu_peer.call("put", "exp", 10, b"expandable")
     assert exporter.call("read_exported", 0, 8, 14) == b"\x07\x07expandable\x07\x07"
-    peer.call("close", "exp")
+    gpu_peer.call("close", "exp")
 
 
-def test_gs_empty_arrays_go_into_torch_and_cupy_through_dlpack(peer):
+def test_gs_empty_arrays_go_into_torch_and_cupy_through_dlpack(fresh_gpu_peer, gpu_peer):
     """A gs.empty CUDA array is one memory for torch and CuPy (DLPack, no
-    copy): what a torch kernel writes, CuPy's kernel reads, and another
-    process reading the array's share sees it too."""
-    torch = _torch_cuda()
-    cupy = _cupy()
-    a = gs.empty((8, 256), "int32", device=0)
-    t = torch.from_dlpack(a)
-    assert (tuple(t.shape), t.dtype, t.device.type) == ((8, 256), torch.int32, "cuda")
-    t.fill_(3)
-    t[1, 5] = 1000
-    c = cupy.from_dlpack(a)
-    assert c.shape == (8, 256) and c.dtype == cupy.int32
-    assert t.data_ptr() == c.data.ptr == a.ptr
-    assert int(c.sum()) == 3 * 8 * 256 - 3 + 1000  # CuPy's kernel sees torch's writes
-    c[0, 0] = 5
-    cupy.cuda.runtime.deviceSynchronize()
-    assert int(t[0, 0]) == 5
-    share = gs.export(a, lifetime="revoked")
-    assert peer.call("open", "dl", share)["path"] == "posix-fd"
-    assert peer.call("torch_sum", "dl") == 3 * 8 * 256 - 6 + 1000 + 5
-    peer.call("close", "dl")
-    share.revoke()
-    del t, c
+    copy): what a torch kernel writes, CuPy's kernel reads, and the other
+    way; another process reading the array's share sees it all."""
+    _torch_cuda()
+    _cupy()
+    maker = fresh_gpu_peer()
+    got = maker.call("dlpack_into_torch_and_cupy", timeout=120)
+    assert got["torch"] == ((8, 256), "torch.int32", "cuda"), got
+    assert got["cupy"] == ((8, 256), "int32"), got
+    assert got["same_memory"], got
+    assert got["cupy_sum"] == 3 * 8 * 256 - 3 + 1000  # CuPy's kernel sees torch's writes
+    assert got["torch_reads"] == 5  # and torch sees CuPy's
+    share = got["share"]
+    assert gpu_peer.call("open", "dl", share)["path"] == "posix-fd"
+    assert gpu_peer.call("torch_sum", "dl") == 3 * 8 * 256 - 6 + 1000 + 5
+    gpu_peer.call("close", "dl")
+    maker.call("revoke_all", [share])

@@ -21,38 +21,10 @@ import pytest
 import gpushare as gs
 
 from _gpu_share_peer import dtoh, htod, pattern
-from _procs import Child
-import _gpu_share_peer
 
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def peer():
-    child = Child(_gpu_share_peer.setup, timeout=120)
-    yield child
-    child.close()
-
-
-@pytest.fixture
-def fresh_peer(monkeypatch):
-    """A peer of its own (for tests that end it or change its state),
-    started with ``env`` added to its environment."""
-    children: list[Child] = []
-
-    def start(**env: str) -> Child:
-        with monkeypatch.context() as m:
-            for k, v in env.items():
-                m.setenv(k, v)
-            child = Child(_gpu_share_peer.setup, timeout=120)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.close()
 
 
 def test_gpushare_demo_reports_cuda_memory_and_passes():
@@ -69,11 +41,11 @@ def test_gpushare_demo_reports_cuda_memory_and_passes():
     assert all(run["get_ok"] and run["put_ok"] for run in report["runs"]), report
 
 
-def test_ucx_allocates_cuda_memory_in_a_fresh_process_with_no_current_context(fresh_peer):
+def test_ucx_allocates_cuda_memory_in_a_fresh_process_with_no_current_context(fresh_gpu_peer):
     """gpushare.ucx's own CUDA allocation in a process that made no context
     current (UCX allocates only under a current context): the memory is
     device memory, holds bytes, and no context is left current."""
-    p = fresh_peer()
+    p = fresh_gpu_peer()
     got = p.call("ucx_cuda_alloc", 3 * MiB + 5, timeout=120)
     assert got["before"] is None and got["after"] is None, got
     assert got["memory_type"] == "cuda" and got["size"] >= 3 * MiB + 5, got
@@ -81,27 +53,27 @@ def test_ucx_allocates_cuda_memory_in_a_fresh_process_with_no_current_context(fr
     assert got["bytes_ok"], got
 
 
-def test_exportable_pool_memory_between_processes(fresh_peer, peer):
+def test_exportable_pool_memory_between_processes(fresh_gpu_peer, gpu_peer):
     """Memory from cuda.core's DeviceMemoryResource with ipc_enabled=True
     (an exportable stream-ordered pool) goes over cuda-ipc through the
     pool's own export, offset and all, and moves bytes both ways."""
-    exporter = fresh_peer()
+    exporter = fresh_gpu_peer()
     n, offset = 64 * 1024, 4096
     share = exporter.call("export_pool", n, offset, 0x3C)
     assert "cuda-ipc" in share.offers
-    info = peer.call("open", "pool", share)
+    info = gpu_peer.call("open", "pool", share)
     assert info["path"] == "cuda-ipc", info
-    assert peer.call("get", "pool", 0, n) == b"\x3c" * n
+    assert gpu_peer.call("get", "pool", 0, n) == b"\x3c" * n
     data = pattern(4096, 3)
-    peer.call("put", "pool", 100, data)
+    gpu_peer.call("put", "pool", 100, data)
     assert exporter.call("read_exported", 0, 100, 4096) == data
     assert exporter.call("read_exported", 0, 0, 100) == b"\x3c" * 100
-    peer.call("close", "pool")
+    gpu_peer.call("close", "pool")
     exporter.call("revoke_exported", 0)
 
 
 @pytest.mark.parametrize("prefer", ["posix-fd", "ucx-rma"])
-def test_get_async_and_put_async_on_a_cuda_stream(peer, prefer):
+def test_get_async_and_put_async_on_a_cuda_stream(gpu_peer, prefer):
     """put_async from and get_async into device memory on a non-blocking
     cuda.core stream: the put waits for the copy queued before it on the
     stream, the get lands before the copy queued after it."""
@@ -110,36 +82,36 @@ def test_get_async_and_put_async_on_a_cuda_stream(peer, prefer):
     try:
         htod(int(buf.handle), bytes(n))
         share = gs.export(buf, lifetime="revoked")
-        assert peer.call("open", "async", share, {"prefer": [prefer]})["path"] == prefer
-        got = peer.call("async_on_stream", "async", n, 5, timeout=120)
+        assert gpu_peer.call("open", "async", share, {"prefer": [prefer]})["path"] == prefer
+        got = gpu_peer.call("async_on_stream", "async", n, 5, timeout=120)
         assert dtoh(int(buf.handle), n) == pattern(n, 5)  # the put's bytes, visible here
         assert got["put"] and got["got"] == pattern(n, 5)
-        peer.call("close", "async")
+        gpu_peer.call("close", "async")
         share.revoke()
     finally:
         buf.close()
 
 
-def test_a_channel_of_cuda_slots_delivers_every_step_in_place(peer):
+def test_a_channel_of_cuda_slots_delivers_every_step_in_place(gpu_peer):
     """A channel over CUDA memory: the consumer maps the slots (posix-fd,
     zero-copy) and reads each step's bytes as the producer wrote them."""
     from _gpu_share_peer import memset
 
     with gs.channel((4, 1024), "<u2", consumers=1, slots=2, device=0) as producer:
         assert producer.handle.device == 0
-        assert peer.call("channel_join", producer.handle) == {"paths": ("posix-fd", "posix-fd"), "zero_copy": True}
+        assert gpu_peer.call("channel_join", producer.handle) == {"paths": ("posix-fd", "posix-fd"), "zero_copy": True}
         for t in range(5):
             arr = producer.acquire(timeout=30)
             memset(arr.ptr, 10 + t, arr.nbytes)  # written (and synchronised) before it is published
             assert producer.publish() == t
-            got = peer.call("channel_wait")
+            got = gpu_peer.call("channel_wait")
             assert (got["step"], got["type"], got["shape"], got["typestr"], got["readonly"]) == (
                 t, "CudaArray", (4, 1024), "<u2", True), got
             assert got["bytes"] == bytes([10 + t]) * 8192
-    assert "closed the channel after 5 steps" in peer.call("channel_wait")["closed"]
+    assert "closed the channel after 5 steps" in gpu_peer.call("channel_wait")["closed"]
 
 
-def test_legacy_ipc_after_the_exporter_exits(fresh_peer):
+def test_legacy_ipc_after_the_exporter_exits(fresh_gpu_peer):
     """cuMemAlloc memory over cuda-ipc, then its exporter exits.
 
     CUDA documents that freeing exported memory before the importer closes
@@ -148,7 +120,7 @@ def test_legacy_ipc_after_the_exporter_exits(fresh_peer):
     asserted after the exit.  What is defined, and asserted: the importer
     lives on, closing its views and buffers works, and opening the share or
     its descriptor anew fails with gpushare's errors, not a crash."""
-    exporter, importer = fresh_peer(), fresh_peer()
+    exporter, importer = fresh_gpu_peer(), fresh_gpu_peer()
     n = MiB
     share = exporter.call("export_legacy", n, 0x21, {"lifetime": "none"})
     desc = exporter.call("export_legacy_desc", n, 0x42)
@@ -168,7 +140,7 @@ def test_legacy_ipc_after_the_exporter_exits(fresh_peer):
     assert importer.close() == 0
 
 
-def test_a_child_that_sees_the_device_by_uuid_opens_a_share(fresh_peer):
+def test_a_child_that_sees_the_device_by_uuid_opens_a_share(fresh_gpu_peer):
     """CUDA_VISIBLE_DEVICES=GPU-<uuid> in a child: it sees exactly that
     device (as its device 0) and opens a share of it from this process over
     posix-fd, both ways.  The last device is used, so that where there are
@@ -177,7 +149,7 @@ def test_a_child_that_sees_the_device_by_uuid_opens_a_share(fresh_peer):
 
     ordinal = _cuda.device_count() - 1
     uuid = _cuda.device_uuid(ordinal)
-    child = fresh_peer(CUDA_VISIBLE_DEVICES=f"GPU-{uuid}")
+    child = fresh_gpu_peer(CUDA_VISIBLE_DEVICES=f"GPU-{uuid}")
     assert child.call("visible") == {"uuids": [uuid], "CUDA_VISIBLE_DEVICES": f"GPU-{uuid}"}
     n = MiB
     buf = gs.allocate(n, device=ordinal)
@@ -197,7 +169,7 @@ def test_a_child_that_sees_the_device_by_uuid_opens_a_share(fresh_peer):
         buf.close()
 
 
-def test_fabric_allocation_without_imex_is_not_permitted_and_gpushare_falls_back(peer, record_property):
+def test_fabric_allocation_without_imex_is_not_permitted_and_gpushare_falls_back(gpu_peer, record_property):
     """Records the driver's answer to cuMemCreate with the fabric handle
     type, and asserts what one H200 without an IMEX channel gives:
     ``CUDA_ERROR_NOT_PERMITTED`` (the driver API documents it for fabric
@@ -233,17 +205,17 @@ def test_fabric_allocation_without_imex_is_not_permitted_and_gpushare_falls_back
             gs.export_buffer(buf, handle_type="fabric")
         assert isinstance(gs.export_buffer(buf), gs.PosixFdBufferDescriptor)
         share = gs.export(buf, lifetime="revoked")
-        info = peer.call("open", "nofabric", share)
+        info = gpu_peer.call("open", "nofabric", share)
         assert info["path"] == "posix-fd", info
         if "fabric" in share.offers:
             assert "not fabric" in info["why"], info
-        peer.call("close", "nofabric")
+        gpu_peer.call("close", "nofabric")
         share.revoke()
     finally:
         buf.close()
 
 
-def test_device_to_device_get_and_put_over_posix_fd(peer):
+def test_device_to_device_get_and_put_over_posix_fd(gpu_peer):
     """view.get into and view.put from device memory of the importer's own
     (device to device through the mapping)."""
     n = 3 * MiB
@@ -252,11 +224,11 @@ def test_device_to_device_get_and_put_over_posix_fd(peer):
         data = pattern(n, 11)
         htod(int(buf.handle), data)
         share = gs.export(buf, lifetime="revoked")
-        assert peer.call("open", "d2d", share)["path"] == "posix-fd"
-        assert peer.call("get_into_device", "d2d", 12345, MiB) == data[12345:12345 + MiB]
-        peer.call("put_from_device", "d2d", 7, b"device to device")
+        assert gpu_peer.call("open", "d2d", share)["path"] == "posix-fd"
+        assert gpu_peer.call("get_into_device", "d2d", 12345, MiB) == data[12345:12345 + MiB]
+        gpu_peer.call("put_from_device", "d2d", 7, b"device to device")
         assert dtoh(int(buf.handle), 23)[7:] == b"device to device"
-        peer.call("close", "d2d")
+        gpu_peer.call("close", "d2d")
         share.revoke()
     finally:
         buf.close()
