@@ -133,9 +133,11 @@ def test_legacy_ipc_after_the_exporter_exits(fresh_gpu_peer):
     importer.call("close", "v")
     importer.call("close_buf", "b")
     err = importer.call("open_error", share, 5.0, timeout=60)
-    assert err.split(":")[0] in ("ExporterUnreachableError", "CUDAError"), err
+    assert err.startswith("ExporterUnreachableError: ") and "has exited" in err, err
     err = importer.call("import_error", desc)
-    assert err.split(":")[0] in ("CUDAError", "ExporterUnreachableError", "UnsupportedError"), err
+    # The driver refuses the handle of memory freed with its process (the
+    # error's name is the driver's), or gpushare refuses first.
+    assert err.split(":")[0] in ("CUDAError", "ExporterUnreachableError"), err
     assert importer.call("views") == []  # it lives on
     assert importer.close() == 0
 
