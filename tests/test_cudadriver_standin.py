@@ -876,7 +876,7 @@ def test_primary_context_release_and_reset(run):
         va = vmm_map(h, GRAN)                              # no access granted to anyone
         ok(drv.cuMemcpyDtoHAsync(bytearray(1), va, 1, 0))
         print(err(drv.cuCtxSynchronize()), err(drv.cuStreamCreate(0)))
-        ok(drv.cuDevicePrimaryCtxReset(dev))               # clears the poison
+        ok(drv.cuDevicePrimaryCtxReset(dev))               # does not clear the poison
         print(ok(drv.cuDevicePrimaryCtxGetState(dev))[1], err(drv.cuMemAlloc(8)))
         ctx = ok(drv.cuDevicePrimaryCtxRetain(dev)); ok(drv.cuCtxSetCurrent(ctx))
         print(err(drv.cuMemAlloc(8)))
@@ -888,8 +888,51 @@ def test_primary_context_release_and_reset(run):
         "1",
         "CUDA_ERROR_ILLEGAL_ADDRESS CUDA_ERROR_ILLEGAL_ADDRESS",
         "0 CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        "CUDA_SUCCESS",
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
         "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    ]
+
+
+def test_a_sticky_error_poisons_the_device_for_the_rest_of_the_process(run):
+    out = run(
+        """
+        dev, ctx = setup(0)
+        h = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = vmm_map(h, GRAN)                              # no access granted to anyone
+        p = ok(drv.cuMemAlloc(8)); htod(p, b"before.."); ok(drv.cuCtxSynchronize())
+        own = ok(drv.cuCtxCreate(None, 0, dev))            # another context of device 0, current now
+        s = ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        ok(drv.cuMemsetD8Async(p, 0x41, 8, s))             # queued there, never synchronised
+        ok(drv.cuCtxPopCurrent())
+        ok(drv.cuMemcpyDtoHAsync(bytearray(1), va, 1, 0))
+        print(err(drv.cuCtxSynchronize()))
+        ok(drv.cuCtxPushCurrent(own))
+        print(err(drv.cuStreamSynchronize(s)), err(drv.cuMemAlloc(8)))
+        ok(drv.cuCtxDestroy(own))
+        fresh = ok(drv.cuCtxCreate(None, 0, dev))
+        print(err(drv.cuMemAlloc(8)), err(drv.cuCtxSynchronize()))
+        ok(drv.cuCtxDestroy(fresh))
+        ok(drv.cuDevicePrimaryCtxReset(dev))
+        setup(0)
+        print(err(drv.cuMemAlloc(8)))
+        setup(1)                                           # another device is not poisoned
+        q = ok(drv.cuMemAlloc(8)); htod(q, b"device 1"); print(dtoh(q, 8))
+        handle = raw(ok(drv.cuIpcGetMemHandle(p)))
+        print(peer(f'''
+        setup(0)                                           # a new process may use device 0 again
+        p = ok(drv.cuIpcOpenMemHandle(filled(drv.CUipcMemHandle(), {handle!r}), 1))
+        print(dtoh(p, 8))
+        ''').strip())
+        """
+    )
+    ill = "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert lines(out) == [
+        ill,
+        f"{ill} {ill}",   # the other context of the device: its queued memset never ran
+        f"{ill} {ill}",   # a context created afterwards
+        ill,              # the primary context after a reset
+        "b'device 1'",
+        "b'before..'",
     ]
 
 

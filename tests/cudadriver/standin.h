@@ -97,7 +97,7 @@ struct sctx {
     int active;
     unsigned flags;
     unsigned long long id;
-    CUresult sticky;     /* an error of executed work: poisons the context */
+    CUresult sticky;     /* an error of executed work: poisons every context of the device */
     struct sstream *legacy;
     struct sstream *streams; /* all streams of the context, legacy and dead ones included */
     struct sctx *next;
@@ -229,6 +229,7 @@ extern int g_forked; /* this process forked from one that had called cuInit */
 extern __thread int t_ptds; /* inside a per-thread-default-stream variant */
 extern struct sctx *g_ctxs;
 extern struct sctx *g_primary[MAXDEV];
+extern CUresult g_dev_sticky[MAXDEV]; /* a sticky error of a device: for the rest of the process */
 
 int standin_lock(void);
 void standin_unlock(int *unused);
@@ -266,6 +267,7 @@ void run_until(struct op *o);
 void drain_stream(struct sstream *s);
 void drain_ctx(struct sctx *c);
 void stream_free_all(struct sctx *c);
+void poison_device(int phys, CUresult r);
 CUresult copy_submit(struct sctx *c, CUstream h, uintptr_t dst, uintptr_t src, size_t n, int sync, int dir);
 enum { DIR_ANY, DIR_HTOD, DIR_DTOH, DIR_DTOD };
 

@@ -20,6 +20,7 @@ int g_trace, g_fabric;
 __thread int t_ptds;
 struct sctx *g_ctxs;
 struct sctx *g_primary[MAXDEV];
+CUresult g_dev_sticky[MAXDEV];
 static int g_driver_version = 13050;
 static unsigned long long g_next_id = 1;
 
@@ -471,6 +472,7 @@ static struct sctx *ctx_new(int phys, int primary, unsigned flags) {
     c->phys = phys;
     c->primary = primary;
     c->flags = flags;
+    c->sticky = g_dev_sticky[phys];
     c->id = next_id();
     c->next = g_ctxs;
     g_ctxs = c;
@@ -479,7 +481,7 @@ static struct sctx *ctx_new(int phys, int primary, unsigned flags) {
 
 static void ctx_activate(struct sctx *c) {
     c->active = 1;
-    c->sticky = CUDA_SUCCESS;
+    c->sticky = g_dev_sticky[c->phys]; /* a reset or a new context does not clear a sticky error */
     if (!c->legacy) {
         struct sstream *s = calloc(1, sizeof *s);
         s->magic = 0x53545231u;

@@ -237,6 +237,18 @@ static void discard_ctx(struct sctx *c) {
     }
 }
 
+/* A sticky error: every context of the device, present and future, returns
+   it from then on, and their queued work never runs (a GPU's process must be
+   restarted to use the device again). */
+void poison_device(int phys, CUresult r) {
+    if (!g_dev_sticky[phys]) g_dev_sticky[phys] = r;
+    for (struct sctx *c = g_ctxs; c; c = c->next)
+        if (c->phys == phys && !c->sticky) {
+            c->sticky = g_dev_sticky[phys];
+            discard_ctx(c);
+        }
+}
+
 static CUresult exec_op(struct op *o) {
     int dev = o->s->ctx->phys;
     CUresult r;
@@ -246,12 +258,12 @@ static CUresult exec_op(struct op *o) {
         r = check_span(dev, o->dst, o->n, 1);
         if (!r && !o->staging) r = check_span(dev, o->src, o->n, 0);
         if (r) {
-            standin_note("illegal address: queued copy of %zu bytes 0x%lx <- 0x%lx on device %d; the context is "
+            standin_note("illegal address: queued copy of %zu bytes 0x%lx <- 0x%lx on device %d; the device is "
                          "poisoned", o->n, (unsigned long)o->dst, (unsigned long)(o->staging ? 0 : o->src), dev);
             return r;
         }
         if (alias_copy(o->dst, o->src, o->staging, o->n) != 0) {
-            standin_note("illegal address: queued copy of %zu bytes into 0x%lx faulted on device %d; the context "
+            standin_note("illegal address: queued copy of %zu bytes into 0x%lx faulted on device %d; the device "
                          "is poisoned", o->n, (unsigned long)o->dst, dev);
             return CUDA_ERROR_ILLEGAL_ADDRESS;
         }
@@ -259,7 +271,7 @@ static CUresult exec_op(struct op *o) {
     case OP_SET:
         r = check_span(dev, o->dst, o->n * (size_t)o->setwidth, 1);
         if (r) {
-            standin_note("illegal address: queued memset at 0x%lx on device %d; the context is poisoned",
+            standin_note("illegal address: queued memset at 0x%lx on device %d; the device is poisoned",
                          (unsigned long)o->dst, dev);
             return r;
         }
@@ -299,10 +311,7 @@ static void run_head(struct sstream *s) {
     struct sctx *c = s->ctx;
     CUresult r = c->sticky ? c->sticky : exec_op(o);
     o->done = 1;
-    if (r && !c->sticky) {
-        c->sticky = r;
-        discard_ctx(c);
-    }
+    if (r && !c->sticky) poison_device(c->phys, r);
     op_unref(o); /* the queue's reference */
     op_unref(o);
 }
