@@ -391,15 +391,17 @@ def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
 
     monkeypatch.setattr(_agent, "native", lambda: Spy())
     ucx.Agent().close()
-    ucx.Agent(config={"UCX_MEMTYPE_CACHE": "y"}).close()
-    assert seen[0]["MEMTYPE_CACHE"] == "n"
-    assert seen[1]["MEMTYPE_CACHE"] == "y"  # the user's config wins
-    from gpushare._ucx import _server
+    ucx.Agent(config={"UCX_MEMTYPE_CACHE": "n"}).close()  # the process's own value
+    from gpushare._ucx import _loader, _server
 
     monkeypatch.setattr(_server, "native", lambda: Spy())
     node = _server._Node()  # the process's one worker, which serves every share
     node.stop()
-    assert seen[2]["MEMTYPE_CACHE"] == "n"
+    # One setting of the whole process (libucs reads it when it loads), set
+    # once in the environment; no worker's config names it.
+    assert os.environ["UCX_MEMTYPE_CACHE"] == "n"
+    assert _loader.native_memtype_cache() == "n"
+    assert len(seen) == 3 and not any("MEMTYPE_CACHE" in cfg for cfg in seen)
 
 
 # -- defect 13: multi-allocation VMM buffers over ucx-rma ------------------------

@@ -29,8 +29,9 @@ from .._errors import (
     native_errors,
     translate,
 )
+from . import _device
 from ._address import check_worker_address
-from ._loader import infiniband_present, keep_forever, native
+from ._loader import check_memtype_config, infiniband_present, keep_forever, native
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
 
@@ -84,16 +85,6 @@ def default_transports() -> str:
     if _cuda_driver_present():
         tls.append("cuda_copy")
     return ",".join(tls)
-
-
-def memtype_config() -> dict[str, str]:
-    """Local buffers reach UCX as bare pointers, so UCX infers their memory
-    type.  Its memory-type cache learns of CUDA memory only from allocations
-    it saw being made, so it can take device memory made before the worker
-    (or mapped through VMM) for host memory and memcpy it on the CPU; without
-    the cache every pointer is asked of the driver.  ``UCX_MEMTYPE_CACHE``
-    in the environment or the caller's config wins."""
-    return {} if "UCX_MEMTYPE_CACHE" in os.environ else {"MEMTYPE_CACHE": "n"}
 
 
 def mt_config() -> dict[str, str]:
@@ -210,9 +201,9 @@ def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: 
         return  # leak the quarantined memory rather than free it under a live worker
     with lock:
         parked, quarantine[:] = list(quarantine), []
-    for mm, local, nmh in parked:
+    for mm, local, nmh, ordinal in parked:
         if nmh is not None:
-            nmh.close()
+            _free_allocated(nmh, ordinal)
         if local is not None:
             local.release()
         if mm is not None:
@@ -220,6 +211,30 @@ def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: 
                 mm.close()
             except BufferError:
                 pass  # the caller still holds views: the memory goes with the last of them
+
+
+def _free_allocated(nmh: Any, ordinal: int | None) -> None:
+    """Unregister memory UCX allocated, which frees it: CUDA memory under its
+    device's primary context (``cuMemFree`` needs a current context; the
+    finalizer may run in any thread)."""
+    if ordinal is None:
+        nmh.close()
+        return
+    try:
+        with _device.on_memory_device(None, ordinal):
+            nmh.close()
+    except GpuShareError:  # the driver refused the context: free what can be freed
+        _report_callback_error("memory handle close")
+        nmh.close()
+
+
+def _alloc_ordinal() -> int:
+    """The device UCX allocates CUDA memory on: the calling thread's current
+    one, else device 0."""
+    from .._paths import _cuda
+
+    current = _cuda.current_ordinal()
+    return 0 if current is None else current
 
 
 # --------------------------------------------------------------------------
@@ -446,12 +461,12 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     """
     if os.getpid() != pid:
         return  # a forked child: the parent's UCX state is not ours to touch
-    addr, length, mm, local = resources
+    addr, length, mm, local, ordinal = resources
     if mm is None and local is None:
         # Memory UCX allocated (CUDA): unregistering would free it, so the
         # whole handle waits for the agent's close.
         with lock:
-            quarantine.append((None, None, nmh))
+            quarantine.append((None, None, nmh, ordinal))
         return
     try:
         nmh.close()
@@ -460,7 +475,7 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     if mm is not None:
         native().quarantine(addr, length)
     with lock:
-        quarantine.append((mm, local, None))
+        quarantine.append((mm, local, None, None))
 
 
 class MemoryHandle:
@@ -476,7 +491,7 @@ class MemoryHandle:
 
     @classmethod
     def _make(cls, agent: Agent, nmh: Any, local: _buffers.LocalBuffer | None, mm: mmap.mmap | None,
-              memory_type: str) -> MemoryHandle:
+              memory_type: str, ordinal: int | None) -> MemoryHandle:
         self = object.__new__(cls)
         self._native = nmh
         self._agent = agent
@@ -486,7 +501,7 @@ class MemoryHandle:
         addr = nmh.base_address
         length = len(mm) if mm is not None else nmh.size
         self._finalizer = weakref.finalize(
-            self, _park, agent._pid, agent._quarantine, agent._lock, nmh, (addr, length, mm, local)
+            self, _park, agent._pid, agent._quarantine, agent._lock, nmh, (addr, length, mm, local, ordinal)
         )
         return self
 
@@ -681,7 +696,7 @@ class Endpoint(_Connection):
                                memory_type=_MEMORY_TYPE_NAMES[mtype], endpoint=self)
 
     def _submit(self, op: str, buffer: Any, remote_address: int, rkey: RemoteKey,
-                callback: Callable | None, callback_data: Any, nbytes: int | None) -> Request:
+                callback: Callable | None, callback_data: Any, nbytes: int | None, stream: Any) -> Request:
         n = self._check_open()
         if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
             raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
@@ -689,7 +704,8 @@ class Endpoint(_Connection):
         _check_int(remote_address, "remote_address")
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
-        local = _buffers.resolve(buffer, writable=(op == "get"))
+        consumer = _device.consumer_stream(stream)
+        local = _device.resolve(buffer, writable=(op == "get"), stream=consumer)
         try:
             if nbytes is None:
                 nbytes = local.nbytes
@@ -711,8 +727,12 @@ class Endpoint(_Connection):
             if self._inflight:
                 self._prune()
             method = n.mem_put if op == "put" else n.mem_get
+            # UCX copies CUDA memory on streams of its own: after the work
+            # queued before the transfer (see _device).
+            _device.order_before(local, consumer)
             try:
-                nreq = method(local.address, nbytes, remote_address, rkey._native, None)
+                with _device.on_memory_device(local):
+                    nreq = method(local.address, nbytes, remote_address, rkey._native, None)
             except _native_error_type() as exc:
                 raise translate(*exc.args) from None
         except BaseException:
@@ -729,7 +749,7 @@ class Endpoint(_Connection):
 
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
-                callback_data: Any = None, *, nbytes: int | None = None) -> Request:
+                callback_data: Any = None, *, nbytes: int | None = None, stream: Any = None) -> Request:
         """Write ``buffer`` to ``[remote_address, remote_address + nbytes)`` in the peer.
 
         Completion is local: the buffer may be reused once the request is
@@ -752,6 +772,14 @@ class Endpoint(_Connection):
             Passed to ``callback``.
         nbytes : int, optional
             Bytes to write; all of ``buffer`` by default.
+        stream : optional
+            For CUDA memory: the stream whose queued work the transfer must
+            follow (a cuda.core ``Stream``, a CuPy or torch stream, or a raw
+            handle).  The transfer waits, in this thread, for the work queued
+            there and on the stream ``buffer`` names
+            (``__cuda_array_interface__``), or on the legacy default stream
+            when neither is named; a DLPack producer orders its work before
+            it.  UCX copies on streams of its own.
 
         Raises
         ------
@@ -763,17 +791,19 @@ class Endpoint(_Connection):
         ClosedError
             If the endpoint or agent is closed.
         """
-        return self._submit("put", buffer, remote_address, rkey, callback, callback_data, nbytes)
+        return self._submit("put", buffer, remote_address, rkey, callback, callback_data, nbytes, stream)
 
     def mem_get(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
-                callback_data: Any = None, *, nbytes: int | None = None) -> Request:
+                callback_data: Any = None, *, nbytes: int | None = None, stream: Any = None) -> Request:
         """Read ``[remote_address, remote_address + nbytes)`` from the peer into ``buffer``.
 
-        The data is in ``buffer`` when the request completes.  Arguments and
-        errors as in :meth:`mem_put`; ``buffer`` must be writable.
+        The data is in ``buffer`` when the request completes (for CUDA
+        memory: in device memory, so work queued afterwards on any stream
+        sees it).  Arguments and errors as in :meth:`mem_put`; ``buffer``
+        must be writable.
         """
-        return self._submit("get", buffer, remote_address, rkey, callback, callback_data, nbytes)
+        return self._submit("get", buffer, remote_address, rkey, callback, callback_data, nbytes, stream)
 
     def flush(self, callback: Callable[[GpuShareError | None, Any], Any] | None = None,
               callback_data: Any = None) -> Request:
@@ -845,7 +875,11 @@ class Agent:
         descriptors; without it, UCX chooses.
     config : mapping, optional
         Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
-        environment variables apply as usual.
+        environment variables apply as usual.  ``MEMTYPE_CACHE`` is one
+        setting of the whole process in UCX, which gpushare sets to ``n``
+        when it loads UCX (``UCX_MEMTYPE_CACHE`` in the environment wins):
+        a value other than the process's is refused with
+        :class:`InvalidInputError`.
 
     Notes
     -----
@@ -873,8 +907,7 @@ class Agent:
             cfg["TLS"] = default_transports()
         for key, value in mt_config().items():
             cfg.setdefault(key, value)
-        for key, value in memtype_config().items():
-            cfg.setdefault(key, value)
+        check_memtype_config(cfg)  # one setting per process: see _loader.choose_memtype_cache
         self._progress = progress
         self._error_handling = error_handling
         self._pid = os.getpid()
@@ -979,7 +1012,9 @@ class Agent:
             Memory to register: host (buffer protocol) or CUDA
             (``__cuda_array_interface__``, DLPack, cuda.core ``Buffer``).
             ``None`` allocates: host memory rounded up to whole pages, or CUDA
-            memory through UCX; :attr:`MemoryHandle.size` says how much.
+            memory through UCX (on the calling thread's current device, else
+            device 0; no context needs to be current);
+            :attr:`MemoryHandle.size` says how much.
         memory_type : {"host", "cpu", "cuda"}, optional
             Inferred from ``buffer`` when omitted (``"host"`` without one); a
             value that contradicts the buffer is an error.  ``"cpu"`` is a
@@ -994,6 +1029,7 @@ class Agent:
         n = native()
         mm = None
         local = None
+        ordinal: int | None = None
         if buffer is None:
             mtype = memory_type or "host"
             if mtype == "host":
@@ -1004,6 +1040,7 @@ class Agent:
                 address, reg_size = pin.address, length
             else:
                 address, reg_size = 0, size
+                ordinal = _alloc_ordinal()
         else:
             local = _buffers.resolve(buffer, writable=False)
             mtype = local.memory_type
@@ -1015,7 +1052,11 @@ class Agent:
                 raise InvalidInputError(f"size is {size} but the buffer holds only {local.nbytes} bytes")
             address, reg_size = local.address, size
         try:
-            with native_errors():
+            if mtype == "cuda" and local is not None:
+                ordinal = _device.ordinal_of(local)
+            # UCX allocates CUDA memory, and registers it, under the device's
+            # primary context (see _device); the caller's stays current.
+            with native_errors(), _device.on_memory_device(None, ordinal if mtype == "cuda" else None):
                 nmh = self._native.create_memory_handle(reg_size, address, _MEMORY_TYPE_CODES[mtype])
         except BaseException:
             if local is not None:
@@ -1023,7 +1064,7 @@ class Agent:
             if mm is not None:
                 mm.close()
             raise
-        mh = MemoryHandle._make(self, nmh, local, mm, mtype)
+        mh = MemoryHandle._make(self, nmh, local, mm, mtype, ordinal if mtype == "cuda" else None)
         with self._lock:
             self._handles.add(mh)
         return mh

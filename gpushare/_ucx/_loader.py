@@ -8,7 +8,8 @@ import os
 import types
 from typing import Any
 
-__all__ = ["native", "keep_forever", "infiniband_present", "choose_hook_mode"]
+__all__ = ["native", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
+           "native_memtype_cache", "check_memtype_config"]
 
 
 def infiniband_present() -> bool:
@@ -40,6 +41,69 @@ def choose_hook_mode() -> None:
         os.environ["UCX_MEM_MMAP_HOOK_MODE"] = "reloc"
 
 
+_TERNARY = {"y": "y", "yes": "y", "on": "y", "1": "y", "true": "y",
+            "n": "n", "no": "n", "off": "n", "0": "n", "false": "n",
+            "try": "try", "auto": "try"}
+
+
+def _ternary(value: str) -> str:
+    return _TERNARY.get(value.strip().lower(), value.strip().lower())
+
+
+def choose_memtype_cache() -> None:
+    """Turn UCX's memory-type cache off for the process, before its libraries load.
+
+    Local buffers reach UCX as bare pointers, so UCX infers their memory
+    type.  Its cache learns of CUDA memory only from allocations it saw
+    being made, so it can take device memory made before UCX loaded (or
+    mapped through VMM) for host memory and copy it with the CPU; without
+    the cache every pointer is asked of the driver.  ``UCX_MEMTYPE_CACHE``
+    is one setting of the whole process in UCX (a global option of libucs,
+    read from the environment when libucs loads; a worker's configuration
+    that names it changes it for every worker of the process), so gpushare
+    sets it once, here, in the environment (inherited by child processes),
+    and refuses Agent configurations that ask for another value
+    (:func:`check_memtype_config`).  ``UCX_MEMTYPE_CACHE`` in the
+    environment wins."""
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+
+
+def check_memtype_config(cfg: dict[str, str]) -> None:
+    """Drop ``MEMTYPE_CACHE`` from a worker's settings ``cfg`` when it agrees
+    with the process's; refuse it otherwise (it would change the setting of
+    every worker in the process)."""
+    value = cfg.pop("MEMTYPE_CACHE", None)
+    if value is None:
+        return
+    process = native_memtype_cache()
+    if _ternary(value) != process:
+        from .._errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"config asks for MEMTYPE_CACHE={value!r}, but this process's UCX memory-type cache is "
+            f"{process!r}: UCX has one such setting per process, shared by every worker (gpushare's own "
+            "included), so one agent cannot have its own. Set UCX_MEMTYPE_CACHE in the environment "
+            "before gpushare loads UCX instead"
+        )
+
+
+def native_memtype_cache() -> str:
+    """The process's memory-type cache setting (``"y"``, ``"n"`` or
+    ``"try"``) as libucs holds it; loads UCX."""
+    native()
+    try:
+        libucs = ctypes.CDLL("libucs.so.0")  # the copy libucxx loaded
+        get = libucs.ucs_global_opts_get_value
+    except (OSError, AttributeError):  # pragma: no cover - a libucs without the call
+        return _ternary(os.environ.get("UCX_MEMTYPE_CACHE", "try"))
+    get.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    get.restype = ctypes.c_int
+    out = ctypes.create_string_buffer(32)
+    if get(b"MEMTYPE_CACHE", out, len(out)) != 0:  # pragma: no cover - UCS_OK is 0
+        return _ternary(os.environ.get("UCX_MEMTYPE_CACHE", "try"))
+    return _ternary(out.value.decode())
+
+
 @functools.cache
 def native() -> types.ModuleType:
     """Return ``gpushare._ucx._native``, loading libucx/libucxx from their wheels first."""
@@ -50,6 +114,7 @@ def native() -> types.ModuleType:
             "gpushare.ucx needs the 'libucxx-cu13' package (pip install libucxx-cu13==0.52.*)"
         ) from exc
     choose_hook_mode()
+    choose_memtype_cache()
     libucxx.load_library()
     from . import _native
 

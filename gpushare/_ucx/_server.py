@@ -30,7 +30,7 @@ from .._errors import (
     native_errors,
     translate,
 )
-from .._process import PerProcess
+from .._process import PerProcess, wait_alive
 from ._agent import (
     _ADDRESS_MAGIC,
     _Connection,
@@ -42,10 +42,10 @@ from ._agent import (
     _pack,
     _unpack,
     default_transports,
-    memtype_config,
     mt_config,
     wake_timeout_ms,
 )
+from . import _device
 from ._address import check_worker_address
 from ._loader import keep_forever, native
 
@@ -77,7 +77,6 @@ def node_config() -> dict[str, str]:
     elif not tls.startswith("^") and "cuda_ipc" in tls.split(","):
         cfg["TLS"] = ",".join(t for t in tls.split(",") if t != "cuda_ipc") or "tcp"
     cfg.update(mt_config())
-    cfg.update(memtype_config())
     cfg.update(tcp_segment_config())
     return cfg
 
@@ -363,7 +362,9 @@ class Server:
                 raise InvalidInputError("a region needs at least one byte")
             if local.readonly and not readonly:
                 raise InvalidInputError("the buffer is read-only: add it with readonly=True")
-            with native_errors():
+            # UCX registers CUDA memory, and later copies into and out of it,
+            # under the device's primary context (see _device).
+            with native_errors(), _device.on_memory_device(local):
                 rid = n.add_region(local.address, local.nbytes, readonly, _MEMORY_TYPE_CODES[local.memory_type])
         except BaseException:
             if local is not obj:
@@ -432,7 +433,7 @@ class Peer(_Connection):
         return self._native
 
     def _item(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any,
-              nbytes: Any, locals_: list) -> tuple:
+              nbytes: Any, locals_: list, stream: int | None = None) -> tuple:
         _check_region_id(region_id)
         key = _check_key(key)
         _check_int(offset, "offset")
@@ -448,7 +449,7 @@ class Peer(_Connection):
                 locals_.append(local)
                 memory_type = _MEMORY_TYPE_CODES["host"]
         if local is None:
-            local = _buffers.resolve(buffer, writable=(op == "get"))
+            local = _device.resolve(buffer, writable=(op == "get"), stream=stream)
             if local is not buffer:
                 locals_.append(local)
             memory_type = _MEMORY_TYPE_CODES[local.memory_type]
@@ -462,6 +463,10 @@ class Peer(_Connection):
             raise InvalidInputError(f"a {op} moves at least one byte")
         if offset + nbytes > _U64:
             raise OutOfBoundsError("offset + nbytes runs past 2**64")
+        if memory_type != _MEMORY_TYPE_CODES["host"]:
+            # UCX copies CUDA memory on streams of its own: after the work
+            # queued before the transfer (see _device).
+            _device.order_before(local, stream)
         return (region_id, key, offset, local.address, nbytes, memory_type)
 
     def _native_post(self, op: str, items: list[tuple], kind: str, gather: bool = False) -> Any:
@@ -478,14 +483,15 @@ class Peer(_Connection):
         return self._track(Request._from_native(nreq, locals_ or None, self))
 
     def _one(self, op: str, region_id: Any, key: Any, offset: Any, buffer: Any, nbytes: Any,
-             wait: float | None = -1.0, alive: Any = None) -> Request | None:
+             wait: float | None = -1.0, alive: Any = None, stream: Any = None) -> Request | None:
         """Post one get or put.  With ``wait`` (seconds, None = forever) wait
         for it here and return None: the synchronous calls skip the Request.
         ``alive``: while waiting, its ``check_alive()`` is asked every second
-        whether the exporter still answers (its error ends the wait)."""
+        whether the exporter still answers (its error ends the wait).
+        ``stream``: for CUDA memory, the stream whose queued work comes first."""
         locals_: list = []
         try:
-            item = self._item(op, region_id, key, offset, buffer, nbytes, locals_)
+            item = self._item(op, region_id, key, offset, buffer, nbytes, locals_, _device.consumer_stream(stream))
             if wait == -1.0:
                 return self._post(op, [item], locals_, op)
             nreq = self._native_post(op, [item], op)
@@ -497,8 +503,6 @@ class Peer(_Connection):
             if alive is None:
                 done = nreq.wait(-1.0 if wait is None else wait)
             else:
-                from .._importer import wait_alive
-
                 done = wait_alive(lambda t: nreq.wait(-1.0 if t is None else t), alive, wait)
         except BaseException:
             self._track(Request._from_native(nreq, locals_ or None, self))  # its buffer stays referenced
@@ -513,21 +517,23 @@ class Peer(_Connection):
         self._track(Request._from_native(nreq, locals_ or None, self))
         raise WaitTimeoutError(f"{op} did not complete within {wait} s")
 
-    def _batch(self, op: str, items: Iterable, gather: bool = False) -> Request:
+    def _batch(self, op: str, items: Iterable, gather: bool = False, stream: Any = None) -> Request:
         locals_: list = []
         try:
+            handle = _device.consumer_stream(stream)
             prepared = []
             for entry in items:
                 if not isinstance(entry, tuple) or len(entry) != 4:
                     raise InvalidInputError(f"batch items are (region_id, key, offset, buffer) tuples, not {entry!r:.80}")
-                prepared.append(self._item(op, *entry, None, locals_))
+                prepared.append(self._item(op, *entry, None, locals_, handle))
             return self._post(op, prepared, locals_, f"{op}_batch", gather)
         except BaseException:
             for lb in locals_:
                 lb.release()
             raise
 
-    def get_async(self, region_id: int, key: bytes, offset: int, dst: Any, *, nbytes: int | None = None) -> Request:
+    def get_async(self, region_id: int, key: bytes, offset: int, dst: Any, *, nbytes: int | None = None,
+                  stream: Any = None) -> Request:
         """Read ``nbytes`` (all of ``dst`` by default) at ``offset`` of the region into ``dst``.
 
         Returns at once; the data is in ``dst`` when the :class:`Request`
@@ -536,6 +542,14 @@ class Peer(_Connection):
         :class:`OutOfBoundsError` or :class:`ClosedError`; nothing is
         written to ``dst`` then.
 
+        For CUDA memory, the get first waits (in this thread) for the work
+        queued on ``stream`` (a cuda.core ``Stream``, a CuPy or torch stream,
+        or a raw handle) and on the stream ``dst`` names
+        (``__cuda_array_interface__``), or on the legacy default stream when
+        neither is named; a DLPack producer orders its work before it.  UCX
+        copies on streams of its own; the request completes once its copy
+        has landed in device memory, so work queued afterwards sees the bytes.
+
         Raises
         ------
         InvalidInputError
@@ -543,40 +557,44 @@ class Peer(_Connection):
         ClosedError
             If the peer is closed.
         """
-        return self._one("get", region_id, key, offset, dst, nbytes)
+        return self._one("get", region_id, key, offset, dst, nbytes, stream=stream)
 
-    def put_async(self, region_id: int, key: bytes, offset: int, src: Any, *, nbytes: int | None = None) -> Request:
+    def put_async(self, region_id: int, key: bytes, offset: int, src: Any, *, nbytes: int | None = None,
+                  stream: Any = None) -> Request:
         """Write ``src`` at ``offset`` of the region.
 
         The request completes once the exporter has the bytes in the
         region's memory (no flush needed).  Refusals as in :meth:`get_async`,
-        and :class:`AccessDeniedError` for a read-only region.
+        and :class:`AccessDeniedError` for a read-only region.  A put from
+        CUDA memory first waits for the work queued before it, as a get does.
         """
-        return self._one("put", region_id, key, offset, src, nbytes)
+        return self._one("put", region_id, key, offset, src, nbytes, stream=stream)
 
     def get(self, region_id: int, key: bytes, offset: int, dst: Any, timeout: float | None = None, *,
-            nbytes: int | None = None, alive: Any = None) -> None:
+            nbytes: int | None = None, alive: Any = None, stream: Any = None) -> None:
         """:meth:`get_async` and wait (``timeout`` seconds; ``None`` waits until UCX
         completes or fails it).  Raises what the request failed with, or
         :class:`WaitTimeoutError` (the transfer stays in flight).  ``alive``
         (for the sharing API: the view's lease): asked every second of the
         wait whether the exporter still answers."""
-        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout), alive)
+        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout), alive, stream)
 
     def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
-            nbytes: int | None = None, alive: Any = None) -> None:
+            nbytes: int | None = None, alive: Any = None, stream: Any = None) -> None:
         """:meth:`put_async` and wait, as :meth:`get`."""
-        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout), alive)
+        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout), alive, stream)
 
-    def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]]) -> Request:
+    def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, stream: Any = None) -> Request:
         """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.
 
         Each get reads ``len(dst)`` bytes.  The request fails with the first
-        failure among them (the others still complete).
+        failure among them (the others still complete).  CUDA destinations
+        are ordered as for :meth:`get_async`.
         """
-        return self._batch("get", items)
+        return self._batch("get", items, stream=stream)
 
-    def put_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, host_regions: bool = False) -> Request:
+    def put_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, host_regions: bool = False,
+                  stream: Any = None) -> Request:
         """Post one put per ``(region_id, key, offset, src)``; one request for all, as :meth:`get_batch`.
 
         ``host_regions=True`` says that every region named is host memory:
@@ -587,7 +605,7 @@ class Peer(_Connection):
         """
         if not isinstance(host_regions, bool):
             raise InvalidInputError("host_regions must be a bool")
-        return self._batch("put", items, host_regions)
+        return self._batch("put", items, host_regions, stream)
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect (idempotent); requests in flight fail.  The next

@@ -1,0 +1,102 @@
+"""CUDA memory around UCX calls: the device's primary context, and the
+producer's work ordered before a transfer.
+
+UCX's ``cuda_copy`` transport (UCX 1.21) needs an *active* primary context
+on the memory's device for everything it does with CUDA memory:
+
+- allocation (``ucp_mem_map`` with ``UCP_MEM_MAP_ALLOCATE``) uses the calling
+  thread's current context, else the first device whose primary context is
+  active, else fails ("no active cuda primary context for memory
+  allocation"): ``UCX_CUDA_COPY_RETAIN_PRIMARY_CTX`` defaults to ``n``;
+- registration asks for the allocation's range and sets
+  ``CU_CTX_SYNC_MEMOPS`` under the device's primary context, which it pushes
+  only when it is already active;
+- copies (staging for TCP, the region server's copies into and out of CUDA
+  regions, in the calling thread or the progress thread) push the device's
+  primary context only when it is active, and fail for pool and VMM memory
+  otherwise.
+
+So gpushare retains the device's primary context once per process
+(:func:`gpushare._paths._cuda.on_device`, kept until exit, as the CUDA
+runtime does) before any of these, and pushes it around the calls made in
+the calling thread; the caller's current context is left as it was.
+
+UCX copies on streams of its own (non-blocking ones, which do not wait for
+the legacy default stream), so a transfer from or to CUDA memory waits
+first, in the calling thread, for the work queued on the stream the caller
+names (``stream=``) and the one the buffer's producer names
+(``__cuda_array_interface__``'s ``stream``), or on the legacy default
+stream when neither is named, as the mapped paths order their copies.  A
+DLPack producer is asked to order its work before that stream when the
+buffer is resolved (:func:`resolve`).  A get completes only once UCX's copy
+has landed in the destination (UCX completes a request after the copy's
+event or a stream synchronisation), so work the caller queues afterwards
+sees the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from .. import _buffers
+
+__all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "resolve"]
+
+
+def consumer_stream(stream: Any) -> int | None:
+    """The raw handle of a ``stream=`` argument (``None`` stays ``None``)."""
+    if stream is None:
+        return None
+    from .._paths import _cuda
+
+    return _cuda.stream_handle(stream)
+
+
+def resolve(obj: Any, *, writable: bool, stream: int | None) -> _buffers.LocalBuffer:
+    """:func:`gpushare._buffers.resolve` for a transfer: a CUDA DLPack
+    producer orders its pending work before ``stream`` (the legacy default
+    stream when ``None``), which :func:`order_before` then waits for."""
+    from .._paths import _cuda
+
+    return _buffers.resolve(obj, writable=writable, stream=_cuda.LEGACY_STREAM if stream is None else stream)
+
+
+def ordinal_of(local: _buffers.LocalBuffer) -> int:
+    """The device of a CUDA buffer of this process."""
+    if local.device is not None:
+        return int(local.device)
+    from .._paths import _cuda
+
+    return _cuda.pointer_ordinal(local.address)
+
+
+@contextlib.contextmanager
+def on_memory_device(local: _buffers.LocalBuffer | None, ordinal: int | None = None) -> Iterator[None]:
+    """Push the primary context of the device of CUDA buffer ``local`` (or of
+    device ``ordinal``) for the block; nothing for host memory."""
+    if ordinal is None and (local is None or local.memory_type != "cuda"):
+        yield
+        return
+    from .._paths import _cuda
+
+    with _cuda.on_device(ordinal_of(local) if ordinal is None else ordinal):
+        yield
+
+
+def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
+    """Wait for the work a transfer of CUDA buffer ``local`` must follow:
+    what is queued on ``stream`` (the caller's) and on ``local.stream`` (the
+    producer's), or on the legacy default stream when neither is named.
+    Retains the device's primary context (see the module notes).  Nothing
+    for host memory."""
+    if local.memory_type != "cuda":
+        return
+    from .._paths import _cuda
+
+    drv = _cuda.driver()
+    streams = [s for s in dict.fromkeys((stream, local.stream)) if s is not None] or [_cuda.LEGACY_STREAM]
+    with _cuda.on_device(ordinal_of(local)):
+        for s in streams:
+            _cuda.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize (the work before a ucx-rma transfer)")
