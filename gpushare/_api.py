@@ -28,6 +28,8 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._exporter import Export, get_exporter, new_ids, registered, track_auto, weak_or_none
+from ._paths.broker import release_registrations
+from ._process import await_alive
 from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
 from ._types import Lifetime, PathName
 
@@ -148,20 +150,9 @@ def _mapped_offers(obj: Any, memory_type: str, wanted: list[str] | None,
             except GpuShareError:
                 pass
     except BaseException:
-        _release_registrations(regs)
+        release_registrations(regs)
         raise
     return descs, regs, offset
-
-
-def _release_registrations(regs: list) -> None:
-    from ._paths.broker import get_broker
-
-    broker = get_broker()
-    for export_id, fds in regs:
-        broker.revoke(export_id)
-        for fd in fds:
-            os.close(fd)
-    regs.clear()
 
 
 def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = None,
@@ -222,7 +213,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
     descs, regs, offset = _mapped_offers(memory, memory_type, wanted, (local.address, nbytes), readonly)
     if strides is not None and "host-fd" not in descs:
-        _release_registrations(regs)
+        release_registrations(regs)
         raise InvalidInputError(
             f"array is not C-contiguous; {_buffers._CONTIGUOUS_FIX} (strided arrays are shared as they are "
             "only over gpushare.allocate host memory, such as gpushare.empty arrays)"
@@ -235,14 +226,14 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     if wanted is not None:
         offers = [p for p in offers if p in wanted]
         if not offers:
-            _release_registrations(regs)
+            release_registrations(regs)
             raise InvalidInputError(f"none of the paths {sorted(wanted)} can serve this memory" + (
                 " (a strided array goes only where it is mapped: same-process, and host-fd for "
                 "gpushare.allocate memory; share numpy.ascontiguousarray(a) for the others)" if strides else ""))
     try:
         shape, typestr, dtype_name, dlpack_dtype = _arrays.describe(obj, nbytes, strided=strides is not None)
     except InvalidInputError:
-        _release_registrations(regs)
+        release_registrations(regs)
         raise
     share_id, token = new_ids()
     exporter = get_exporter()
@@ -255,7 +246,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         else:
             record.obj = memory  # for a strided array, its span, which holds the array
     except BaseException:
-        _release_registrations(regs)
+        release_registrations(regs)
         raise
     exporter.add(record)
     fabric = None
@@ -1126,8 +1117,11 @@ class View:
             if not self._host_span(buf, offset):
                 self._span(buf, offset, get)[0].release()  # checks bounds and the buffer
             try:
+                # CUDA memory: after the work queued on ``stream`` or the
+                # buffer's own stream (the legacy one when none is named).
                 (self._peer.get if get else self._peer.put)(
-                    *self._region, offset, buf, timeout, alive=self._lease[0] if self._lease else None)
+                    *self._region, offset, buf, timeout, alive=self._lease[0] if self._lease else None,
+                    stream=stream)
             except (UCXConnectionError, ClosedError) as exc:
                 _raise_rma_error(self.share, exc)
             return
@@ -1156,12 +1150,11 @@ class View:
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         if self.path == "ucx-rma":
             self._span(buf, offset, direction == "get")[0].release()
-            from ._importer import _await_alive
-
             post = self._peer.get_async if direction == "get" else self._peer.put_async
             try:
                 # Liveness as for the blocking calls: a frozen exporter ends the wait.
-                await _await_alive(post(*self._region, offset, buf), self._lease[0] if self._lease else None)
+                await await_alive(post(*self._region, offset, buf, stream=stream),
+                                  self._lease[0] if self._lease else None)
             except (UCXConnectionError, ClosedError) as exc:
                 _raise_rma_error(self.share, exc)
             return

@@ -29,10 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _auth, _control
+from . import _auth, _buffers, _control, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError, WaitTimeoutError
+from ._paths import cma
+from ._paths.broker import control_address, grant, may_share, peer_credentials, release_registrations
+from ._paths.host_fd import _read_only
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
+from ._ucx import _server
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -167,9 +171,7 @@ class Export:
         """Stop handing out this share's fds: a descriptor given out before is dead."""
         regs, self.registrations = self.registrations, []
         if regs:
-            from ._api import _release_registrations
-
-            _release_registrations(regs)
+            release_registrations(regs)
 
     def retire(self) -> None:
         if not self.retired:
@@ -186,8 +188,6 @@ class Export:
         own for one lease (lock held); the region is added on the first
         ucx-rma open.  The lease's end revokes the key."""
         if self.region is None:
-            from ._ucx import _server
-
             target = self.target()
             srv = _server.server()
             self.region = srv.add_region(target, readonly=self.readonly)
@@ -246,8 +246,6 @@ class Exporter:
         an address importers derive from the share (pid and port), over which
         host-fd opens get their fds with the reply.  None if the address is
         taken (importers then use TCP and the broker)."""
-        from ._paths.broker import control_address
-
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(control_address(self.pid, port))
@@ -324,8 +322,6 @@ class Exporter:
         self._serve(sock, _Session(self))
 
     def _accept_local(self, sock: socket.socket) -> None:
-        from ._paths.broker import may_share
-
         # Checked before a byte is read, as the fd broker does.
         if not may_share(sock):
             sock.close()
@@ -572,10 +568,6 @@ class _Session(Protocol):
     def _cma_offer(self, conn: Connection, export: Export) -> tuple[Any, Any]:
         """A cma lease: the share's memory, pinned for the lease, and the
         importer's process as the kernel gives it (lock held)."""
-        from . import _buffers
-        from ._paths import cma
-        from ._paths.broker import peer_credentials
-
         if not self.local:
             raise UnsupportedError("cma needs a control connection over the exporter's Unix socket (this "
                                    "node, this user)")
@@ -596,8 +588,6 @@ class _Session(Protocol):
         """An importer's get or put over its cma lease: checked here (lease,
         bounds, read-only, revocation), copied by the copy threads, answered
         when the bytes have moved."""
-        from ._paths import cma
-
         lease = msg.get("lease")
         entry = self.cma.get(lease) if type(lease) is int else None
         if entry is None:
@@ -688,8 +678,6 @@ class _Session(Protocol):
 
 def _sealed(export: Export) -> bool:
     """Whether the memfds of a host-fd export are sealed against writes."""
-    from ._paths.host_fd import _read_only
-
     return any(fds and _read_only(fds) for _, fds in export.registrations)
 
 
@@ -698,8 +686,6 @@ def _local_fds(desc: Any) -> list[int]:
     control socket (the broker's registration and token, checked as the
     broker checks them); none if the registration was withdrawn (the
     importer then asks the broker, and hears why)."""
-    from ._paths.broker import grant
-
     return grant(desc.export_id, desc.token) or []
 
 
@@ -776,10 +762,11 @@ def revoke(share: Any) -> None:
         export.end("revoked")
 
 
+_share.set_revoke_hook(revoke)
+
+
 def _peer(conn: Any) -> str:
     """Who is at the other end of a control connection, for the log."""
-    from ._paths.broker import peer_credentials
-
     sock = getattr(conn, "sock", conn)
     try:
         if sock.family == socket.AF_UNIX:

@@ -27,7 +27,7 @@ from typing import Any
 from . import _control
 from ._errors import AccessDeniedError, ClosedError, ExporterUnreachableError, GpuShareError, InvalidInputError
 from ._errors import OutOfBoundsError, WaitTimeoutError
-from ._process import PerProcess
+from ._process import QUIET, PerProcess, Stopped, await_alive, node_key, peer_timeout, state_of, wait_alive
 from ._service import Connection, Protocol, Timer, get_service
 
 __all__ = ["Lease", "Transfer", "get_importer"]
@@ -36,25 +36,6 @@ __all__ = ["Lease", "Transfer", "get_importer"]
 IDLE_LINGER = 2.0
 #: Seconds the buffers of copies in flight stay held after their connection ended.
 KEEP_AFTER_LOSS = 2.0
-#: Seconds of silence from an exporter, while a transfer waits on it, after
-#: which the importer asks it for a sign of life (a ``ping``).
-QUIET = 1.0
-
-
-def peer_timeout() -> float:
-    """Seconds an exporter may leave a ping unanswered before a waiting
-    transfer gives up on it as stopped, frozen or cut off
-    (``GPUSHARE_PEER_TIMEOUT``, default 3)."""
-    value = os.environ.get("GPUSHARE_PEER_TIMEOUT", "3")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise InvalidInputError(f"GPUSHARE_PEER_TIMEOUT is {value!r}; expected seconds") from None
-    if not 0 < seconds < 1e6:
-        raise InvalidInputError(f"GPUSHARE_PEER_TIMEOUT is {value!r}; expected a positive number of seconds")
-    return seconds
-
-
 class _Lost(Exception):
     """The connection ended before the reply came (maybe reusable: retry once)."""
 
@@ -133,7 +114,7 @@ class _Link(Protocol):
         """Send one request and wait for its reply, and the fds that came with it."""
         rid, waiter = self.submit(message)
         try:
-            answered = wait_alive(waiter.event.wait, _Stopped(self.exporter_pid, self.key[1]), timeout)
+            answered = wait_alive(waiter.event.wait, Stopped(self.exporter_pid, self.key[1]), timeout)
         except ExporterUnreachableError:
             answered = False
             if waiter.reply is None:
@@ -215,7 +196,7 @@ class _Link(Protocol):
         if waited >= peer_timeout():
             raise ExporterUnreachableError(
                 f"the exporter (pid {self.exporter_pid}) has not answered for {waited:.1f} s"
-                f"{_state_of(self.exporter_pid, self.key[1])}: it is stopped, frozen or cut off "
+                f"{state_of(self.exporter_pid, self.key[1])}: it is stopped, frozen or cut off "
                 "(GPUSHARE_PEER_TIMEOUT sets how long to wait for it)"
             )
 
@@ -383,7 +364,7 @@ class Transfer:
                 pass  # the event loop closed: nobody awaits this any more
 
         self._waiter.then(wake)
-        yield from _await_alive(future, self._link).__await__()
+        yield from await_alive(future, self._link).__await__()
         exc = self.exception()
         if exc is not None:
             raise exc
@@ -477,42 +458,6 @@ class Importer:
         """At exit: the service closes the connections."""
 
 
-def wait_alive(wait: Callable[[float | None], bool], link: Any, timeout: float | None) -> bool:
-    """``wait(seconds)`` until it returns True, at most ``timeout`` seconds
-    (None: no limit); False when they pass.  Every second of waiting, ask
-    ``link`` (a lease or control link, or None) whether the exporter still
-    answers: its :class:`ExporterUnreachableError` ends the wait."""
-    if wait(min(QUIET, timeout) if timeout is not None else QUIET):
-        return True
-    deadline = None if timeout is None else time.monotonic() + timeout - QUIET
-    while True:
-        if link is not None:
-            link.check_alive()
-        step = QUIET if deadline is None else min(QUIET, deadline - time.monotonic())
-        if step <= 0:
-            return False
-        if wait(step):
-            return True
-
-
-async def _await_alive(awaitable: Any, link: Any) -> Any:
-    """Await ``awaitable``, asking ``link.check_alive()`` after each second of
-    waiting, as :func:`wait_alive` does for threads."""
-    import asyncio
-
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=QUIET)
-        if done:
-            return task.result()
-        if link is not None:
-            try:
-                link.check_alive()
-            except BaseException:
-                task.cancel()  # the transfer itself stays in flight, its buffer held
-                raise
-
-
 def _unreachable(share: Any, exc: BaseException) -> ExporterUnreachableError:
     return ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}")
 
@@ -524,45 +469,11 @@ def _left(deadline: float) -> float:
     return left
 
 
-class _Stopped:
-    """For a wait on an exporter on this node: ends it when the exporting
-    process is stopped by a signal or has exited (its state in /proc), so
-    that a frozen exporter is reported at once, not at the timeout."""
-
-    __slots__ = ("node", "pid")
-
-    def __init__(self, pid: int, node: str) -> None:
-        self.pid, self.node = pid, node
-
-    def check_alive(self) -> None:
-        state = _state_of(self.pid, self.node)
-        if state and "waits in the kernel" not in state:
-            raise ExporterUnreachableError(f"the exporter (pid {self.pid}) does not answer{state}")
-
-    __call__ = check_alive
-
-
-def _state_of(pid: int, node: str) -> str:
-    """ " (it is stopped by a signal)" and the like, for an exporter on this
-    node whose state says why it is silent; else ""."""
-    from ._process import process_state
-    from ._share import node_key
-
-    if node != node_key():
-        return ""
-    state = process_state(pid)
-    if state is None:
-        return " (it has exited)"
-    return {"T": " (it is stopped by a signal)", "t": " (it is stopped by a debugger)",
-            "Z": " (it has exited)", "X": " (it has exited)", "D": " (it waits in the kernel)"}.get(state, "")
-
-
 def _connect_local(share: Any, deadline: float) -> socket.socket | None:
     """A control connection over the exporter's Unix socket, when it is on
     this node and answers as the exporter, of this user or root; else None
     (and the caller uses TCP)."""
     from ._paths.broker import check_peer, control_address
-    from ._share import node_key
 
     if share.node != node_key():
         return None
@@ -591,12 +502,11 @@ def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = 
     each to the other, that both hold the key (:mod:`gpushare._auth`); nothing
     else is sent, and nothing the exporter says is used, before that."""
     from . import _auth
-    from ._share import node_key
 
     mine = _auth.new_nonce()
     _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key(),
                          "nonce": mine})
-    reply = _control.recv(sock, _left(deadline), _Stopped(exporter_pid, node))
+    reply = _control.recv(sock, _left(deadline), Stopped(exporter_pid, node))
     if reply.get("code") == "denied":
         raise AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {str(reply.get('message'))[:200]}")
     if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:

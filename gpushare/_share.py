@@ -10,16 +10,15 @@ and on unpickling.
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import json
-import os
 import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 from . import _descriptors
-from ._errors import InvalidInputError
+from ._errors import ClosedError, InvalidInputError
+from ._process import node_key
 from ._types import PATH_NAMES, PathName
 
 __all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
@@ -28,6 +27,17 @@ __all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
 PATHS = PATH_NAMES
 #: Lifetime policy names (an int N means "until N imports have closed").
 LIFETIMES = ("auto", "closed", "revoked", "none")
+
+#: Revokes a share of this process: installed by :mod:`gpushare._exporter`
+#: (which sits above this module) through :func:`set_revoke_hook`.
+_revoke: Callable[[Share], None] | None = None
+
+
+def set_revoke_hook(revoke: Callable[[Share], None]) -> None:
+    """Let :meth:`Share.revoke` reach this process's exporter."""
+    global _revoke
+    _revoke = revoke
+
 
 SHARE_FORMAT = 1
 #: The most bytes :meth:`Share.from_bytes` reads.
@@ -38,19 +48,6 @@ _MAX_DIMS = 32
 _MAX_ADDRESSES = 16
 _MAX_NBYTES = 1 << 56
 _DTYPE_NAME = re.compile(r"^[A-Za-z0-9_\[\]<>|=,. ]{1,64}\Z")
-
-
-@functools.cache
-def node_key() -> str:
-    """What "same node" means for the mapped paths: the same kernel boot, host
-    name and network namespace (the fd broker's socket lives in the latter)."""
-    from ._paths.broker import node_identity
-
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{node_identity()}:netns={netns}"
 
 
 def _int(value: Any, what: str, lo: int, hi: int) -> int:
@@ -369,9 +366,9 @@ class Share:
         unmap another process's memory); ucx-rma views lose access at once.
         Only the exporting process can revoke.
         """
-        from ._exporter import revoke
-
-        revoke(self)
+        if _revoke is None:  # no exporter in this process: it exported nothing
+            raise ClosedError(f"only the exporting process (pid {self.exporter_pid}) can revoke this share")
+        _revoke(self)
 
     def __repr__(self) -> str:
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "

@@ -25,7 +25,6 @@ operation on both sides has a timeout.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import os
 import secrets
@@ -39,9 +38,10 @@ from typing import Any
 
 from .._descriptors import POSIX_FD_FORMAT, PosixFdBufferDescriptor
 from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputError
-from .._process import PerProcess
+from .._process import PerProcess, node_identity
 
-__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish"]
+__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish",
+           "release_registrations"]
 
 _MAGIC = b"GSFD"
 _PROTOCOL = 1
@@ -52,17 +52,6 @@ _FDS_PER_MESSAGE = 250
 _UCRED = struct.Struct("3i")
 #: Seconds any single exchange with a broker may take, on either side.
 TIMEOUT = 5.0
-
-
-@functools.cache
-def node_identity() -> str:
-    """This node's identity: the kernel boot id and the host name (read once)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = "unknown-boot"
-    return f"{boot_id}:{socket.gethostname()}"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -229,6 +218,17 @@ _service: PerProcess[Broker] = PerProcess(Broker, stop=Broker.stop, abandon=Brok
 def get_broker() -> Broker:
     """This process's broker, started on first use (and again after a fork)."""
     return _service.get()
+
+
+def release_registrations(regs: list[tuple[int, list[int]]]) -> None:
+    """End registrations ``(export_id, fds)`` of this process's broker: revoke
+    each and close its fds; ``regs`` is left empty."""
+    broker = get_broker()
+    for export_id, fds in regs:
+        broker.revoke(export_id)
+        for fd in fds:
+            os.close(fd)
+    regs.clear()
 
 
 def grant(export_id: int, token: bytes) -> list[int] | None:

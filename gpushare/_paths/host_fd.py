@@ -29,6 +29,7 @@ from typing import Any
 
 from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
+from .._process import check_same_node
 from . import broker as _broker
 
 __all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "containing"]
@@ -517,15 +518,6 @@ def export_host(buf: HostBuffer) -> PosixFdBufferDescriptor:
         )
         res.export = (broker, desc)
         return desc
-
-
-def check_same_node(desc: PosixFdBufferDescriptor) -> None:
-    here = _broker.node_identity()
-    if desc.node != here:
-        raise UnsupportedError(
-            f"the buffer was exported on node {desc.node!r}; this is {here!r}; "
-            "posix-fd sharing works only on the same node"
-        )
 
 
 def import_host(
