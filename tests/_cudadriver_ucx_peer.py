@@ -98,6 +98,33 @@ class _CudaArray:
                                          "strides": None, "stream": stream}
 
 
+class _DLPackArray:
+    """A device array that speaks DLPack only and orders its pending work
+    (on ``stream``) before the stream its consumer names, as CuPy and torch do."""
+
+    def __init__(self, ptr: int, n: int, stream: Any) -> None:
+        self.ptr, self.n, self.stream = ptr, n, stream
+        self.asked: list[Any] = []
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)  # kDLCUDA, device 0
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        from gpushare import _dlpack
+
+        self.asked.append(stream)
+        if stream is not None and stream != -1 and self.stream is not None:
+            d = drv()
+            with on_device(0):
+                ev = ok(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value), "cuEventCreate")
+                ok(d.cuEventRecord(ev, self.stream), "cuEventRecord")
+                ok(d.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
+                ok(d.cuEventDestroy(ev), "cuEventDestroy")
+        return _dlpack.capsule(self.ptr, (self.n,), "|u1", (2, 0), readonly=False, owner=self,
+                               max_version=max_version)
+
+
 def pending(state: dict, name: str, n: int, value: int, where: str) -> None:
     """Device memory on device 0 (zeros) with a memset to ``value`` queued but
     not run: on a new non-blocking stream (``where="stream"``) or on the
@@ -115,10 +142,13 @@ def pending(state: dict, name: str, n: int, value: int, where: str) -> None:
 def _buffer(state: dict, name: str, mode: str) -> tuple[Any, int | None]:
     """The device memory ``name`` as a transfer's buffer, and ``stream=``:
     ``"cai"``: the array interface names the stream of its pending work;
-    ``"stream"``: the caller passes that stream; ``"legacy"``: nothing is
-    named (the work is on the legacy default stream)."""
+    ``"stream"``: the caller passes that stream; ``"dlpack"``: a DLPack
+    producer orders it before the stream its consumer names; ``"legacy"``:
+    nothing is named (the work is on the legacy default stream)."""
     ptr, n, stream = state["devs"][name]
     handle = None if stream is None else int(stream)
+    if mode == "dlpack":
+        return _DLPackArray(ptr, n, stream), None
     if mode == "cai":
         return _CudaArray(ptr, n, handle), None
     if mode == "stream":
@@ -130,6 +160,25 @@ def dev_read(state: dict, name: str) -> bytes:
     """The device memory's bytes, after every queued work of the context."""
     ptr, n, _ = state["devs"][name]
     return read_ptr(ptr, n)
+
+
+def dev_read_now(state: dict, name: str) -> bytes:
+    """The device memory's bytes as work queued now sees them: a copy on a
+    new non-blocking stream, which waits for nothing else queued (UCX's
+    streams included), and only that stream synchronised."""
+    import numpy as np
+
+    d = drv()
+    ptr, n, _ = state["devs"][name]
+    out = np.zeros(n, np.uint8)
+    with on_device(0):
+        s = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        try:
+            ok(d.cuMemcpyDtoHAsync(out.ctypes.data, ptr, n, s), "cuMemcpyDtoHAsync")
+            ok(d.cuStreamSynchronize(s), "cuStreamSynchronize")
+        finally:
+            d.cuStreamDestroy(s)
+    return out.tobytes()
 
 
 def transfer(state: dict, api: str, op: str, name: str, mode: str, target: Any = None) -> dict:

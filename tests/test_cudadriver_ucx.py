@@ -54,7 +54,19 @@ def test_agent_allocates_cuda_memory_with_no_context_current(spawn):
     assert p.call("pointer_device", made["base"]) is None
 
 
-def test_a_peer_reads_and_writes_cuda_memory_ucx_allocated(spawn):
+def test_agent_allocates_on_the_callers_current_device_and_leaves_it_current(spawn):
+    p = spawn()
+    p.call("make_current", 1)
+    made = p.call("agent_cuda_memory", MiB)
+    assert made["before"] == 1 and made["after"] == 1
+    assert made["ordinal"] == 1
+    p.call("write_at", made["base"], b"\x21" * 64, 1)
+    assert p.call("read_at", made["base"], 64, 1) == b"\x21" * 64
+    p.call("close_agent")
+    assert p.call("pointer_device", made["base"]) is None
+
+
+def test_a_peer_reads_cuda_memory_ucx_allocated_in_a_fresh_process(spawn):
     exporter, importer = spawn(), spawn()
     made = exporter.call("agent_cuda_memory", MiB)
     exporter.call("write_at", made["base"], bytes(range(256)) * 4)
@@ -75,7 +87,7 @@ def _view_pair(spawn):
     return exporter, importer
 
 
-MODES = ["cai", "stream", "legacy"]
+MODES = ["cai", "stream", "dlpack", "legacy"]
 # A batch takes no stream=: its buffers name theirs.
 VIEW_CASES = [(api, mode) for api in ("view", "view_async", "batch") for mode in MODES
               if not (api == "batch" and mode == "stream")]
@@ -96,6 +108,7 @@ def test_view_get_comes_after_the_consumers_earlier_work(spawn, api, mode):
     # The destination's earlier work (a memset) must not land over the bytes got.
     importer.call("pending", "dst", N, 0x11, "legacy" if mode == "legacy" else "stream")
     assert importer.call("transfer", api, "get", "dst", mode, "v") == {"current": None}
+    assert importer.call("dev_read_now", "dst") == b"\xc3" * N  # landed when the get returned
     assert importer.call("dev_read", "dst") == b"\xc3" * N
 
 
@@ -114,6 +127,7 @@ def test_region_server_client_orders_cuda_transfers(spawn, op, mode):
         exporter.call("write", "buf", 0, b"\x3c" * N)
         importer.call("pending", "dst", N, 0x11, where)
         importer.call("transfer", "peer", "get", "dst", mode, target)
+        assert importer.call("dev_read_now", "dst") == b"\x3c" * N
         assert importer.call("dev_read", "dst") == b"\x3c" * N
 
 
@@ -132,6 +146,7 @@ def test_agent_orders_cuda_transfers(spawn, op, mode):
         exporter.call("write_at", made["base"], b"\x4d" * N)
         importer.call("pending", "dst", N, 0x11, where)
         assert importer.call("transfer", "agent", "get", "dst", mode) == {"current": None}
+        assert importer.call("dev_read_now", "dst") == b"\x4d" * N
         assert importer.call("dev_read", "dst") == b"\x4d" * N
 
 

@@ -484,7 +484,7 @@ class MemoryHandle:
     Made by :meth:`Agent.create_memory_handle`; mirrors ``ucxx::MemoryHandle``.
     """
 
-    __slots__ = ("_native", "_agent", "_local", "_mm", "_finalizer", "_memory_type", "__weakref__")
+    __slots__ = ("_native", "_agent", "_local", "_mm", "_finalizer", "_memory_type", "_ordinal", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("MemoryHandle objects are made by Agent.create_memory_handle")
@@ -498,6 +498,7 @@ class MemoryHandle:
         self._local = local
         self._mm = mm
         self._memory_type = memory_type
+        self._ordinal = ordinal  # the device of CUDA memory
         addr = nmh.base_address
         length = len(mm) if mm is not None else nmh.size
         self._finalizer = weakref.finalize(
@@ -550,7 +551,9 @@ class MemoryHandle:
     def create_remote_key(self) -> RemoteKey:
         """Pack a remote key for this region; send ``key.serialize()`` to peers."""
         n = self._check_open()
-        with native_errors():
+        # Packing for a CUDA transport (cuda_ipc, where asked for) asks the
+        # driver about the memory under its device's context.
+        with native_errors(), _device.on_memory_device(None, self._ordinal):
             blob = n.pack_remote_key()
             base, size = native().serialized_remote_key_range(blob)
         packed = _pack(_KEY_MAGIC, _MEMORY_TYPE_CODES[self._memory_type], blob)

@@ -37,7 +37,6 @@ sees the bytes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from .. import _buffers
@@ -72,17 +71,18 @@ def ordinal_of(local: _buffers.LocalBuffer) -> int:
     return _cuda.pointer_ordinal(local.address)
 
 
-@contextlib.contextmanager
-def on_memory_device(local: _buffers.LocalBuffer | None, ordinal: int | None = None) -> Iterator[None]:
+_NOTHING = contextlib.nullcontext()
+
+
+def on_memory_device(local: _buffers.LocalBuffer | None,
+                     ordinal: int | None = None) -> contextlib.AbstractContextManager[Any]:
     """Push the primary context of the device of CUDA buffer ``local`` (or of
-    device ``ordinal``) for the block; nothing for host memory."""
+    device ``ordinal``) for a ``with`` block; nothing for host memory."""
     if ordinal is None and (local is None or local.memory_type != "cuda"):
-        yield
-        return
+        return _NOTHING
     from .._paths import _cuda
 
-    with _cuda.on_device(ordinal_of(local) if ordinal is None else ordinal):
-        yield
+    return _cuda.on_device(ordinal_of(local) if ordinal is None else ordinal)
 
 
 def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
