@@ -13,6 +13,10 @@ programs: torchrun, mpirun, a job script); else this process's
 ``multiprocessing.current_process().authkey``, which a program's
 multiprocessing children inherit, so a program and its workers trust each
 other with no setup.  Shares carry no secret of this kind.
+
+Channels make the same exchange with the channel's token as the key
+(``secret=``), as producer and consumer: labels of their own, so a proof
+made for a channel never stands for a control connection's, or back.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from ._errors import InvalidInputError
 __all__ = ["NONCE_BYTES", "key", "new_nonce", "proof", "set_authkey", "verify"]
 
 NONCE_BYTES = 16
-_EXPORTER = b"gpushare control exporter v1"
-_IMPORTER = b"gpushare control importer v1"
+_LABELS = {"exporter": b"gpushare control exporter v1", "importer": b"gpushare control importer v1",
+           "producer": b"gpushare channel producer v1", "consumer": b"gpushare channel consumer v1"}
 _MIN_KEY = 16
 _MAX_KEY = 4096
 
@@ -86,15 +90,21 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def proof(role: str, importer_nonce: bytes, exporter_nonce: bytes) -> bytes:
-    """The HMAC the peer in ``role`` ("exporter" or "importer") sends on a
-    connection with these two nonces."""
-    label = _EXPORTER if role == "exporter" else _IMPORTER
-    return hmac.new(key(), label + importer_nonce + exporter_nonce, hashlib.sha256).digest()
+def proof(role: str, importer_nonce: bytes, exporter_nonce: bytes, *, secret: bytes | None = None) -> bytes:
+    """The HMAC the peer in ``role`` sends on a connection with these two
+    nonces (the connecting side's first): ``"exporter"`` or ``"importer"``
+    under this process's :func:`key`, ``"producer"`` or ``"consumer"`` under
+    a channel's token (``secret``)."""
+    label = _LABELS.get(role)
+    if label is None:
+        raise InvalidInputError(f"no proof for role {role!r:.20}")
+    return hmac.new(key() if secret is None else secret, label + importer_nonce + exporter_nonce,
+                    hashlib.sha256).digest()
 
 
-def verify(role: str, importer_nonce: bytes, exporter_nonce: bytes, got: object) -> bool:
-    """Whether ``got`` is the proof a holder of the key in ``role`` sends."""
+def verify(role: str, importer_nonce: bytes, exporter_nonce: bytes, got: object, *,
+           secret: bytes | None = None) -> bool:
+    """Whether ``got`` is the proof a holder of the key (or of ``secret``) in ``role`` sends."""
     if not isinstance(got, bytes) or len(got) != hashlib.sha256().digest_size:
         return False
-    return hmac.compare_digest(proof(role, importer_nonce, exporter_nonce), got)
+    return hmac.compare_digest(proof(role, importer_nonce, exporter_nonce, secret=secret), got)

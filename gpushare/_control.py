@@ -11,7 +11,9 @@ thread (:func:`take_frames`) or by a blocking caller (:func:`recv`).
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import socket
 import struct
 import time
@@ -20,8 +22,8 @@ from typing import Any
 
 from ._errors import ExporterUnreachableError, InvalidInputError
 
-__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frames", "MAX_FRAME", "PROTOCOL",
-           "TIMEOUT"]
+__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frame", "take_frames", "bind_host",
+           "keepalive", "MAX_FRAME", "PROTOCOL", "TIMEOUT"]
 
 MAX_FRAME = 64 * 1024
 #: The control protocol both ends speak; a ``hello`` names it.
@@ -81,22 +83,57 @@ def parse(body: bytes) -> dict:
     return decode(message)
 
 
+def take_frame(buf: bytearray) -> dict | None:
+    """Remove the first frame of ``buf`` and return its message; None while
+    it is incomplete (the bytes stay for the next read)."""
+    if len(buf) < _LEN.size:
+        return None
+    (length,) = _LEN.unpack_from(buf)
+    if length > MAX_FRAME:
+        raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
+    end = _LEN.size + length
+    if len(buf) < end:
+        return None
+    message = parse(bytes(buf[_LEN.size : end]))
+    del buf[:end]
+    return message
+
+
 def take_frames(buf: bytearray) -> list[dict]:
     """Remove the complete frames at the start of ``buf`` and return their
     messages; a partial frame stays for the next read."""
     messages = []
-    start = 0
-    while len(buf) - start >= _LEN.size:
-        (length,) = _LEN.unpack_from(buf, start)
-        if length > MAX_FRAME:
-            raise InvalidInputError(f"control frame of {length} bytes; at most {MAX_FRAME}")
-        end = start + _LEN.size + length
-        if len(buf) < end:
-            break
-        messages.append(parse(bytes(buf[start + _LEN.size : end])))
-        start = end
-    del buf[:start]
+    while (message := take_frame(buf)) is not None:
+        messages.append(message)
     return messages
+
+
+def bind_host() -> str:
+    """Where listeners bind: ``GPUSHARE_CONTROL_HOST``, by default every interface."""
+    host = os.environ.get("GPUSHARE_CONTROL_HOST", "0.0.0.0")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise InvalidInputError(
+            f"GPUSHARE_CONTROL_HOST is {host!r}; expected an IPv4 address of this host "
+            "(or 0.0.0.0 for every interface)"
+        ) from None
+    return host
+
+
+def keepalive(sock: socket.socket, idle: int, interval: int, count: int, user_timeout_ms: int | None = None) -> None:
+    """TCP keepalive on ``sock`` (and no Nagle delay): a peer on a node that
+    vanished (power, partition) is noticed after about ``idle + interval *
+    count`` seconds, or once unacknowledged data waited ``user_timeout_ms``.
+    Unix sockets need none: the kernel ends them with the process."""
+    if sock.family != socket.AF_INET:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                       ("TCP_USER_TIMEOUT", user_timeout_ms)):
+        if value is not None and hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None,

@@ -2,8 +2,9 @@
 
 One daemon thread waits on an ``epoll`` selector (no ``select()`` limit on
 file descriptor numbers) for the exporter's control listeners, every control
-connection (the exporter's, each with its leases, and the importer's), and
-the fd broker.  No thread per lease, per connection or per peer.
+connection (the exporter's, each with its leases, and the importer's), the
+fd broker, and channels (a producer's listeners, each consumer's join and
+connection, at both ends).  No thread per lease, per connection or per peer.
 
 Every socket is non-blocking and every connection has its own read buffer,
 write queue and deadline: a silent or slow peer is dropped at its deadline
@@ -194,7 +195,8 @@ class Connection:
         if close:
             self.close()
 
-    def _on_readable(self) -> None:
+    def _on_readable(self) -> bool:
+        """Read once; whether bytes came (False: none yet, or the connection ended)."""
         fds: list[int] = []
         try:
             if self.protocol.wants_fds:
@@ -202,19 +204,27 @@ class Connection:
             else:
                 data = self.sock.recv(_READ_CHUNK)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self.close(exc)
-            return
+            return False
         if not data:
             _close_all(fds)
             self.close()
-            return
+            return False
         self.rbuf += data
         try:
             self.protocol.data_received(self, fds)
         except Exception as exc:  # noqa: BLE001 - a peer's bytes never stop the service
             self.close(exc)
+        return True
+
+    def pull(self) -> None:
+        """Read everything that has arrived, and the end if it came, now
+        (service thread): what a peer sent before it exited is taken in
+        before anyone acts on its exit."""
+        while not self.closed and self._on_readable():
+            pass
 
     def close(self, exc: BaseException | None = None) -> None:
         """Drop the connection now (idempotent); the protocol hears of it once."""

@@ -159,3 +159,20 @@ def test_set_authkey_checks_its_key_and_goes_back_to_the_default():
     import multiprocessing
 
     assert _auth.key() == bytes(multiprocessing.current_process().authkey)
+
+
+def test_a_proof_is_bound_to_its_key_and_its_role():
+    a, b = _auth.new_nonce(), _auth.new_nonce()
+    token = bytes(range(32))
+    for role in ("exporter", "importer", "producer", "consumer"):
+        made = _auth.proof(role, a, b, secret=token)
+        assert _auth.verify(role, a, b, made, secret=token)
+        assert not _auth.verify(role, a, b, made)  # this process's key is another key
+        assert not _auth.verify(role, b, a, made, secret=token)  # nonces in their order
+        assert not _auth.verify(role, a, b, made, secret=bytes(32))
+        others = {"exporter", "importer", "producer", "consumer"} - {role}
+        assert not any(_auth.verify(other, a, b, made, secret=token) for other in others)
+    assert _auth.verify("importer", a, b, _auth.proof("importer", a, b))  # the default: the process's key
+    assert _auth.proof("importer", a, b) == _auth.proof("importer", a, b, secret=_auth.key())
+    with pytest.raises(gs.InvalidInputError, match="no proof for role"):
+        _auth.proof("stranger", a, b)
