@@ -84,3 +84,18 @@ def produce_then_die(results: Any, steps: int) -> None:
         os._exit(0)
     except BaseException:
         results.put(("error", traceback.format_exc()))
+
+
+def produce_pausing_then_stay(results: Any, pause: float) -> None:
+    """A producer that publishes step 0, is busy for ``pause`` seconds (in no
+    wait), publishes step 1, then stays alive without waiting."""
+    try:
+        producer = gs.channel((8,), np.int64, consumers=1, slots=4)
+        results.put(("handle", producer.handle))
+        producer.send(np.full(8, 0, np.int64), timeout=30)
+        time.sleep(pause)
+        producer.send(np.full(8, 1, np.int64), timeout=30)
+        results.put(("published", 2))
+        time.sleep(120)  # the test stops (SIGSTOP) and then kills this process
+    except BaseException:
+        results.put(("error", traceback.format_exc()))

@@ -7,6 +7,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import socket
+import threading
 import time
 
 import numpy as np
@@ -406,8 +409,6 @@ def test_a_forged_token_is_refused_and_a_fourth_consumer_too():
 
 
 def test_a_silent_connection_delays_no_one_elses_join():
-    import socket
-
     with gs.channel(4, consumers=1) as producer:
         host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
         with socket.create_connection((host, port)) as silent:  # connects, says nothing
@@ -420,7 +421,7 @@ def test_a_silent_connection_delays_no_one_elses_join():
 
 
 def test_a_consumer_sending_garbage_breaks_the_channel_not_the_producer():
-    from gpushare._channel import _MSG, _connect, _handshake
+    from gpushare._channel_wire import _MSG, _connect, _handshake
 
     with gs.channel(4, consumers=1, slots=1) as producer:
         sock = _connect(producer.handle, 5)  # a consumer that holds the handle but speaks nonsense
@@ -453,3 +454,194 @@ def test_bad_arguments_say_what_is_expected():
     with pytest.raises(gs.InvalidInputError, match="timeout must be"):
         with gs.channel(4, consumers=1) as producer:
             producer.acquire(timeout=-1)
+
+
+def test_keyless_connections_dripping_bytes_never_delay_a_join_and_are_dropped_at_the_join_deadline():
+    from gpushare import _control
+
+    with gs.channel(4, consumers=1) as producer:
+        host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
+        # A join that would pass the first checks, sent a byte every second: it never completes.
+        frame = _control.pack({"op": "join", "v": 2, "channel": producer.handle.channel_id, "pid": os.getpid(),
+                               "nonce": bytes(16)})
+        drips = [socket.create_connection((host, port)) for _ in range(64)]
+        t_connected = time.monotonic()
+        stop = threading.Event()
+
+        def drip() -> None:
+            for i in range(len(frame)):
+                for s in drips:
+                    try:
+                        s.send(frame[i : i + 1])
+                    except OSError:
+                        pass
+                if stop.wait(1.0):
+                    return
+
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        try:
+            time.sleep(0.5)  # every dripping connection is accepted and in its join
+            t0 = time.monotonic()
+            with gs.subscribe(producer.handle, timeout=10) as consumer:
+                assert time.monotonic() - t0 < 3
+                assert consumer.index == 0
+                producer.send(np.arange(4, dtype=np.uint8), timeout=5)
+                with consumer.wait(timeout=5) as step:
+                    assert step.array.tolist() == [0, 1, 2, 3]
+            # The join has a deadline as a whole (5 s), however the bytes are paced.
+            for s in drips:
+                s.settimeout(max(0.1, t_connected + 9 - time.monotonic()))
+                assert s.recv(4096) == b""  # dropped, given nothing
+            dropped = time.monotonic() - t_connected
+            assert 4.5 < dropped < 9
+        finally:
+            stop.set()
+            dripper.join(5)
+            for s in drips:
+                s.close()
+
+
+def _task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_producer_with_eight_consumers_has_no_more_threads_than_with_one():
+    with gs.channel(1, consumers=1) as warm, gs.subscribe(warm.handle):  # the service thread is running
+        warm.send(np.zeros(1, np.uint8), timeout=5)
+    counts = {}
+    for n in (1, 8):
+        with gs.channel(4, consumers=n, slots=2) as producer:
+            host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
+            joining = [socket.create_connection((host, port)) for _ in range(n)]  # in their join, silent
+            consumers = [gs.subscribe(producer.handle, timeout=10) for _ in range(n)]
+            try:
+                producer.send(np.arange(4, dtype=np.uint8), timeout=5)
+                for c in consumers:
+                    c.wait(timeout=5).release()
+                time.sleep(0.3)
+                counts[n] = (threading.active_count(), _task_count())
+            finally:
+                for c in consumers:
+                    c.close()
+                for s in joining:
+                    s.close()
+    assert counts[8] == counts[1], counts
+
+
+def _frozen_then_killed(pid: int, after: float) -> threading.Timer:
+    """SIGSTOP ``pid`` now; SIGKILL it after ``after`` seconds (ends a wait
+    that the freeze alone would not)."""
+    os.kill(pid, signal.SIGSTOP)
+    killer = threading.Timer(after, lambda: os.kill(pid, signal.SIGKILL))
+    killer.daemon = True
+    killer.start()
+    return killer
+
+
+def test_a_frozen_consumer_breaks_the_producers_wait_without_timeout_within_the_peer_timeout(monkeypatch):
+    monkeypatch.setenv("GPUSHARE_PEER_TIMEOUT", "1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    producer = gs.channel(8, np.int32, consumers=1, slots=1)
+    p = ctx.Process(target=peer.join_and_hold, args=(producer.handle, results, False))
+    p.start()
+    killer = None
+    try:
+        producer.send(np.arange(8, dtype=np.int32), timeout=30)
+        assert _get(results)[:3] == ("holding", 0, 0)
+        time.sleep(1.5)  # a consumer busy for longer than the peer timeout is not frozen...
+        with pytest.raises(gs.WaitTimeoutError):
+            producer.acquire(timeout=1.5)  # ...it answers while it holds the step
+        killer = _frozen_then_killed(p.pid, 15)
+        t0 = time.monotonic()
+        with pytest.raises(gs.ChannelBrokenError,
+                           match=rf"consumer 0 \(pid {p.pid}\) has not answered for .* stopped by a signal"):
+            producer.send(np.arange(8, dtype=np.int32), timeout=None)
+        assert time.monotonic() - t0 < 1 + 1 + 2.5  # the peer timeout, after a second of silence
+    finally:
+        if killer is not None:
+            killer.cancel()
+        p.kill()
+        producer.close(timeout=0)
+        _join([p])
+
+
+def test_a_frozen_producer_breaks_a_consumers_wait_without_timeout_within_the_peer_timeout(monkeypatch):
+    monkeypatch.setenv("GPUSHARE_PEER_TIMEOUT", "1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    prod = ctx.Process(target=peer.produce_pausing_then_stay, args=(results, 2.5))
+    prod.start()
+    killer = None
+    try:
+        handle = _get(results)[1]
+        with gs.subscribe(handle, timeout=30) as ch:
+            ch.wait(timeout=30).release()
+            # The producer is busy for longer than the peer timeout, in no wait:
+            # it still answers, and its next step arrives.
+            with ch.wait() as step:
+                assert step.step == 1 and int(step.array[0]) == 1
+            assert _get(results) == ("published", 2)
+            killer = _frozen_then_killed(prod.pid, 15)
+            t0 = time.monotonic()
+            with pytest.raises(gs.ChannelBrokenError,
+                               match=rf"producer \(pid {prod.pid}\) has not answered for .* stopped by a signal"):
+                ch.wait()
+            assert time.monotonic() - t0 < 1 + 1 + 2.5  # the peer timeout, after a second of silence
+            with pytest.raises(gs.ChannelBrokenError):
+                ch.wait(timeout=0)
+    finally:
+        if killer is not None:
+            killer.cancel()
+        prod.kill()
+        _join([prod])
+
+
+def test_the_handle_pickles_as_before_and_a_join_of_another_protocol_is_refused_saying_why():
+    from gpushare import _control
+    from gpushare._channel_wire import _connect
+
+    with gs.channel(4, consumers=1) as producer:
+        for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+            data = pickle.dumps(producer.handle, protocol)
+            assert b"gpushare._channel" in data and b"_rebuild_handle" in data and b"_channel_wire" not in data
+            assert pickle.loads(data) == producer.handle
+        with _connect(producer.handle, 5) as sock:
+            _control.send(sock, {"op": "join", "v": 1, "channel": producer.handle.channel_id, "pid": os.getpid(),
+                                 "nonce": bytes(16)})
+            reply = _control.recv(sock, 5)
+            assert reply["ok"] is False and "this producer speaks 2" in reply["message"]
+            assert sock.recv(16) == b""
+        with _connect(producer.handle, 5) as sock:  # the join of releases before this one
+            sock.sendall(b"GSCHAN01" + bytes.fromhex(producer.handle.channel_id) + bytes(36))
+            sock.settimeout(5)
+            assert sock.recv(16) == b""
+        with gs.subscribe(producer.handle, timeout=5) as consumer:
+            assert consumer.index == 0
+
+
+def test_beyond_the_joins_in_progress_a_new_connection_drops_the_oldest(monkeypatch):
+    from gpushare import _channel_wire
+
+    monkeypatch.setattr(_channel_wire, "_MAX_HANDSHAKES", 4)
+    with gs.channel(4, consumers=1) as producer:
+        host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
+        silent = []
+        try:
+            for _ in range(4):
+                silent.append(socket.create_connection((host, port)))
+                time.sleep(0.05)  # accepted in this order
+            t0 = time.monotonic()
+            with gs.subscribe(producer.handle, timeout=10) as consumer:  # the fifth join in progress
+                assert consumer.index == 0 and time.monotonic() - t0 < 3
+            silent[0].settimeout(3)
+            assert silent[0].recv(16) == b""  # the oldest went, long before its deadline
+            assert time.monotonic() - t0 < 3
+            for s in silent[1:]:
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    s.recv(16)  # the others are still in their join
+        finally:
+            for s in silent:
+                s.close()
