@@ -526,7 +526,7 @@ def test_a_producer_with_eight_consumers_has_no_more_threads_than_with_one():
                     c.close()
                 for s in joining:
                     s.close()
-    assert counts[8] == counts[1], counts
+    assert counts[8][0] <= counts[1][0] and counts[8][1] <= counts[1][1], counts
 
 
 def _frozen_then_killed(pid: int, after: float) -> threading.Timer:
