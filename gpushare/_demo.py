@@ -62,6 +62,19 @@ def _allocate(size: int) -> tuple[Any, str]:
     return gs.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
 
 
+def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> None:
+    """Copy between the demo's CUDA buffer and host memory in the buffer's
+    device context, and wait until the bytes have landed: a blocking copy
+    from pageable memory returns once the bytes are staged, before they are
+    in device memory where the importer reads them."""
+    from gpushare._paths import _cuda
+
+    dev, hst = int(buf.handle), host.ctypes.data
+    dst, src = (dev, hst) if to_device else (hst, dev)
+    _cuda.copy_async(dst, src, size, ordinal=int(buf.device_id), stream=None, producer=None, keep=host,
+                     what=what).wait()
+
+
 def _fill(buf: Any, size: int) -> str:
     import numpy as np
 
@@ -69,10 +82,7 @@ def _fill(buf: Any, size: int) -> str:
     if hasattr(buf, "__array_interface__"):
         np.asarray(buf)[:] = data
     else:  # CUDA memory
-        from gpushare._paths import _cuda
-
-        drv = _cuda.driver()
-        _cuda.check(drv.cuMemcpyHtoD(int(buf.handle), data.ctypes.data, size), "fill the demo buffer")
+        _device_copy(buf, data, size, True, "fill the demo buffer")
     return hashlib.sha256(data).hexdigest()
 
 
@@ -81,11 +91,8 @@ def _read(buf: Any, size: int) -> str:
 
     if hasattr(buf, "__array_interface__"):
         return hashlib.sha256(np.asarray(buf)).hexdigest()
-    from gpushare._paths import _cuda
-
     out = np.empty(size, np.uint8)
-    drv = _cuda.driver()
-    _cuda.check(drv.cuMemcpyDtoH(out.ctypes.data, int(buf.handle), size), "read the demo buffer")
+    _device_copy(buf, out, size, False, "read the demo buffer")
     return hashlib.sha256(out).hexdigest()
 
 
