@@ -2,10 +2,12 @@
 
 Host memory: anything with the buffer protocol (NumPy arrays, bytearray,
 memoryview, mmap), or DLPack on the CPU.  CUDA memory: a cuda.core
-``Buffer``, anything with ``__cuda_array_interface__`` (CuPy, torch, Numba)
-or DLPack on a CUDA device.  The returned :class:`LocalBuffer` keeps the
-object (and, for host memory, a buffer-protocol export that stops it from
-being resized) alive until :meth:`LocalBuffer.release`.
+``Buffer``, anything with ``__cuda_array_interface__`` (CuPy, Numba) or
+DLPack on a CUDA device; DLPack is preferred where the array interface names
+no stream (torch's), so that the producer's pending work is ordered first.
+The returned :class:`LocalBuffer` keeps the object (and, for host memory, a
+buffer-protocol export that stops it from being resized) alive until
+:meth:`LocalBuffer.release`.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
     if isinstance(obj, LocalBuffer):
         return obj
     cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
+    if cai is not None and _orders_by_dlpack(obj, cai):
+        cai = None
     if _is_cuda_core_buffer(obj):
         lb = _from_cuda_core_buffer(obj)
     elif cai is not None:
@@ -163,6 +167,22 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
         lb.release()
         raise InvalidInputError(f"{type(obj).__name__} buffer is read-only; a destination must be writable")
     return lb
+
+
+def _orders_by_dlpack(obj: Any, cai: Any) -> bool:
+    """Whether ``obj``'s memory is to be read through DLPack although it has
+    ``__cuda_array_interface__``: when the interface names no stream (version
+    2, as torch writes it), it says nothing of the producer's pending work,
+    while DLPack orders that work before the consumer's stream (torch's
+    current stream for a torch tensor).  A version 3 interface with its
+    ``stream`` entry (CuPy's, gpushare's) is used as it is."""
+    if not isinstance(cai, dict) or "stream" in cai or not hasattr(obj, "__dlpack__"):
+        return False
+    try:
+        dev_type = obj.__dlpack_device__()[0]
+    except Exception:  # noqa: BLE001 - the producer's own error: keep its array interface
+        return False
+    return dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED)
 
 
 def _cuda_array_interface(obj: Any) -> Any:
