@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 __all__ = ["capabilities"]
@@ -19,15 +20,27 @@ def _version(dist: str) -> str | None:
         return None
 
 
+_CHANNEL = re.compile(r"channel[0-9]+", re.ASCII)
+
+
 def _imex() -> dict[str, Any]:
+    """The IMEX channels this process can open: the ``channelN`` device
+    files under :data:`IMEX_CHANNELS` that it may read and write.  Fabric
+    handles need one: without it the driver refuses to create or import
+    memory with them."""
     try:
-        channels = sorted(os.listdir(IMEX_CHANNELS))
+        channels = sorted(c for c in os.listdir(IMEX_CHANNELS) if _CHANNEL.fullmatch(c))
     except FileNotFoundError:
         return {"present": False, "channels": [], "reason": f"{IMEX_CHANNELS} does not exist"}
     except OSError as exc:
         return {"present": False, "channels": [], "reason": f"cannot list {IMEX_CHANNELS}: {exc}"}
     usable = [c for c in channels if os.access(os.path.join(IMEX_CHANNELS, c), os.R_OK | os.W_OK)]
-    reason = None if usable else f"no channel in {IMEX_CHANNELS} is readable and writable by this user"
+    if usable:
+        reason = None
+    elif channels:
+        reason = f"no channel in {IMEX_CHANNELS} is readable and writable by this user"
+    else:
+        reason = f"{IMEX_CHANNELS} holds no channel"
     return {"present": bool(usable), "channels": usable, "reason": reason}
 
 
@@ -77,7 +90,7 @@ def _fabric_info(uuids: dict[int, str]) -> tuple[dict[int, dict[str, Any]], str 
     return out, None
 
 
-def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int | None]:
+def _devices(device: int | None, imex: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None, int | None]:
     from ._paths import _cuda
 
     reason = _cuda.unavailable_reason()
@@ -100,6 +113,11 @@ def _devices(device: int | None) -> tuple[list[dict[str, Any]], str | None, int 
             devices.append({"ordinal": i, "reason": f"no device {i}; the driver sees {count}"})
             continue
         types, why_not = device_handle_types(i)
+        if "fabric" in types and not imex["present"]:
+            # The device supports fabric handles, but without an IMEX channel
+            # the driver creates and imports none (CUDA_ERROR_NOT_PERMITTED).
+            types = [t for t in types if t != "fabric"]
+            why_not = f"no IMEX channel for fabric handles ({imex['reason']})"
         devices.append(
             {
                 "ordinal": i,
@@ -144,7 +162,8 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
     from ._paths.broker import node_identity
 
     host_ok = hasattr(os, "memfd_create")
-    devices, reason, driver_version = _devices(device)
+    imex = _imex()
+    devices, reason, driver_version = _devices(device, imex)
     return {
         "node": node_identity(),
         "host": {
@@ -157,7 +176,7 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
             "driver_version": driver_version,
             "devices": devices,
         },
-        "imex": _imex(),
+        "imex": imex,
         "versions": {
             "gpushare": __version__,
             "cuda-core": _version("cuda-core"),
