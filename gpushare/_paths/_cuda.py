@@ -44,6 +44,7 @@ __all__ = [
     "device_uuid",
     "driver",
     "import_ordinal",
+    "inflight_copies",
     "normalize_uuid",
     "on_device",
     "ordinal_of_uuid",
@@ -53,6 +54,7 @@ __all__ = [
     "stream_ordinal",
     "unavailable_reason",
     "valid_ordinal",
+    "wait_for_copies",
 ]
 
 _lock = threading.Lock()
@@ -299,13 +301,153 @@ def stream_ordinal(stream: int) -> int | None:
 
 
 def pointer_ordinal(address: int, hint: int | None = None) -> int:
-    """The device that owns ``address`` (unified addressing: any context
-    answers; ``hint``'s, the current one's or device 0's is used)."""
+    """The device that owns ``address``.
+
+    Asked with no context pushed: under unified addressing the driver finds
+    the allocation from the address alone (UCX's memory-type detection makes
+    the same query from threads with no current context), and pushing one
+    would retain a primary context, hundreds of MiB of device memory, on a
+    device this process may never use.  Should a driver answer that it needs a
+    context, the query is repeated in ``hint``'s (a device the caller already
+    uses), never in an arbitrary device's.
+    """
     drv = driver()
-    ordinal = hint if hint is not None else current_ordinal()
     attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    with on_device(0 if ordinal is None else ordinal):
-        return int(check(drv.cuPointerGetAttribute(attr, address), "cuPointerGetAttribute(DEVICE_ORDINAL)"))
+    what = "cuPointerGetAttribute(DEVICE_ORDINAL)"
+    result = drv.cuPointerGetAttribute(attr, address)
+    if result[0] == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and hint is not None:
+        with on_device(hint):
+            result = drv.cuPointerGetAttribute(attr, address)
+    return int(check(result, what))
+
+
+# ---------------------------------------------------------------- copies in flight
+
+_inflight_lock = threading.Lock()
+#: Every stream-ordered copy gpushare queued that nobody has yet seen complete.
+_inflight: set[_Pending] = set()
+
+
+class _Pending:
+    """The event recorded after one queued copy, the memory the copy touches,
+    and what it keeps alive; shared by its :class:`CopyRequest` and the
+    registry that :func:`wait_for_copies` searches.
+
+    ``lock`` serialises the driver calls on the event: whoever holds it may
+    synchronise; the event is destroyed once the copy is known complete and
+    nobody can ask again (the request finished or was dropped).
+    """
+
+    __slots__ = ("ordinal", "event", "spans", "keep", "lock", "complete", "error", "orphan", "retired")
+
+    def __init__(self, ordinal: int, event: Any, spans: tuple[tuple[int, int], ...], keep: Any) -> None:
+        self.ordinal = ordinal
+        self.event = event
+        self.spans = spans
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.complete = False
+        self.error: BaseException | None = None
+        self.orphan = False
+        self.retired = False
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return any(a < end and start < b for a, b in self.spans)
+
+    def _settle(self, err: Any) -> None:
+        drv = _driver
+        self.complete = True
+        if err != drv.CUresult.CUDA_SUCCESS:
+            self.error = CUDAError(_name(drv, err), "copy")
+
+    def query(self) -> bool:
+        """Whether the copy is known complete; never blocks (a thread that
+        is synchronising on it holds the lock: not yet)."""
+        if self.complete:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.complete:
+                drv = driver()
+                with on_device(self.ordinal):
+                    (err,) = drv.cuEventQuery(self.event)
+                if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+                    return False
+                self._settle(err)
+            return True
+        finally:
+            self.lock.release()
+
+    def sync(self) -> None:
+        """Block until the copy has completed (or failed)."""
+        with self.lock:
+            if not self.complete:
+                drv = driver()
+                with on_device(self.ordinal):
+                    (err,) = drv.cuEventSynchronize(self.event)
+                self._settle(err)
+
+    def retire(self) -> None:
+        """Forget a completed copy: release what it kept and its event."""
+        with _inflight_lock:
+            if self.retired:
+                return
+            self.retired = True
+            _inflight.discard(self)
+        keep, self.keep = self.keep, None
+        release = getattr(keep, "release", None)
+        if release is not None:
+            release()
+        with self.lock:
+            _destroy_event(self.ordinal, self.event)
+
+
+def _orphan(pending: _Pending) -> None:
+    """The request was dropped unfinished: the registry alone holds the
+    copy now, and retires it once it is seen complete."""
+    pending.orphan = True
+    if pending.complete:
+        pending.retire()
+
+
+def _retire_orphans() -> None:
+    """Retire the dropped requests whose copies have completed."""
+    with _inflight_lock:
+        orphans = [p for p in _inflight if p.orphan]
+    for p in orphans:
+        try:
+            if p.query():
+                p.retire()
+        except CUDAError:
+            p.complete = True  # the context is gone or poisoned: nothing left to wait for
+            p.retire()
+
+
+def wait_for_copies(address: int, size: int) -> None:
+    """Block until every copy gpushare queued that touches ``size`` bytes at
+    ``address`` has completed: what must happen before that memory is
+    unmapped or freed.  Other work (the user's, on any stream) is not waited
+    for.
+
+    Raises
+    ------
+    CUDAError
+        If synchronising fails (the context is poisoned).
+    """
+    end = address + size
+    with _inflight_lock:
+        touching = [p for p in _inflight if p.overlaps(address, end)]
+    for p in touching:
+        p.sync()
+        if p.orphan:
+            p.retire()
+
+
+def inflight_copies() -> int:
+    """How many queued copies gpushare has not yet seen complete."""
+    with _inflight_lock:
+        return len(_inflight)
 
 
 class CopyRequest:
@@ -314,40 +456,32 @@ class CopyRequest:
     memory and visible to every process that maps it.
 
     ``wait(timeout)``, ``done()`` and ``await`` as for
-    :class:`gpushare.ucx.Request`.
+    :class:`gpushare.ucx.Request`.  A request dropped before it finished
+    leaves its copy in the registry of copies in flight, which keeps its
+    buffers alive until the copy is seen complete.
     """
 
-    __slots__ = ("_ordinal", "_event", "_keep", "_error", "_finished", "_finalizer", "__weakref__")
+    __slots__ = ("_pending", "_finished", "_error", "_finalizer", "__weakref__")
 
-    def __init__(self, ordinal: int, event: Any, keep: Any) -> None:
-        self._ordinal = ordinal
-        self._event = event
-        self._keep = keep
-        self._error: BaseException | None = None
+    def __init__(self, pending: _Pending) -> None:
+        self._pending = pending
         self._finished = False
-        # A request dropped unfinished (a timed-out await) still frees its
-        # event; the driver releases it once the copy completes.
-        self._finalizer = weakref.finalize(self, _destroy_event, ordinal, event)
+        self._error: BaseException | None = None
+        self._finalizer = weakref.finalize(self, _orphan, pending)
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self) -> None:
         self._finished = True
-        self._error = error
-        release = getattr(self._keep, "release", None)
-        self._keep = None
-        if release is not None:
-            release()
-        self._finalizer()
+        self._error = self._pending.error
+        self._finalizer.detach()
+        self._pending.retire()
 
     def done(self) -> bool:
         """Whether the copy has completed (or failed)."""
         if self._finished:
             return True
-        drv = driver()
-        with on_device(self._ordinal):
-            (err,) = drv.cuEventQuery(self._event)
-        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+        if not self._pending.query():
             return False
-        self._finish(None if err == drv.CUresult.CUDA_SUCCESS else CUDAError(_name(drv, err), "copy"))
+        self._finish()
         return True
 
     def exception(self) -> BaseException | None:
@@ -369,11 +503,9 @@ class CopyRequest:
         from .._errors import WaitTimeoutError
 
         if not self._finished:
-            drv = driver()
             if timeout is None:
-                with on_device(self._ordinal):
-                    (err,) = drv.cuEventSynchronize(self._event)
-                self._finish(None if err == drv.CUresult.CUDA_SUCCESS else CUDAError(_name(drv, err), "copy"))
+                self._pending.sync()
+                self._finish()
             else:
                 deadline = time.monotonic() + timeout
                 spin_until = time.monotonic() + 5e-5
@@ -416,6 +548,7 @@ def copy_async(dst: int, src: int, n: int, *, ordinal: int, stream: int | None,
     that completes when the bytes have landed.  ``keep`` (released when the
     request ends) keeps the buffers alive meanwhile."""
     drv = driver()
+    _retire_orphans()
     no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
     with on_device(ordinal):
         s = stream if stream is not None else (producer if producer is not None else LEGACY_STREAM)
@@ -433,7 +566,10 @@ def copy_async(dst: int, src: int, n: int, *, ordinal: int, stream: int | None,
         except BaseException:
             drv.cuEventDestroy(event)
             raise
-    return CopyRequest(ordinal, event, keep)
+    pending = _Pending(ordinal, event, ((dst, dst + n), (src, src + n)), keep)
+    with _inflight_lock:
+        _inflight.add(pending)
+    return CopyRequest(pending)
 
 
 def import_ordinal(owner_uuid: str | None, device: int | None) -> int:

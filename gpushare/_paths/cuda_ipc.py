@@ -23,7 +23,7 @@ import warnings
 from typing import Any
 
 from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
-from .._errors import CUDAError, InvalidInputError, UnsupportedError
+from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
 from . import _cuda
 from .broker import node_identity
 from .host_fd import check_same_node
@@ -192,8 +192,10 @@ def _unuse(ref: Any) -> None:
         entry[2] -= 1
         if entry[2] == 0:
             del _opened[ref.key]
-            # Any thread may get here (close, finalizers, the garbage
-            # collector): the handle belongs to the device's context.
+            # gpushare's own copies on the memory land first.  Any thread may
+            # get here (close, finalizers, the garbage collector): the handle
+            # belongs to the device's context.
+            _cuda.wait_for_copies(entry[0], entry[1])
             with _cuda.on_device(ref.ordinal):
                 _cuda.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
 
@@ -241,9 +243,10 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: b
         return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
 
 
-#: (exporter pid, broker export id) -> [imported pool handle, pointers imported from it]
+#: (exporter pid, broker export id) -> [imported pool handle, pointers imported from it,
+#: the pool's resident device here (None when this process does not see it), other devices granted access]
 _imported_pools: dict[tuple[int, int], list[Any]] = {}
-#: (exporter pid, broker export id, export data) -> [pointer, users, pool key, device]
+#: (exporter pid, broker export id, export data) -> [pointer, users, pool key, device, size]
 _imported_ptrs: dict[tuple[int, int, bytes], list[Any]] = {}
 
 
@@ -276,8 +279,15 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
                                    "cuMemPoolImportFromShareableHandle")
             finally:
                 os.close(fd)
-            pool_entry = [pool, 0]
+            pool_entry = [pool, 0, _cuda.ordinal_of_uuid(desc.owner_uuid), set()]
             _imported_pools[pool_key] = pool_entry
+        try:
+            _grant_pool(drv, pool_entry, ordinal)
+        except BaseException:
+            if pool_entry[1] == 0:
+                del _imported_pools[pool_key]
+                drv.cuMemPoolDestroy(pool_entry[0])
+            raise
         entry = _imported_ptrs.get(ptr_key)
         if entry is None:
             data = _cuda.set_bytes(drv.CUmemPoolPtrExportData(), desc.export_data)
@@ -295,12 +305,29 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
                     del _imported_pools[pool_key]
                     drv.cuMemPoolDestroy(pool_entry[0])
                 raise
-            entry = [ptr, 0, pool_key, ordinal]
+            entry = [ptr, 0, pool_key, ordinal, int(real)]
             _imported_ptrs[ptr_key] = entry
             pool_entry[1] += 1
         entry[1] += 1
-        ref = _pool_ref_class()(ptr_key, entry[3])
+        ref = _pool_ref_class()(ptr_key, ordinal)
         return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+
+
+def _grant_pool(drv: Any, pool_entry: list[Any], ordinal: int) -> None:
+    """Give device ``ordinal`` read-write access to an imported pool (under
+    ``_lock``).  Memory imported from a pool is accessible from its resident
+    device only; every other device, in the importing process, needs
+    ``cuMemPoolSetAccess`` there (access granted in the exporter does not
+    carry over)."""
+    pool, _, resident, granted = pool_entry
+    if ordinal == resident or ordinal in granted:
+        return
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    _cuda.check(drv.cuMemPoolSetAccess(pool, [desc], 1), f"cuMemPoolSetAccess(device {ordinal})")
+    granted.add(ordinal)
 
 
 def _unuse_pool(ref: Any) -> None:
@@ -317,14 +344,30 @@ def _unuse_pool(ref: Any) -> None:
             return
         del _imported_ptrs[ref.key]
         pool_entry = _imported_pools.get(entry[2])
+        # gpushare's own copies on the memory land before it is freed; the
+        # user's other work is not waited for.
+        _cuda.wait_for_copies(entry[0], entry[4])
         with _cuda.on_device(entry[3]):
-            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize before freeing imported pool memory")
-            _cuda.check(drv.cuMemFree(entry[0]), "cuMemFree(imported pool pointer)")
+            _free_imported(drv, entry[0])
             if pool_entry is not None:
                 pool_entry[1] -= 1
                 if pool_entry[1] == 0:
                     del _imported_pools[entry[2]]
                     _cuda.check(drv.cuMemPoolDestroy(pool_entry[0]), "cuMemPoolDestroy(imported pool)")
+
+
+def _free_imported(drv: Any, ptr: int) -> None:
+    """Free an imported pool pointer (its device's context current).
+    ``cuMemFree`` would synchronise the whole context, waiting for the user's
+    work on every stream; a stream-ordered free on a stream of its own waits
+    for nothing else, and is complete on return, as the exporter's own free
+    of the allocation must come after every importer's."""
+    stream = _cuda.check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    try:
+        _cuda.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
+        _cuda.check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize(the free)")
+    finally:
+        drv.cuStreamDestroy(stream)
 
 
 _PoolRef: type | None = None
@@ -338,6 +381,17 @@ def _pool_ref_class() -> type:
 
     class PoolRef(base):  # type: ignore[misc, valid-type]
         """One importer's use of an imported pool allocation."""
+
+        def grant(self, ordinal: int) -> None:
+            """Give device ``ordinal`` access too, so a copy on it can touch the memory."""
+            drv = _cuda.driver()
+            with _lock:
+                if self.done:
+                    raise ClosedError("the imported pool memory is closed")
+                entry = _imported_ptrs.get(self.key)
+                pool_entry = None if entry is None else _imported_pools.get(entry[2])
+                if pool_entry is not None:
+                    _grant_pool(drv, pool_entry, ordinal)
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             try:

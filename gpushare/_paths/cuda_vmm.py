@@ -221,11 +221,13 @@ def _mapping_class() -> type:
                         export[0].revoke(export[1].export_id)
                     for fd in export[2]:
                         os.close(fd)
-                # Pending work on the memory must finish before it goes: the
-                # device's context is synchronised first (any thread, the
-                # garbage collector's included, pushes it for the duration).
+                # gpushare's own copies on the memory must land before it
+                # goes; the user's other work (any stream, this context's
+                # included) is not waited for, as cuda.core's own VMM resource
+                # does not.  Any thread, the garbage collector's included,
+                # pushes the device's context for the duration.
+                _cuda.wait_for_copies(self.ptr, sum(self.sizes))
                 with _cuda.on_device(self.ordinal):
-                    _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize before unmapping")
                     _cuda.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
                     _cuda.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
                     for h in self.handles:
