@@ -1086,7 +1086,10 @@ def test_copies_into_unwritable_host_memory_fail_instead_of_crashing(run):
         import numpy as np
         addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
         print(err(drv.cuMemcpyDtoH(addr, p, 4096)))
-        print(err(drv.cuMemAlloc(8)))                       # a fault poisons the context like any other
+        print(err(drv.cuMemAlloc(8)))                       # a fault poisons the device like any other
+        setup(1)
+        ok(drv.cuMemHostRegister(addr, 4096, 8))            # CU_MEMHOSTREGISTER_READ_ONLY
+        print(err(drv.cuMemsetD32(addr, 7, 1024)))          # a memset into it faults too
         """
     )
-    assert lines(out) == ["CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert lines(out) == ["CUDA_ERROR_ILLEGAL_ADDRESS"] * 3

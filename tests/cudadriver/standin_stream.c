@@ -76,26 +76,27 @@ static int alias_copy(uintptr_t dst, uintptr_t src, const void *staging, size_t 
 }
 
 /* cuMemsetD8/16/32's pattern into n elements of `width` bytes at dst, through
-   the aliases (pieces end at allocation boundaries, which are page-aligned,
-   so no element is split). */
-static void alias_set(uintptr_t dst, unsigned v, size_t n, int width) {
+   the aliases, copied from a buffer of the pattern like any copy (pinned host
+   memory unmapped meanwhile gives -1 instead of a crash).  Pieces end at
+   allocation boundaries, which are page-aligned, so no element is split. */
+static int alias_set(uintptr_t dst, unsigned v, size_t n, int width) {
+    static unsigned char pattern[1 << 16];
+    for (size_t i = 0; i < sizeof pattern; i += (size_t)width) {
+        if (width == 1) pattern[i] = (unsigned char)v;
+        else if (width == 2) { unsigned short x = (unsigned short)v; memcpy(pattern + i, &x, 2); }
+        else memcpy(pattern + i, &v, 4);
+    }
     size_t left = n * (size_t)width;
     while (left) {
         size_t run;
         uintptr_t d = alias_of(dst, &run);
         size_t k = left < run ? left : run;
-        if (width == 1) {
-            memset((void *)d, (int)(v & 0xff), k);
-        } else if (width == 2) {
-            unsigned short *p = (unsigned short *)d;
-            for (size_t i = 0; i < k / 2; i++) p[i] = (unsigned short)v;
-        } else {
-            unsigned int *p = (unsigned int *)d;
-            for (size_t i = 0; i < k / 4; i++) p[i] = v;
-        }
+        if (k > sizeof pattern) k = sizeof pattern;
+        if (!d || safe_copy(d, (uintptr_t)pattern, k) != 0) return -1;
         dst += k;
         left -= k;
     }
+    return 0;
 }
 
 static double now_ms(void) {
@@ -275,7 +276,11 @@ static CUresult exec_op(struct op *o) {
                          (unsigned long)o->dst, dev);
             return r;
         }
-        alias_set(o->dst, o->setval, o->n, o->setwidth);
+        if (alias_set(o->dst, o->setval, o->n, o->setwidth) != 0) {
+            standin_note("illegal address: queued memset at 0x%lx faulted on device %d; the device is poisoned",
+                         (unsigned long)o->dst, dev);
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        }
         return CUDA_SUCCESS;
     case OP_RECORD:
         o->t_ms = now_ms();
