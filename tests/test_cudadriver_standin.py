@@ -260,6 +260,25 @@ def test_a_cpu_access_to_device_memory_kills_the_process_by_sigsegv(run, kind, t
     assert lines(run(code)) == expected
 
 
+def test_copies_and_memsets_across_adjacent_vmm_mappings_reach_each_allocation(run):
+    out = run(
+        """
+        setup(0)
+        h1 = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0)); h2 = ok(drv.cuMemCreate(GRAN, vmm_prop(0), 0))
+        va = int(ok(drv.cuMemAddressReserve(2 * GRAN, 0, 0, 0)))
+        ok(drv.cuMemMap(va, GRAN, 0, h1, 0)); ok(drv.cuMemMap(va + GRAN, GRAN, 0, h2, 0))
+        ok(drv.cuMemSetAccess(va, 2 * GRAN, [access(0, RW)], 1))
+        edge = va + GRAN - 4
+        htod(edge, b"abcdefgh"); print(dtoh(edge, 8))
+        ok(drv.cuMemsetD32(edge - 4, 0x41424344, 4)); print(dtoh(edge - 4, 16))
+        htod(edge + 12, b"ijkl")
+        b = vmm_map(h2, GRAN, (0, RW))                     # h2 alone, elsewhere: its first bytes
+        print(dtoh(b, 12))
+        """
+    )
+    assert lines(out) == ["b'abcdefgh'", "b'DCBADCBADCBADCBA'", "b'DCBADCBAijkl'"]
+
+
 def test_vmm_access_granted_to_devices_is_not_granted_to_the_cpu(run):
     out = run(
         """
