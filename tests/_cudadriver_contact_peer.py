@@ -121,6 +121,35 @@ def close_with_copy_in_flight(state: dict, name: str, data: bytes, unrelated: in
     return out
 
 
+def zeros_beside_pending_work(state: dict, n: int, unrelated: int) -> dict:
+    """gs.zeros on device 0 while unrelated memsets are queued on a blocking
+    and a non-blocking stream of the user's: the zeros are there on return,
+    and the unrelated work has not run."""
+    from cuda.core import Device
+
+    import gpushare as gs
+
+    d = drv()
+    Device(0).set_current()
+    scratch = int(ok(d.cuMemAlloc(2 * 4096), "cuMemAlloc"))
+    ok(d.cuMemsetD8(scratch, 0, 2 * 4096), "cuMemsetD8")
+    ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
+    blocking = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_DEFAULT), "cuStreamCreate")
+    nonblocking = _nonblocking_stream()
+    ok(d.cuMemsetD8Async(scratch, unrelated, 4096, blocking), "cuMemsetD8Async")
+    ok(d.cuMemsetD8Async(scratch + 4096, unrelated, 4096, nonblocking), "cuMemsetD8Async")
+    arr = gs.zeros((n,), "uint8", device=0)
+    out = {"zeros": _read_on_own_stream(arr.ptr, n) == b"\0" * n,
+           "unrelated_at_return": _read_on_own_stream(scratch, 8) + _read_on_own_stream(scratch + 4096, 8)}
+    ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
+    out["unrelated_later"] = _read_on_own_stream(scratch, 8) + _read_on_own_stream(scratch + 4096, 8)
+    for s in (blocking, nonblocking):
+        d.cuStreamDestroy(s)
+    d.cuMemFree(scratch)
+    state["bufs"]["zeros"] = arr
+    return out
+
+
 def primary_active(state: dict, ordinal: int) -> int:
     """Whether device ``ordinal``'s primary context is retained in this process."""
     d = drv()

@@ -214,6 +214,14 @@ def test_close_waits_for_its_own_copies_and_leaves_other_work_queued(spawn, kind
     assert exporter.call("read", "buf", 0, len(data)) == data
 
 
+@pytest.mark.cudadriver
+def test_zeros_returns_zeros_without_running_the_callers_other_work(spawn):
+    seen = spawn().call("zeros_beside_pending_work", 64 << 10, 0x55)
+    assert seen["zeros"] is True
+    assert seen["unrelated_at_return"] == b"\0" * 16, seen      # neither user stream ran
+    assert seen["unrelated_later"] == b"\x55" * 16, seen
+
+
 # -- torch host tensors (no stand-in) -----------------------------------------------
 
 _TORCH_HOST = """

@@ -47,6 +47,7 @@ __all__ = [
     "inflight_copies",
     "normalize_uuid",
     "on_device",
+    "own_stream",
     "ordinal_of_uuid",
     "pointer_ordinal",
     "set_bytes",
@@ -319,6 +320,21 @@ def pointer_ordinal(address: int, hint: int | None = None) -> int:
         with on_device(hint):
             result = drv.cuPointerGetAttribute(attr, address)
     return int(check(result, what))
+
+
+@contextlib.contextmanager
+def own_stream() -> Iterator[Any]:
+    """A non-blocking stream of gpushare's own in the current context: what
+    the block queues on it has completed when the block ends, and waited for
+    nothing else (the legacy stream would wait for the context's blocking
+    streams, ``cuCtxSynchronize`` for every stream)."""
+    drv = driver()
+    stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    try:
+        yield stream
+        check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    finally:
+        drv.cuStreamDestroy(stream)
 
 
 # ---------------------------------------------------------------- copies in flight

@@ -362,12 +362,8 @@ def _free_imported(drv: Any, ptr: int) -> None:
     work on every stream; a stream-ordered free on a stream of its own waits
     for nothing else, and is complete on return, as the exporter's own free
     of the allocation must come after every importer's."""
-    stream = _cuda.check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-    try:
+    with _cuda.own_stream() as stream:
         _cuda.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
-        _cuda.check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize(the free)")
-    finally:
-        drv.cuStreamDestroy(stream)
 
 
 _PoolRef: type | None = None
