@@ -150,6 +150,23 @@ def zeros_beside_pending_work(state: dict, n: int, unrelated: int) -> dict:
     return out
 
 
+def put_from_device(state: dict, name: str, ordinal: int, data: bytes) -> None:
+    """view.put from memory of device ``ordinal`` on a stream of that device:
+    the copy runs there, whatever device the view is mapped on."""
+    from cuda.core import Device
+
+    d = drv()
+    view = state["views"][name]
+    dev = Device(ordinal)
+    dev.set_current()
+    stream = dev.create_stream()
+    src = dev.allocate(len(data), stream=stream)
+    host = np.frombuffer(data, np.uint8).copy()
+    ok(d.cuMemcpyHtoDAsync(int(src.handle), host.ctypes.data, len(data), int(stream.handle)), "cuMemcpyHtoDAsync")
+    view.put(src, 0, stream=stream)
+    state.setdefault("keep", []).append((src, stream, host))
+
+
 def primary_active(state: dict, ordinal: int) -> int:
     """Whether device ``ordinal``'s primary context is retained in this process."""
     d = drv()

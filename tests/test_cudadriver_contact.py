@@ -166,6 +166,16 @@ def test_pool_memory_imported_on_a_peer_device_is_granted_to_it(spawn):
     assert importer.call("ipc_handles") == 0
 
 
+@pytest.mark.cudadriver
+def test_a_copy_on_another_device_is_granted_the_imported_pool(spawn):
+    exporter, importer = spawn(), spawn()
+    exporter.call("ipc_pool_alloc", "buf", 8192, 0, 0)
+    opened = importer.call("open_view", "v", exporter.call("export", "buf"))
+    assert opened["path"] == "cuda-ipc" and opened["device"] == 0   # its resident device
+    importer.call("put_from_device", "v", 1, b"copied on device 1")
+    assert exporter.call("read", "buf", 0, 18) == b"copied on device 1"
+
+
 # -- fabric needs an IMEX channel ----------------------------------------------------
 
 
