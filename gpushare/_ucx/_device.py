@@ -63,12 +63,13 @@ def resolve(obj: Any, *, writable: bool, stream: int | None) -> _buffers.LocalBu
 
 
 def ordinal_of(local: _buffers.LocalBuffer) -> int:
-    """The device of a CUDA buffer of this process."""
-    if local.device is not None:
-        return int(local.device)
-    from .._paths import _cuda
+    """The device of a CUDA buffer of this process (asked of the driver
+    once, then kept in ``local.device``)."""
+    if local.device is None:
+        from .._paths import _cuda
 
-    return _cuda.pointer_ordinal(local.address)
+        local.device = _cuda.pointer_ordinal(local.address)
+    return int(local.device)
 
 
 _NOTHING = contextlib.nullcontext()
