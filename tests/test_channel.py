@@ -492,7 +492,10 @@ def test_keyless_connections_dripping_bytes_never_delay_a_join_and_are_dropped_a
             # The join has a deadline as a whole (5 s), however the bytes are paced.
             for s in drips:
                 s.settimeout(max(0.1, t_connected + 9 - time.monotonic()))
-                assert s.recv(4096) == b""  # dropped, given nothing
+                try:
+                    assert s.recv(4096) == b""  # dropped, given nothing
+                except ConnectionResetError:
+                    pass  # dropped while a byte of ours was on its way
             dropped = time.monotonic() - t_connected
             assert 4.5 < dropped < 9
         finally:
