@@ -90,10 +90,13 @@ def put_torch_like(state: dict, name: str, value: int, n: int) -> dict:
     return resolved
 
 
-def close_with_copy_in_flight(state: dict, name: str, data: bytes, unrelated: int) -> dict:
+def close_with_copy_in_flight(state: dict, name: str, data: bytes, unrelated: int, drop: bool = False) -> dict:
     """Queue unrelated work (a memset on a stream of its own into memory of
     its own) and a put into the view on another stream, close the view with
-    the put still queued, then look whether the unrelated work ran."""
+    the put still queued (its request dropped first, if ``drop``), then look
+    whether the unrelated work ran."""
+    import gc
+
     from cuda.core import Device
 
     d = drv()
@@ -110,11 +113,16 @@ def close_with_copy_in_flight(state: dict, name: str, data: bytes, unrelated: in
     # What a put_async given up on, or a put past its timeout, leaves: the
     # copy queued.  (Not queried: on the stand-in a query runs the work.)
     request = view._copy(src, 0, "put", copy_stream)
+    if drop:
+        del request, src
+        gc.collect()
+        request = None
     view.close()
     before = _read_on_own_stream(scratch, n)
     ok(d.cuStreamSynchronize(user_stream), "cuStreamSynchronize(the unrelated stream)")
     after = _read_on_own_stream(scratch, n)
-    out = {"unrelated_at_close": before[:8], "unrelated_later": after[:8], "request_done": request.done()}
+    out = {"unrelated_at_close": before[:8], "unrelated_later": after[:8],
+           "request_done": True if request is None else request.done()}
     for s in (user_stream, copy_stream):
         d.cuStreamDestroy(s)
     d.cuMemFree(scratch)

@@ -204,8 +204,9 @@ def test_capabilities_lists_fabric_only_with_an_imex_channel(spawn, tmp_path, en
 
 
 @pytest.mark.cudadriver
-@pytest.mark.parametrize("kind", ["posix-fd", "cuda-ipc"])
-def test_close_waits_for_its_own_copies_and_leaves_other_work_queued(spawn, kind):
+@pytest.mark.parametrize("kind,drop", [("posix-fd", False), ("cuda-ipc", False), ("posix-fd", True)],
+                         ids=["posix-fd", "cuda-ipc", "request-dropped"])
+def test_close_waits_for_its_own_copies_and_leaves_other_work_queued(spawn, kind, drop):
     exporter, importer = spawn(), spawn()
     if kind == "posix-fd":
         exporter.call("allocate", "buf", 2 * MiB, 0, None, 0)
@@ -214,7 +215,7 @@ def test_close_waits_for_its_own_copies_and_leaves_other_work_queued(spawn, kind
     opened = importer.call("open_view", "v", exporter.call("export", "buf"))
     assert opened["path"] == kind
     data = bytes(range(256)) * 16
-    seen = importer.call("close_with_copy_in_flight", "v", data, 0x77)
+    seen = importer.call("close_with_copy_in_flight", "v", data, 0x77, drop)
     # The unrelated memset on the user's own stream did not run at close ...
     assert seen["unrelated_at_close"] == b"\0" * 8, seen
     # ... and runs when the user synchronises its stream (the context is sound).

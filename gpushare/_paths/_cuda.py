@@ -455,9 +455,9 @@ def wait_for_copies(address: int, size: int) -> None:
     with _inflight_lock:
         touching = [p for p in _inflight if p.overlaps(address, end)]
     for p in touching:
+        # Only synchronised: a dropped request's copy is retired (what it
+        # keeps released) by the next copy_async, outside the caller's locks.
         p.sync()
-        if p.orphan:
-            p.retire()
 
 
 def inflight_copies() -> int:
