@@ -802,6 +802,24 @@ def test_pinned_memory_copies_and_host_functions_run_in_stream_order(run):
     assert lines(out) == ["[]", "[b'changed!'] b'AAAAAAAA'", "b'changed!'"]
 
 
+def test_cuda_calls_from_a_host_function_are_not_permitted(run):
+    out = run(
+        """
+        import ctypes
+        setup(0)
+        s = ok(drv.cuStreamCreate(0))
+        seen = []
+        def fn(_):
+            seen.append((err(drv.cuMemAlloc(8)), err(drv.cuStreamQuery(s)), err(drv.cuInit(0))))
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)
+        ok(drv.cuLaunchHostFunc(s, ctypes.cast(cb, ctypes.c_void_p).value, 0))
+        ok(drv.cuStreamSynchronize(s))
+        print(*seen[0], err(drv.cuMemAlloc(8)))          # the thread may call again once it returned
+        """
+    )
+    assert lines(out) == ["CUDA_ERROR_NOT_PERMITTED " * 3 + "CUDA_SUCCESS"]
+
+
 NVML_CODE = """
 from cuda.bindings import nvml
 nvml.init_v2()

@@ -227,6 +227,7 @@ extern int g_inited, g_nphys, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
 extern int g_trace, g_fabric;
 extern int g_forked; /* this process forked from one that had called cuInit */
 extern __thread int t_ptds; /* inside a per-thread-default-stream variant */
+extern __thread int t_in_hostfn; /* inside a host function or stream callback */
 extern struct sctx *g_ctxs;
 extern struct sctx *g_primary[MAXDEV];
 extern CUresult g_dev_sticky[MAXDEV]; /* a sticky error of a device: for the rest of the process */

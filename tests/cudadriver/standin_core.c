@@ -18,6 +18,7 @@ pthread_mutex_t g_lock;
 int g_inited, g_nphys = 2, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
 int g_trace, g_fabric;
 __thread int t_ptds;
+__thread int t_in_hostfn;
 struct sctx *g_ctxs;
 struct sctx *g_primary[MAXDEV];
 CUresult g_dev_sticky[MAXDEV];
@@ -219,10 +220,17 @@ static void parse_visible(void) {
     }
 }
 
-CUresult need_init(void) { return g_inited ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED; }
+/* Every call but cuDriverGetVersion, cuGetErrorName/String and
+   cuGetProcAddress passes here (directly or through ordinal_to_phys and
+   need_ctx). */
+CUresult need_init(void) {
+    if (t_in_hostfn) return CUDA_ERROR_NOT_PERMITTED; /* "must not make any CUDA API calls" */
+    return g_inited ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
+}
 
 CUresult ordinal_to_phys(CUdevice ord, int *phys) {
-    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r0 = need_init();
+    if (r0) return r0;
     if (ord < 0 || ord >= g_nvis) return CUDA_ERROR_INVALID_DEVICE;
     *phys = g_vis[ord];
     return CUDA_SUCCESS;
@@ -245,7 +253,8 @@ CUresult ctx_usable(struct sctx *c) {
 
 /* The calling thread's current context, usable, or why not. */
 CUresult need_ctx(struct sctx **out) {
-    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r0 = need_init();
+    if (r0) return r0;
     struct sctx *c = cur_ctx();
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     CUresult r = ctx_usable(c);
@@ -265,6 +274,7 @@ struct sctx *primary_of(int phys) {
 
 EXPORT CUresult cuInit(unsigned int flags) {
     GUARD;
+    if (t_in_hostfn) RET(CUDA_ERROR_NOT_PERMITTED);
     if (flags != 0) RET(CUDA_ERROR_INVALID_VALUE);
     if (g_forked) RET(CUDA_ERROR_NOT_INITIALIZED); /* forked after the parent's cuInit */
     if (!g_inited) {
@@ -293,7 +303,7 @@ EXPORT CUresult cuDriverGetVersion(int *v) {
 EXPORT CUresult cuDeviceGetCount(int *count) {
     GUARD;
     if (!count) RET(CUDA_ERROR_INVALID_VALUE);
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     *count = g_nvis;
     RET(CUDA_SUCCESS);
 }
@@ -450,7 +460,7 @@ EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
 
 EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *bus) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!dev || !bus) RET(CUDA_ERROR_INVALID_VALUE);
     for (int o = 0; o < g_nvis; o++) {
         char want[32];
@@ -596,7 +606,7 @@ EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *createParams, unsigned int
 
 EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!ctx_valid(ctx) || ctx->primary || !ctx->active) RET(CUDA_ERROR_INVALID_CONTEXT);
     ctx_deactivate(ctx);
     for (int i = 0; i < t_depth; i++)
@@ -607,7 +617,7 @@ EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!ctx_valid(ctx)) RET(CUDA_ERROR_INVALID_CONTEXT);
     if (t_depth >= 64) RET(CUDA_ERROR_OUT_OF_MEMORY);
     t_stack[t_depth++] = ctx;
@@ -616,7 +626,7 @@ EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
 
 EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!t_depth) RET(CUDA_ERROR_INVALID_CONTEXT);
     struct sctx *c = t_stack[--t_depth];
     if (pctx) *pctx = c;
@@ -625,7 +635,7 @@ EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (ctx && !ctx_valid(ctx)) RET(CUDA_ERROR_INVALID_CONTEXT);
     if (!ctx) {
         if (t_depth) t_depth--;
@@ -639,7 +649,7 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 
 EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!pctx) RET(CUDA_ERROR_INVALID_VALUE);
     *pctx = cur_ctx();
     RET(CUDA_SUCCESS);
@@ -659,7 +669,7 @@ EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
 EXPORT CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx) {
     GUARD;
     if (!ctx) RET(cuCtxGetDevice(dev));
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     CUresult r = ctx_usable(ctx);
     if (r) RET(r);
     if (!dev) RET(CUDA_ERROR_INVALID_VALUE);
@@ -688,7 +698,7 @@ EXPORT CUresult cuCtxSetFlags(unsigned int flags) {
 
 EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *id) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!ctx) ctx = cur_ctx();
     if (!ctx_valid(ctx)) RET(CUDA_ERROR_INVALID_CONTEXT);
     if (!id) RET(CUDA_ERROR_INVALID_VALUE);
@@ -698,7 +708,7 @@ EXPORT CUresult cuCtxGetId(CUcontext ctx, unsigned long long *id) {
 
 EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
     GUARD;
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     if (!ctx) ctx = cur_ctx();
     if (!ctx_valid(ctx)) RET(CUDA_ERROR_INVALID_CONTEXT);
     if (!version) RET(CUDA_ERROR_INVALID_VALUE);
@@ -728,7 +738,7 @@ EXPORT CUresult cuCtxSynchronize(void) {
 EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
     GUARD;
     if (!ctx) RET(cuCtxSynchronize());
-    if (!g_inited) RET(CUDA_ERROR_NOT_INITIALIZED);
+    if (need_init()) RET(need_init());
     CUresult r = ctx_usable(ctx);
     if (r) RET(r);
     drain_ctx(ctx);

@@ -288,11 +288,15 @@ static CUresult exec_op(struct op *o) {
     case OP_WAIT:
         run_until(o->wait_for);
         return CUDA_SUCCESS;
-    case OP_HOSTFN:
+    case OP_HOSTFN: /* CUDA calls from inside answer CUDA_ERROR_NOT_PERMITTED */
+        t_in_hostfn++;
         if (!g_exiting) o->fn(o->ud);
+        t_in_hostfn--;
         return CUDA_SUCCESS;
     case OP_CALLBACK:
+        t_in_hostfn++;
         if (!g_exiting) o->cb(o->s->dead ? NULL : o->s, CUDA_SUCCESS, o->ud);
+        t_in_hostfn--;
         return CUDA_SUCCESS;
     case OP_POOLFREE: {
         struct range *rg = find_range(o->dst);
