@@ -28,10 +28,12 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._exporter import Export, get_exporter, new_ids, registered, track_auto, weak_or_none
+from ._paths import _cuda
 from ._paths.broker import release_registrations
 from ._process import await_alive
 from ._share import LIFETIMES, PATHS, SHARE_FORMAT, Share, node_key
 from ._types import Lifetime, PathName
+from ._ucx import _device
 
 #: What ``paths=``, ``prefer=`` and ``exclude=`` take: path names, or one comma-separated str.
 PathList = Iterable[PathName] | str
@@ -1149,7 +1151,14 @@ class View:
 
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         if self.path == "ucx-rma":
-            self._span(buf, offset, direction == "get")[0].release()
+            handle = _device.consumer_stream(stream)
+            local, _ = self._span(buf, offset, direction == "get", _cuda.LEGACY_STREAM if handle is None else handle)
+            try:
+                # CUDA memory: the producer's work drains first without
+                # blocking the loop (the post below then waits for nothing).
+                await _device.order_before_async(local, handle)
+            finally:
+                local.release()
             post = self._peer.get_async if direction == "get" else self._peer.put_async
             try:
                 # Liveness as for the blocking calls: a frozen exporter ends the wait.

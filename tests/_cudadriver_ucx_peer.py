@@ -212,6 +212,48 @@ def transfer(state: dict, api: str, op: str, name: str, mode: str, target: Any =
     return {"current": current_device(state)}
 
 
+def async_transfer_beside(state: dict, op: str, name: str, mode: str, target: Any) -> str:
+    """A ucx-rma view's ``get_async``/``put_async`` of device memory ``name``
+    beside another task of the same event loop, which looks (once) at the
+    stream of the memory's pending work: ``"pending"`` when that task ran
+    while the work was still queued (the transfer did not block the loop
+    waiting for it), ``"done"`` otherwise."""
+    d = drv()
+    buf, stream = _buffer(state, name, mode)
+    kw = {} if stream is None else {"stream": stream}
+    view = state["views"][target]
+    seen: list[str] = []
+
+    class Watched(type(buf)):  # type: ignore[misc]
+        """``buf``, noting when the transfer first reads its interface."""
+
+        read = False
+
+        @property
+        def __cuda_array_interface__(self) -> dict:
+            Watched.read = True
+            return self._cai
+
+    watched = Watched.__new__(Watched)
+    watched._cai = buf.__cuda_array_interface__
+
+    async def beside() -> None:
+        for _ in range(10_000):  # until the transfer has begun: it read the buffer
+            if Watched.read:
+                break
+            await asyncio.sleep(0)
+        with on_device(0):
+            (err,) = d.cuStreamQuery(state["devs"][name][2])
+        seen.append("pending" if err == d.CUresult.CUDA_ERROR_NOT_READY else "done")
+
+    async def both() -> None:
+        await asyncio.gather((view.get_async if op == "get" else view.put_async)(watched, 0, timeout=30, **kw),
+                             beside())
+
+    asyncio.run(both())
+    return seen[0]
+
+
 # -- the region server -------------------------------------------------------------------
 
 

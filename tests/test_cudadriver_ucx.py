@@ -113,6 +113,22 @@ def test_view_get_comes_after_the_consumers_earlier_work(spawn, api, mode):
 
 
 @pytest.mark.parametrize("op", ["put", "get"])
+@pytest.mark.parametrize("mode", ["cai", "stream"])
+def test_view_async_transfers_wait_for_the_producer_without_blocking_the_loop(spawn, op, mode):
+    exporter, importer = _view_pair(spawn)
+    if op == "get":
+        exporter.call("write", "buf", 0, b"\xc3" * N)
+    importer.call("pending", "mem", N, 0x5A, "stream")
+    # The other task ran while the memset was still queued: the transfer
+    # awaited it instead of synchronising the stream in the loop's thread.
+    assert importer.call("async_transfer_beside", op, "mem", mode, "v") == "pending"
+    if op == "put":
+        assert exporter.call("read", "buf", 0, N) == b"\x5a" * N
+    else:
+        assert importer.call("dev_read", "mem") == b"\xc3" * N
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
 @pytest.mark.parametrize("mode", MODES)
 def test_region_server_client_orders_cuda_transfers(spawn, op, mode):
     exporter, importer = spawn(), spawn()

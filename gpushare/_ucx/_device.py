@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import _buffers
 
-__all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "resolve"]
+__all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "order_before_async", "resolve"]
 
 
 def consumer_stream(stream: Any) -> int | None:
@@ -86,6 +86,14 @@ def on_memory_device(local: _buffers.LocalBuffer | None,
     return _cuda.on_device(ordinal_of(local) if ordinal is None else ordinal)
 
 
+def _streams(local: _buffers.LocalBuffer, stream: int | None) -> list[int]:
+    """The streams whose queued work a transfer of ``local`` follows: the
+    caller's and the producer's, else the legacy default stream."""
+    from .._paths import _cuda
+
+    return [s for s in dict.fromkeys((stream, local.stream)) if s is not None] or [_cuda.LEGACY_STREAM]
+
+
 def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
     """Wait for the work a transfer of CUDA buffer ``local`` must follow:
     what is queued on ``stream`` (the caller's) and on ``local.stream`` (the
@@ -97,7 +105,44 @@ def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
     from .._paths import _cuda
 
     drv = _cuda.driver()
-    streams = [s for s in dict.fromkeys((stream, local.stream)) if s is not None] or [_cuda.LEGACY_STREAM]
     with _cuda.on_device(ordinal_of(local)):
-        for s in streams:
+        for s in _streams(local, stream):
             _cuda.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize (the work before a ucx-rma transfer)")
+
+
+async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) -> None:
+    """:func:`order_before` for asyncio: events recorded on those streams are
+    polled between sleeps, so the event loop runs on while the work drains."""
+    if local.memory_type != "cuda":
+        return
+    import asyncio
+
+    from .._paths import _cuda
+
+    drv = _cuda.driver()
+    ordinal = ordinal_of(local)
+    no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    events: list[Any] = []
+    try:
+        with _cuda.on_device(ordinal):
+            for s in _streams(local, stream):
+                events.append(_cuda.check(drv.cuEventCreate(no_timing), "cuEventCreate"))
+                _cuda.check(drv.cuEventRecord(events[-1], s), "cuEventRecord (the work before a ucx-rma transfer)")
+        await asyncio.sleep(0)  # the loop runs its other tasks while the work drains
+        delay = 1e-5
+        while events:
+            with _cuda.on_device(ordinal):
+                (err,) = drv.cuEventQuery(events[0])
+                if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+                    pass
+                else:
+                    _cuda.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
+                    drv.cuEventDestroy(events.pop(0))
+                    continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+    finally:
+        if events:
+            with _cuda.on_device(ordinal):
+                for event in events:
+                    drv.cuEventDestroy(event)
