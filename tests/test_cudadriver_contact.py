@@ -129,6 +129,24 @@ def test_exporting_memory_of_device_1_retains_no_context_on_device_0(run_standin
     assert on0 == "0", "device 0's primary context was retained by a process that never used device 0"
 
 
+_STRICT_POINTER_QUERY = """
+from cuda.bindings import driver as drv
+real = drv.cuPointerGetAttribute
+def needs_context(attr, ptr):  # a driver that answers pointer queries only in a context
+    err, ctx = drv.cuCtxGetCurrent()
+    if ctx is None or int(ctx) == 0:
+        return (drv.CUresult.CUDA_ERROR_INVALID_CONTEXT, None)
+    return real(attr, ptr)
+drv.cuPointerGetAttribute = needs_context
+"""
+
+
+@pytest.mark.cudadriver
+def test_a_driver_that_wants_a_context_for_pointer_queries_gets_one_already_held(run_standin):
+    device, other_device, ipc, on0, on1 = run_standin(_STRICT_POINTER_QUERY + _CONTEXTS, timeout=120).split()
+    assert (device, other_device, ipc, on0, on1) == ("1", "1", "True", "0", "1")
+
+
 @pytest.mark.cudadriver
 def test_importing_on_device_1_retains_no_context_on_device_0(spawn):
     exporter = spawn(CUDA_VISIBLE_DEVICES="1")       # physical 1 is its device 0

@@ -310,16 +310,21 @@ def pointer_ordinal(address: int, hint: int | None = None) -> int:
     would retain a primary context, hundreds of MiB of device memory, on a
     device this process may never use.  Should a driver answer that it needs a
     context, the query is repeated in ``hint``'s (a device the caller already
-    uses), never in an arbitrary device's.
+    uses), else in a primary context gpushare already holds; never in a new
+    one.
     """
     drv = driver()
     attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    what = "cuPointerGetAttribute(DEVICE_ORDINAL)"
     result = drv.cuPointerGetAttribute(attr, address)
-    if result[0] == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and hint is not None:
-        with on_device(hint):
-            result = drv.cuPointerGetAttribute(attr, address)
-    return int(check(result, what))
+    if result[0] == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        with _ctx_lock:
+            held = list(_primary) if _primary_pid == os.getpid() else []
+        for ordinal in [hint] if hint is not None else held:
+            with on_device(ordinal):
+                result = drv.cuPointerGetAttribute(attr, address)
+            if result[0] != drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+                break
+    return int(check(result, "cuPointerGetAttribute(DEVICE_ORDINAL)"))
 
 
 @contextlib.contextmanager
