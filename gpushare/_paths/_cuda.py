@@ -47,8 +47,8 @@ __all__ = [
     "inflight_copies",
     "normalize_uuid",
     "on_device",
-    "own_stream",
     "ordinal_of_uuid",
+    "own_stream",
     "pointer_ordinal",
     "set_bytes",
     "stream_handle",
@@ -449,12 +449,12 @@ def wait_for_copies(address: int, size: int) -> None:
     """Block until every copy gpushare queued that touches ``size`` bytes at
     ``address`` has completed: what must happen before that memory is
     unmapped or freed.  Other work (the user's, on any stream) is not waited
-    for.
+    for.  A copy's own failure stays with its request (``wait`` raises it).
 
     Raises
     ------
     CUDAError
-        If synchronising fails (the context is poisoned).
+        If the device's context cannot be made current.
     """
     end = address + size
     with _inflight_lock:
