@@ -8,13 +8,12 @@ reuses a slot only once every consumer released the step in it.
 Slots are gpushare shares (host memory from :func:`gpushare.allocate`, or
 CUDA memory), opened by each consumer through :func:`gpushare.open`.
 Notifications go over one connection per consumer (a Unix socket on the
-same node, TCP across nodes), served by the process's service thread; what
-they say and how a join is checked is in :mod:`gpushare._channel_wire`.
-Waiting is waiting on the kernel (``poll`` or the asyncio loop's reader) on
-an eventfd the service thread writes and, on one node, on a pidfd of the
-peer, so a process that dies wakes its peers at once; a peer that stops
-answering (stopped, frozen, cut off) ends the wait after
-``GPUSHARE_PEER_TIMEOUT`` seconds.
+same node, TCP across nodes), admitted by the process's service thread;
+what they say, how a join is checked and how a wait tells a frozen peer
+from a busy one is in :mod:`gpushare._channel_wire`.  Waiting is waiting on
+the kernel (``poll`` or the asyncio loop's reader) on that connection and,
+on one node, on a pidfd of the peer, so a process that dies wakes its peers
+at once.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from ._api import export
 from ._api import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._channel_wire import (
+    _ABORT,
     _END,
     _FAILED,
     _LEAVE,
@@ -42,9 +42,11 @@ from ._channel_wire import (
     MAX_CONSUMERS,
     MAX_SLOTS,
     ChannelHandle,
+    _close_fd,
     _deadline,
     _exited,
     _Hub,
+    _Inbox,
     _join,
     _passed,
     _Peer,
@@ -169,16 +171,19 @@ class Producer:
     def _create(cls, shape: tuple[int, ...], typestr: str, consumers: int, slots: int, device: Any) -> Producer:
         self = object.__new__(cls)
         self._shape, self._typestr, self._consumers, self._slots = shape, typestr, consumers, slots
-        self._device = device
         self.step = 0
         self._closed = False
         self._acquired: int | None = None
+        self._broken: str | None = None
+        self._peers: dict[int, _Peer] = {}  # those the producer's thread took in from the hub
+        self._busy: list[set[int]] = [set() for _ in range(slots)]
+        self._slot_step = [-1] * slots
         self._buffers: list = []
         self._shares: list = []
         self._arrays: list = []
         channel_id, token = secrets.token_hex(16), secrets.token_bytes(32)
         nbytes = nbytes_of(shape, typestr)
-        hub = self._hub = _Hub(channel_id, token, consumers, slots)
+        hub = self._hub = _Hub(channel_id, token, consumers)
         self._finalizer = weakref.finalize(self, _release_producer, hub, self._shares, self._buffers)
         try:
             for _ in range(slots):
@@ -210,50 +215,78 @@ class Producer:
     def _check(self) -> None:
         if self._closed:
             raise ClosedError("the channel is closed")
-        broken = self._hub.broken
-        if broken is not None:
-            raise ChannelBrokenError(broken)
+        if self._broken is not None:
+            raise ChannelBrokenError(self._broken)
 
     def _live(self) -> list[_Peer]:
-        with self._hub.lock:
-            return [p for p in self._hub.peers.values() if not p.left]
+        return [p for p in self._peers.values() if not p.left]
 
-    def _fds(self) -> list[int]:
-        """What to wait on: the service thread's wake-ups (a join, a slot
-        freed, a leave, a failure), and every consumer's death."""
-        return [self._hub.wake.fd] + [p.pidfd for p in self._live() if p.pidfd is not None]
+    def _fds(self, slot: int) -> list[int]:
+        """What to wait on for ``slot``: consumers joining, or the first
+        consumer that still holds it (waking for the others' releases would
+        only mean waking again), and every consumer's death."""
+        fds = [self._hub.wake.fd] if len(self._peers) < self._consumers else []
+        holders = sorted(self._busy[slot])
+        for peer in self._live():
+            if peer.pidfd is not None:
+                fds.append(peer.pidfd)
+            if not holders or peer.index == holders[0] or peer.pidfd is None:
+                fds.append(peer.wire.sock.fileno())  # without a pidfd, the socket is how death shows
+        return fds
+
+    def _break(self, why: str, index: int = -1) -> None:
+        """A consumer is gone: tell the others, and fail from now on."""
+        self._broken = why
+        log.warning("channel %s broken: %s", self.handle.channel_id[:8], why)
+        abort = _record(_ABORT, max(index, 0), self.step)
+        for peer in self._live():
+            if peer.index != index:
+                peer.wire.send(abort)
+        raise ChannelBrokenError(why)
 
     def _pump(self, woken: frozenset[int] = frozenset()) -> None:
-        """Take in what the service thread did; never blocks.  ``woken``: the
-        fds a wait found readable (a pidfd there: a process exited)."""
-        self._hub.wake.clear()
-        self._hub.check_exits(woken)
+        """Take in new consumers and every release that arrived; never blocks.
+        ``woken``: the fds a wait found readable (a pidfd there: a process exited)."""
         self._check()
+        hub = self._hub
+        if len(self._peers) < self._consumers:
+            hub.wake.clear()
+            with hub.lock:
+                self._peers.update(hub.peers)
+        for peer in self._live():
+            records, eof = peer.wire.read()
+            self._messages(peer, records)
+            if peer.left:
+                continue
+            if eof is not None:
+                self._break(f"{peer.name()} {eof} without leaving the channel", peer.index)
+            if peer.pidfd in woken and _exited(peer.pidfd):
+                self._messages(peer, peer.wire.read()[0])  # a leave it sent before exiting counts
+                if not peer.left:
+                    self._break(f"{peer.name()} exited without leaving the channel", peer.index)
+
+    def _messages(self, peer: _Peer, records: list[tuple[int, int, int]]) -> None:
+        malformed = peer.apply(records, self._busy, self._slot_step)
+        if malformed is not None:
+            self._break(malformed, peer.index)
 
     def _check_holders(self, slots: list[int]) -> None:
-        """Fail when a consumer this wait needs stopped answering."""
-        hub = self._hub
-        with hub.lock:
-            holders = [hub.peers[i] for s in slots for i in sorted(hub.busy[s]) if i in hub.peers]
+        """Fail when a consumer this wait needs has stopped answering."""
         now = time.monotonic()
-        for peer in holders:
-            why = peer.frozen(now, peer.name(), peer.pid, peer.local)
+        for index in sorted({i for s in slots for i in self._busy[s]}):
+            peer = self._peers[index]
+            why = peer.wire.frozen(now, peer.name(), peer.pid, peer.local)
             if why is not None:
-                hub.fail(why, peer.index)
-        self._check()
+                self._break(why, index)
 
     def _ready(self, slot: int) -> bool:
-        hub = self._hub
-        with hub.lock:
-            return len(hub.peers) == self._consumers and not hub.busy[slot]
+        return len(self._peers) == self._consumers and not self._busy[slot]
 
     def _waiting_for(self, slot: int) -> str:
-        hub = self._hub
-        with hub.lock:
-            if len(hub.peers) < self._consumers:
-                return f"{self._consumers - len(hub.peers)} of {self._consumers} consumers to join"
-            names = ", ".join(hub.peers[i].name() for i in sorted(hub.busy[slot]))
-            return f"{names} to release step {hub.slot_step[slot]}"
+        if len(self._peers) < self._consumers:
+            return f"{self._consumers - len(self._peers)} of {self._consumers} consumers to join"
+        names = ", ".join(self._peers[i].name() for i in sorted(self._busy[slot]))
+        return f"{names} to release step {self._slot_step[slot]}"
 
     def _begin_acquire(self) -> int:
         self._check()
@@ -300,7 +333,7 @@ class Producer:
                 self._acquired = slot
                 return self._arrays[slot]
             self._check_holders([slot])
-            woken = yield self._fds(), _until(deadline)
+            woken = yield self._fds(slot), _until(deadline)
             if not woken and _passed(deadline):
                 self._pump()
                 if self._ready(slot):
@@ -326,18 +359,14 @@ class Producer:
             raise InvalidInputError("publish() needs a slot from acquire() first")
         self._acquired = None
         step = self.step
-        hub = self._hub
-        with hub.lock:
-            hub.slot_step[slot] = step
-            live = [p for p in hub.peers.values() if not p.left]
-            hub.busy[slot] = {p.index for p in live}
-            hub.step = step + 1
+        self._slot_step[slot] = step
+        live = self._live()
+        self._busy[slot] = {p.index for p in live}
         message = _record(_PUBLISH, slot, step)
         for peer in live:
-            if not peer.send(message):
-                hub.fail(f"{peer.name()} cannot be notified (it stopped reading, or its connection closed)",
-                         peer.index)
-        self._check()
+            if not peer.wire.send(message):
+                self._break(f"{peer.name()} cannot be notified (it stopped reading, or its connection closed)",
+                            peer.index)
         self.step += 1
         return step
 
@@ -408,12 +437,11 @@ class Producer:
         woken: frozenset[int] = frozenset()
         while True:
             self._pump(woken)
-            with self._hub.lock:
-                held = [s for s in range(self._slots) if self._hub.busy[s]]
+            held = [s for s in range(self._slots) if self._busy[s]]
             if not held:
                 return
             self._check_holders(held)
-            woken = yield self._fds(), _until(deadline)
+            woken = yield self._fds(held[0]), _until(deadline)
             if not woken and _passed(deadline):
                 raise WaitTimeoutError(f"the consumers did not release every step within {timeout} s: "
                                        f"waiting for {self._waiting_for(held[0])}")
@@ -443,16 +471,18 @@ class Producer:
         if self._closed:
             return
         error: BaseException | None = None
-        if self._hub.broken is None and timeout != 0:
+        if self._broken is None and timeout != 0:
             try:
                 self.drain(timeout)
             except (WaitTimeoutError, ChannelBrokenError) as exc:
                 error = exc
         self._closed = True
-        if self._hub.broken is None:
+        if self._broken is None:
             end = _record(_FAILED if failed else _END, 0, self.step)
+            with self._hub.lock:
+                self._peers.update(self._hub.peers)  # consumers that joined since hear of the end too
             for peer in self._live():
-                peer.send(end)
+                peer.wire.send(end)
         self._arrays.clear()
         self._finalizer()
         log.info("channel %s closed after %d steps", self.handle.channel_id[:8], self.step)
@@ -469,7 +499,7 @@ class Producer:
             with contextlib.suppress(GpuShareError):
                 self.close(timeout=0, failed=True)
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("broken" if self._hub.broken else f"at step {self.step}")
+        state = "closed" if self._closed else ("broken" if self._broken else f"at step {self.step}")
         return (f"<gpushare.Producer {self.handle.channel_id[:8]} {self._slots} slots of {self._shape} "
                 f"{self._typestr}, {state}>")
 
@@ -630,6 +660,7 @@ class Consumer:
         deadline = time.monotonic() + timeout
         self = object.__new__(cls)
         self.handle = handle
+        self._in = _Inbox(handle)
         self._next = 0
         self._closed = False
         self._held: Step | None = None
@@ -637,8 +668,7 @@ class Consumer:
         self._arrays: list = []
         self._staging: list = []
         self._device = device
-        self._pidfd: int | None = None
-        held: list = [None, None]  # the link and the producer's pidfd, once made
+        held: list = [None, None]  # the connection and the producer's pidfd, once made
         self._finalizer = weakref.finalize(self, _release_consumer, held, self._views)
         try:
             # Every slot is open before the producer counts this consumer in:
@@ -648,9 +678,8 @@ class Consumer:
                 self._views.append(view)
                 self._arrays.append(_consumer_array(view, handle))
                 self._staging.append(None)
-            link, self.index, self._pidfd = _join(handle, max(0.1, deadline - time.monotonic()))
-            held[:] = [link, self._pidfd]
-            self._link = link
+            self._wire, self.index, self._pidfd = _join(handle, max(0.1, deadline - time.monotonic()))
+            held[:] = [self._wire, self._pidfd]
         except BaseException:
             self._arrays.clear()
             self._finalizer()
@@ -668,20 +697,11 @@ class Consumer:
         return self._closed
 
     def _fds(self) -> list[int]:
-        return [self._link.wake.fd] + ([self._pidfd] if self._pidfd is not None else [])
+        return [self._wire.sock.fileno()] + ([self._pidfd] if self._pidfd is not None else [])
 
     def _pump(self, woken: frozenset[int] = frozenset()) -> None:
-        """Take in what the service thread read; never blocks.  ``woken``: the
-        fds a wait found readable (the pidfd there: the producer exited)."""
-        if self._closed:
-            return
-        link = self._link
-        link.wake.clear()
-        if self._pidfd in woken and link.end is None and link.broken is None and _exited(self._pidfd):
-            # The producer exited: what it sent before is still to be read.
-            with contextlib.suppress(TimeoutError):
-                link.service_pull()
-            link.gone("exited")
+        if not self._closed:
+            self._in.pump(self._wire, woken, self._pidfd)
 
     def _take(self, want: int | None) -> tuple[int, int] | None:
         """The wanted step if it arrived (releasing the ones skipped), else None."""
@@ -689,23 +709,18 @@ class Consumer:
             raise ClosedError("the consumer is closed")
         if want is not None and want < self._next:
             raise InvalidInputError(f"step {want} was already taken; the next step is {self._next}")
-        link = self._link
-        while True:
-            with link.lock:
-                if not link.queue:
-                    broken, end = link.broken, link.end
-                    break
-                step, slot = link.queue.popleft()
+        while self._in.queue:
+            step, slot = self._in.queue.popleft()
             self._next = step + 1
             if want is None or step == want:
                 return step, slot
             if step > want:
                 raise ChannelBrokenError(f"the producer published step {step} where step {want} was due")
             self._release(slot, step)
-        if broken is not None:
-            raise ChannelBrokenError(broken)
-        if end is not None and (want is None or want >= end):
-            raise ClosedError(f"the producer closed the channel after {end} steps")
+        if self._in.broken is not None:
+            raise ChannelBrokenError(self._in.broken)
+        if self._in.end is not None and (want is None or want >= self._in.end):
+            raise ClosedError(f"the producer closed the channel after {self._in.end} steps")
         return None
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> Step:
@@ -750,15 +765,13 @@ class Consumer:
             got = self._take(step)
             if got is not None:
                 return got
-            self._link.frozen_now(time.monotonic())
-            if self._link.broken is not None:
-                continue  # the next _take says why
+            if self._in.check_alive(self._wire, self.handle.producer_pid, self._pidfd is not None):
+                continue  # the producer stopped answering: the next _take says so
             woken = yield self._fds(), _until(deadline)
             if not woken and _passed(deadline):
                 self._pump()
-                with self._link.lock:
-                    if self._link.queue or self._link.broken or self._link.end is not None:
-                        continue
+                if self._in.queue or self._in.broken or self._in.end is not None:
+                    continue
                 raise WaitTimeoutError(f"step {self._next if step is None else step} was not published "
                                        f"within {timeout} s")
 
@@ -795,10 +808,10 @@ class Consumer:
         return Step._make(self, step, slot, arr)
 
     def _release(self, slot: int, step: int) -> None:
-        if self._closed or self._link.broken is not None:
+        if self._closed or self._in.broken is not None:
             return
-        if not self._link.send(_record(_RELEASE, slot, step)):
-            self._link.gone("stopped reading")
+        if not self._wire.send(_record(_RELEASE, slot, step)):
+            self._in.gone("stopped reading")
 
     # -- iteration ---------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -828,8 +841,8 @@ class Consumer:
         producer, close the slots (idempotent)."""
         if self._closed:
             return
-        if self._link.broken is None:
-            self._link.send(_record(_LEAVE))
+        if self._in.broken is None:
+            self._wire.send(_record(_LEAVE))
         self._closed = True
         self._held = None
         self._arrays.clear()
@@ -854,13 +867,11 @@ class Consumer:
 
 
 def _release_consumer(held: list, views: list) -> None:
-    link, pidfd = held
+    wire, pidfd = held
     held[:] = [None, None]
-    if link is not None:
-        link.close()
-    if pidfd is not None:
-        with contextlib.suppress(OSError):
-            os.close(pidfd)
+    if wire is not None:
+        wire.close()
+    _close_fd(pidfd)
     for view in views:
         with contextlib.suppress(GpuShareError):
             view.close()

@@ -2,21 +2,21 @@
 
 A channel's producer listens on a Unix socket (on its node) and a TCP port
 (from other nodes); both are served by the process's one service thread
-(:mod:`gpushare._service`), which admits consumers and then reads their
-records: no thread of the channel's own, none per consumer.  A join is a
-mutual challenge (:mod:`gpushare._auth`, the channel's token as the key) in
-control frames (:mod:`gpushare._control`); it must be done within
+(:mod:`gpushare._service`), which admits consumers: no thread of the
+channel's own, none per consumer.  A join is a mutual challenge
+(:mod:`gpushare._auth`, the channel's token as the key) in control frames
+(:mod:`gpushare._control`); it must be done within
 :data:`_HANDSHAKE_TIMEOUT` seconds in all, however the peer paces its bytes,
-or the connection is dropped.  A consumer's own end is handed to its service
-thread once it has joined.
+or the connection is dropped.
 
-After the join both ends speak 16-byte records, ``!IIQ`` (operation, slot,
-step), over that connection (one per consumer).  The service thread reads
-them, wakes the waiting thread through an eventfd, and answers a ``PING``
-itself, so that a peer busy between two waits still answers; a thread that
-waits on a silent peer asks for a sign of life after :data:`QUIET` seconds
-and gives up on it as frozen after :func:`peer_timeout` more.  The join and
-the records are this release's: both ends must run it.
+After the join the connection (one per consumer) carries 16-byte records,
+``!IIQ`` (operation, slot, step), read and written by the channel's own
+threads: a wait polls it, so a record wakes the waiting thread directly.
+The service thread of each end adds a heartbeat record every ``QUIET / 2``
+seconds (:func:`_heartbeat`), whatever the other threads do; a wait that hears nothing from its
+peer for :func:`peer_timeout` seconds gives up on it as stopped, frozen or
+cut off.  The join and the heartbeats are this release's: both ends must
+run it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ MAX_SLOTS = 64
 #: The join both ends speak (a join names it).
 PROTOCOL = 2
 _MSG = struct.Struct("!IIQ")  # op, slot, step
-_PUBLISH, _END, _ABORT, _RELEASE, _LEAVE, _FAILED, _PING, _PONG = range(1, 9)
+_PUBLISH, _END, _ABORT, _RELEASE, _LEAVE, _FAILED, _ALIVE = range(1, 8)
 #: Seconds a connection has for the whole join, from connecting to being admitted.
 _HANDSHAKE_TIMEOUT = 5.0
 #: Joins in progress at once on one channel; a further one drops the oldest.
@@ -132,8 +132,8 @@ def _deadline(timeout: Any) -> float | None:
 
 
 def _until(deadline: float | None) -> float:
-    """When a wait wakes next: at its deadline, or sooner to ask a silent peer
-    for a sign of life."""
+    """When a wait wakes next: at its deadline, or sooner to see whether its
+    peer is still heard from."""
     tick = time.monotonic() + QUIET / 2
     return tick if deadline is None else min(deadline, tick)
 
@@ -415,83 +415,119 @@ def _record(op: int, slot: int = 0, step: int = 0) -> bytes:
     return _MSG.pack(op, slot, step)
 
 
-class _Records(Protocol):
-    """A channel connection once joined: 16-byte records, read by the service
-    thread, which answers a ``PING`` at once and notes when it last heard
-    from the peer (for :meth:`unanswered`)."""
+_BEAT = _MSG.pack(_ALIVE, 0, 0)
 
-    def __init__(self) -> None:
-        self.conn: Connection | None = None
-        self.joined = True
+
+def _read(sock: socket.socket) -> tuple[bytes, str | None]:
+    """What arrived on a non-blocking socket, and why it ended (None: it did not)."""
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return b"".join(chunks), None
+        except OSError as exc:
+            return b"".join(chunks), f"broke its connection ({exc})"
+        if not data:
+            return b"".join(chunks), "exited or closed its end"
+        chunks.append(data)
+        if len(data) < 1 << 16:
+            return b"".join(chunks), None
+
+
+class _Wire:
+    """One end of a joined channel connection.
+
+    The channel's own threads read it (a wait polls it, so a record wakes
+    the waiting thread directly) and write it; the service thread adds a
+    heartbeat every ``QUIET / 2`` seconds, whatever those threads are doing,
+    which is how the other end tells a busy process from a frozen one.
+    Writes never block: what the socket does not take now is sent with the
+    next record or heartbeat."""
+
+    __slots__ = ("buf", "closed", "heard", "lock", "pending", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.pending = b""
+        self.buf = b""
         self.heard = time.monotonic()
-        self._ping_at: float | None = None
+        self.closed = False
 
-    def records_received(self, conn: Connection) -> None:
-        self.heard = time.monotonic()
-        buf = conn.rbuf
-        end = len(buf) - len(buf) % _MSG.size
-        for offset in range(0, end, _MSG.size):
-            op, slot, step = _MSG.unpack_from(buf, offset)
-            if op == _PING:
-                conn.send(_record(_PONG, 0, step))
-            elif op != _PONG:
-                self.record(op, slot, step)
-            if conn.closed:
-                return
-        del buf[:end]
+    def send(self, message: bytes, *, beat: bool = False) -> bool:
+        """Send ``message`` (a heartbeat goes only where nothing waits to be
+        sent); False when the connection is gone or the peer left
+        ``_MAX_BACKLOG`` bytes unread."""
+        with self.lock:
+            if self.closed:
+                return False
+            data = self.pending + (b"" if beat and self.pending else message)
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                return False
+            if beat and not self.pending and sent == 0:
+                return True  # the peer reads nothing now: the heartbeat is dropped whole
+            self.pending = data[sent:]
+            return len(self.pending) <= _MAX_BACKLOG
 
-    def data_received(self, conn: Connection, fds: list[int]) -> None:
-        self.records_received(conn)
-
-    def record(self, op: int, slot: int, step: int) -> None:
-        """One record from the peer (service thread)."""
-
-    def send(self, message: bytes) -> bool:
-        """Queue ``message`` to the peer; False when the connection is gone or
-        the peer left ``_MAX_BACKLOG`` bytes unread (it stopped reading)."""
-        conn = self.conn
-        if conn is None or conn.closed or conn.backlog() > _MAX_BACKLOG:
-            return False
-        conn.send(message)
-        return True
-
-    def unanswered(self, now: float) -> float | None:
-        """For a thread waiting on this peer: after :data:`QUIET` seconds of
-        silence, ask it for a sign of life; the seconds that request has gone
-        unanswered (None: nothing is asked, or it answered)."""
-        if now - self.heard < QUIET:
-            return None
-        ping_at = self._ping_at
-        if ping_at is not None and self.heard >= ping_at:
-            ping_at = None  # answered since
-        if ping_at is None:
-            self._ping_at = now
-            self.send(_record(_PING))
-            return None
-        return now - ping_at
+    def read(self) -> tuple[list[tuple[int, int, int]], str | None]:
+        """The records that arrived (never blocks; heartbeats only count as
+        heard), and why the connection ended (None: it did not)."""
+        data, eof = _read(self.sock)
+        if data:
+            self.heard = time.monotonic()
+            self.buf += data
+        end = len(self.buf) - len(self.buf) % _MSG.size
+        records = [_MSG.unpack_from(self.buf, offset) for offset in range(0, end, _MSG.size)]
+        self.buf = self.buf[end:]
+        return [r for r in records if r[0] != _ALIVE], eof
 
     def frozen(self, now: float, who: str, pid: int, local: bool) -> str | None:
-        """Why the peer counts as frozen now (None: it does not yet)."""
-        waited = self.unanswered(now)
-        if waited is None or waited < peer_timeout():
+        """Why the peer counts as frozen now (None: it does not): nothing, not
+        even a heartbeat, came from it for ``GPUSHARE_PEER_TIMEOUT`` seconds."""
+        silent = now - self.heard
+        if silent < peer_timeout():
             return None
         state = state_of(pid, node_key()) if local else ""
-        return (f"{who} has not answered for {waited:.1f} s{state}: it is stopped, frozen or cut off "
+        return (f"{who} has not answered for {silent:.1f} s{state}: it is stopped, frozen or cut off "
                 "(GPUSHARE_PEER_TIMEOUT sets how long to wait for it)")
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+
+def _heartbeat(wire: _Wire) -> None:
+    """Send ``wire``'s heartbeat now and again until it closes: every
+    ``QUIET / 2`` seconds, or a third of a shorter ``GPUSHARE_PEER_TIMEOUT``."""
+    if wire.send(_BEAT, beat=True):
+        try:
+            every = min(QUIET / 2, peer_timeout() / 3)
+        except InvalidInputError:
+            every = QUIET / 2  # the waiting side reports the bad setting
+        get_service().call_later(every, lambda: _heartbeat(wire))
 
 
 # ---------------------------------------------------------------- the producer's end
 
 
-class _Peer(_Records):
-    """The producer's connection to one consumer: its join, then its records."""
+class _Peer(Protocol):
+    """The producer's end of one consumer's connection: its join, on the
+    service thread; then its :class:`_Wire`, read by the producer's thread."""
 
     def __init__(self, hub: _Hub, sock: socket.socket, where: str) -> None:
-        super().__init__()
         self.hub, self.where = hub, where
+        self.conn: Connection | None = None
+        self.wire: _Wire | None = None
         self.local = sock.family == socket.AF_UNIX
         self.index = -1
-        self.joined = False
         self.pid = _peer_pid(sock) or 0
         self.pidfd: int | None = None
         self.left = False
@@ -502,15 +538,12 @@ class _Peer(_Records):
         return f"consumer {self.index} (pid {self.pid}{self.where})"
 
     def data_received(self, conn: Connection, fds: list[int]) -> None:
-        while not self.joined and not self.refused:
+        while not self.refused and self.wire is None:
             message = _control.take_frame(conn.rbuf)
             if message is None or conn.closed:
                 return
             self._join(conn, message)
-        if self.refused:
-            conn.rbuf.clear()  # nothing more is read
-        elif conn.rbuf and not conn.closed:
-            self.records_received(conn)
+        conn.rbuf.clear()  # a refused peer: nothing more is read
 
     def _refuse(self, conn: Connection, code: str, message: str) -> None:
         self.refused = True
@@ -545,14 +578,22 @@ class _Peer(_Records):
             return
         hub.admit(self, conn)
 
-    def record(self, op: int, slot: int, step: int) -> None:
-        hub = self.hub
-        if op == _RELEASE:
-            hub.release(self, slot, step)
-        elif op == _LEAVE:
-            hub.leave(self)
-        else:
-            hub.fail(f"{self.name()} sent a malformed message (op {op})", self.index)
+    def apply(self, records: list[tuple[int, int, int]], busy: list[set[int]], slot_step: list[int]) -> str | None:
+        """For the producer's thread: apply what this consumer sent to the
+        ring (releases, its leaving); the account of a malformed record."""
+        for op, slot, step in records:
+            if self.left:
+                break
+            if op == _RELEASE and slot < len(busy) and slot_step[slot] == step:
+                busy[slot].discard(self.index)
+            elif op == _LEAVE:
+                self.left = True
+                for held in busy:
+                    held.discard(self.index)
+                log.info("channel %s: %s left", self.hub.channel_id[:8], self.name())
+            elif op != _RELEASE:
+                return f"{self.name()} sent a malformed message (op {op})"
+        return None
 
     def deadline_passed(self, conn: Connection) -> None:
         log.warning("channel %s: dropped a connection%s that did not join within %g s", self.hub.channel_id[:8],
@@ -560,30 +601,32 @@ class _Peer(_Records):
         conn.close()
 
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
-        self.hub.lost(self, "exited or closed its end" if exc is None else f"broke its connection ({exc})")
+        self.hub.joining.pop(self, None)
+
+    def close(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+        _close_fd(self.pidfd)
+        self.pidfd = None
 
 
 class _Hub:
-    """A producer's listeners, joins and consumers' connections, served by the
-    service thread, and the state both threads share (under ``lock``).
+    """A producer's listeners and joins, served by the service thread, and
+    the consumers it admitted (``peers``, under ``lock``); the rest of the
+    channel's state is the producer thread's.
 
     Kept apart from the producer, so that neither the service thread nor the
     finalizer holds it."""
 
-    def __init__(self, channel_id: str, token: bytes, consumers: int, slots: int) -> None:
+    def __init__(self, channel_id: str, token: bytes, consumers: int) -> None:
         self.channel_id, self.token, self.consumers = channel_id, token, consumers
         self.pid = os.getpid()
         self.service = get_service()
         self.lock = threading.Lock()
-        self.wake = _Wake()
+        self.wake = _Wake()  # written when a consumer joins
         self.peers: dict[int, _Peer] = {}  # admitted, by index
-        self.joining: dict[_Peer, None] = {}  # in their handshake, oldest first (service thread)
-        self.admitted = 0
+        self.joining: dict[_Peer, None] = {}  # in their join, oldest first (service thread)
         self.closing = False
-        self.broken: str | None = None
-        self.busy: list[set[int]] = [set() for _ in range(slots)]
-        self.slot_step = [-1] * slots
-        self.step = 0
         self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.listening: list[socket.socket] = []
@@ -601,6 +644,11 @@ class _Hub:
         except BaseException:
             self.stop()
             raise
+
+    def live(self) -> list[_Peer]:
+        """The admitted consumers that did not leave."""
+        with self.lock:
+            return [p for p in self.peers.values() if not p.left]
 
     # -- service thread -------------------------------------------------------
     def _accept(self, sock: socket.socket) -> None:
@@ -622,88 +670,35 @@ class _Hub:
         peer.conn = self.service.connect(sock, peer, time.monotonic() + _HANDSHAKE_TIMEOUT)
 
     def admit(self, peer: _Peer, conn: Connection) -> None:
-        """The peer proved it holds the token: give it a place, if one is left."""
+        """The peer proved it holds the token: give it a place, if one is
+        left, and its connection to the producer's thread."""
         self.joining.pop(peer, None)
         with self.lock:
-            if self.closing:
-                code = "closed"
-            elif self.admitted >= self.consumers:
-                code = "full"
-            else:
-                code = None
-                peer.index, peer.joined = self.admitted, True
-                self.admitted += 1
-                conn.deadline = None
-                # Sent under the lock, so no record can go before it.
-                conn.send(_control.pack({"ok": True, "index": peer.index}))
-                if peer.local:
-                    peer.pidfd = _pidfd(peer.pid)
-                self.peers[peer.index] = peer
-        if code is not None:
-            self._refuse_late(peer, conn, code)
-            return
+            index = len(self.peers)
+            if self.closing or index >= self.consumers:
+                code = "closed" if self.closing else "full"
+                text = ("the channel's producer is closing the channel" if self.closing
+                        else f"the channel already has its {self.consumers} consumers")
+                peer._refuse(conn, code, text)
+                return
+            sock = conn.detach()  # from now on the producer's thread reads it
+            accept = _control.pack({"ok": True, "index": index})
+            try:
+                sent = sock.send(accept)  # a few bytes on a connection with nothing else queued
+            except OSError:
+                sent = -1
+            if sent != len(accept):
+                sock.close()
+                return
+            peer.index, peer.wire = index, _Wire(sock)
+            if peer.local:
+                peer.pidfd = _pidfd(peer.pid)
+            self.peers[index] = peer
         self.wake.set()
+        _heartbeat(peer.wire)
         log.info("channel %s: %s joined", self.channel_id[:8], peer.name())
 
-    def _refuse_late(self, peer: _Peer, conn: Connection, code: str) -> None:
-        text = ("the channel's producer is closing the channel" if code == "closed"
-                else f"the channel already has its {self.consumers} consumers")
-        peer._refuse(conn, code, text)
-
-    def release(self, peer: _Peer, slot: int, step: int) -> None:
-        with self.lock:
-            if slot >= len(self.busy) or self.slot_step[slot] != step or peer.index not in self.busy[slot]:
-                return  # a release of a step it was not given changes nothing
-            busy = self.busy[slot]
-            busy.discard(peer.index)
-            free = not busy
-        if free:
-            self.wake.set()
-
-    def leave(self, peer: _Peer) -> None:
-        with self.lock:
-            peer.left = True
-            for busy in self.busy:
-                busy.discard(peer.index)
-        self.wake.set()
-        log.info("channel %s: %s left", self.channel_id[:8], peer.name())
-        if peer.conn is not None:
-            peer.conn.close_when_sent()
-
-    def lost(self, peer: _Peer, why: str) -> None:
-        """A connection ended (service thread)."""
-        self.joining.pop(peer, None)
-        if peer.joined and peer.index >= 0 and not peer.left:
-            self.fail(f"{peer.name()} {why} without leaving the channel", peer.index)
-
     # -- any thread --------------------------------------------------------------
-    def fail(self, why: str, index: int = -1) -> None:
-        """A consumer is gone: tell the others, wake the producer; it fails from now on."""
-        with self.lock:
-            if self.broken is not None or self.closing:
-                return
-            self.broken = why
-            others = [p for p in self.peers.values() if not p.left and p.index != index]
-            step = self.step
-        log.warning("channel %s broken: %s", self.channel_id[:8], why)
-        for peer in others:
-            peer.send(_record(_ABORT, max(index, 0), step))
-        self.wake.set()
-
-    def check_exits(self, woken: frozenset[int]) -> None:
-        """For the producer's thread: a consumer whose pidfd ``poll`` found
-        readable exited; what it sent before (a leave) is taken in first."""
-        with self.lock:
-            peers = list(self.peers.values())
-        for peer in peers:
-            if peer.pidfd is None or peer.pidfd not in woken or peer.left or not _exited(peer.pidfd):
-                continue
-            if peer.conn is not None:
-                with contextlib.suppress(TimeoutError):
-                    self.service.run(peer.conn.pull)
-            if not peer.left:
-                self.fail(f"{peer.name()} exited without leaving the channel", peer.index)
-
     def stop(self) -> None:
         """Close the listeners, the joins and the connections (idempotent)."""
         with self.lock:
@@ -722,9 +717,6 @@ class _Hub:
                 else:
                     sock.close()
             self.listening = []
-            for peer in peers:
-                if peer.conn is not None:
-                    peer.conn.close_when_sent()
 
             def drop_joins() -> None:
                 for peer in list(self.joining):
@@ -734,74 +726,62 @@ class _Hub:
 
             self.service.call_soon(drop_joins)
         for peer in peers:
-            _close_fd(peer.pidfd)
-            peer.pidfd = None
+            peer.close()
         self.wake.close()
 
 
 # ---------------------------------------------------------------- the consumer's end
 
 
-class _Link(_Records):
-    """A consumer's connection to its producer, after the join: the service
-    thread queues the producer's records and wakes the consumer."""
+class _Inbox:
+    """What a consumer's producer told it: the steps published and not yet
+    taken, the end, or why the channel broke."""
 
-    def __init__(self, handle: ChannelHandle, local: bool) -> None:
-        super().__init__()
-        self.handle, self.local = handle, local
-        self.lock = threading.Lock()
-        self.wake = _Wake()
-        self.queue: deque[tuple[int, int]] = deque()  # (step, slot) published
+    __slots__ = ("broken", "end", "queue", "slots", "who")
+
+    def __init__(self, handle: ChannelHandle) -> None:
+        self.slots, self.who = handle.slots, f"the channel's producer (pid {handle.producer_pid})"
+        self.queue: deque[tuple[int, int]] = deque()  # (step, slot)
         self.end: int | None = None
         self.broken: str | None = None
 
-    def _producer(self) -> str:
-        return f"the channel's producer (pid {self.handle.producer_pid})"
+    def gone(self, detail: str) -> None:
+        self.broken = f"{self.who} {detail} without closing the channel"
 
-    def record(self, op: int, slot: int, step: int) -> None:
-        with self.lock:
+    def check_alive(self, wire: _Wire, pid: int, local: bool) -> bool:
+        """For a waiting consumer: whether the producer, not done, stopped answering (then broken)."""
+        if self.end is None and self.broken is None:
+            self.broken = wire.frozen(time.monotonic(), self.who, pid, local)
+        return self.broken is not None
+
+    def pump(self, wire: _Wire, woken: frozenset[int], pidfd: int | None) -> None:
+        """Take in every record that arrived; never blocks.  ``woken``: the
+        fds a wait found readable (``pidfd`` there: the producer exited)."""
+        if self.broken is not None:
+            return
+        eof = self._parse(*wire.read())
+        if eof is None and self.end is None and pidfd in woken and _exited(pidfd):
+            # The producer exited: what it sent before is still to be read.
+            eof = self._parse(*wire.read()) or "exited"
+        if eof is not None and self.end is None and self.broken is None:
+            self.gone(eof)
+
+    def _parse(self, records: list[tuple[int, int, int]], eof: str | None) -> str | None:
+        for op, slot, step in records:
             if self.broken is not None:
-                return
-            if op == _PUBLISH and slot < self.handle.slots:
+                break
+            if op == _PUBLISH and slot < self.slots:
                 self.queue.append((step, slot))
             elif op == _END:
                 self.end = step
             elif op == _FAILED:
-                self.broken = f"{self._producer()} gave up on an error after {step} steps"
+                self.broken = f"{self.who} gave up on an error after {step} steps"
             elif op == _ABORT:
                 self.broken = (f"consumer {slot} of the channel died or closed its connection without leaving; "
                                "the producer stopped the channel")
             else:
                 self.broken = f"the producer sent a malformed message (op {op})"
-        self.wake.set()
-
-    def gone(self, detail: str) -> None:
-        """The producer is gone, unless it ended the channel first."""
-        with self.lock:
-            if self.end is None and self.broken is None:
-                self.broken = f"{self._producer()} {detail} without closing the channel"
-        self.wake.set()
-
-    def frozen_now(self, now: float) -> None:
-        """For a waiting consumer: fail once the producer stopped answering."""
-        why = self.frozen(now, self._producer(), self.handle.producer_pid, self.local)
-        if why is not None:
-            with self.lock:
-                if self.broken is None:
-                    self.broken = why
-
-    def service_pull(self) -> None:
-        """Take in, in the service thread, every record that has arrived."""
-        if self.conn is not None:
-            get_service().run(self.conn.pull)
-
-    def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
-        self.gone("exited or closed its end" if exc is None else f"broke its connection ({exc})")
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close_when_sent()
-        self.wake.close()
+        return eof
 
 
 def _connect(handle: ChannelHandle, timeout: float) -> socket.socket:
@@ -870,9 +850,9 @@ def _handshake(sock: socket.socket, handle: ChannelHandle, timeout: float = _HAN
     return index
 
 
-def _join(handle: ChannelHandle, timeout: float) -> tuple[_Link, int, int | None]:
-    """Connect, join, and hand the connection to the service thread: the
-    link, this consumer's index and a pidfd of the producer (on its node)."""
+def _join(handle: ChannelHandle, timeout: float) -> tuple[_Wire, int, int | None]:
+    """Connect and join: this consumer's end of the connection (its
+    heartbeat started), its index, and a pidfd of the producer (on its node)."""
     sock = _connect(handle, timeout)
     try:
         _control.keepalive(sock, *_KEEPALIVE)
@@ -885,6 +865,6 @@ def _join(handle: ChannelHandle, timeout: float) -> tuple[_Link, int, int | None
     except BaseException:
         sock.close()
         raise
-    link = _Link(handle, sock.family == socket.AF_UNIX)
-    link.conn = get_service().connect(sock, link)
-    return link, index, _pidfd(peer) if peer is not None else None
+    wire = _Wire(sock)
+    _heartbeat(wire)
+    return wire, index, _pidfd(peer) if peer is not None else None

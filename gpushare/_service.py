@@ -3,8 +3,8 @@
 One daemon thread waits on an ``epoll`` selector (no ``select()`` limit on
 file descriptor numbers) for the exporter's control listeners, every control
 connection (the exporter's, each with its leases, and the importer's), the
-fd broker, and channels (a producer's listeners, each consumer's join and
-connection, at both ends).  No thread per lease, per connection or per peer.
+fd broker, and channels' listeners and joins (and their heartbeats).  No
+thread per lease, per connection or per peer.
 
 Every socket is non-blocking and every connection has its own read buffer,
 write queue and deadline: a silent or slow peer is dropped at its deadline
@@ -195,8 +195,7 @@ class Connection:
         if close:
             self.close()
 
-    def _on_readable(self) -> bool:
-        """Read once; whether bytes came (False: none yet, or the connection ended)."""
+    def _on_readable(self) -> None:
         fds: list[int] = []
         try:
             if self.protocol.wants_fds:
@@ -204,32 +203,21 @@ class Connection:
             else:
                 data = self.sock.recv(_READ_CHUNK)
         except (BlockingIOError, InterruptedError):
-            return False
+            return
         except OSError as exc:
             self.close(exc)
-            return False
+            return
         if not data:
             _close_all(fds)
             self.close()
-            return False
+            return
         self.rbuf += data
         try:
             self.protocol.data_received(self, fds)
         except Exception as exc:  # noqa: BLE001 - a peer's bytes never stop the service
             self.close(exc)
-        return True
 
-    def pull(self) -> None:
-        """Read everything that has arrived, and the end if it came, now
-        (service thread): what a peer sent before it exited is taken in
-        before anyone acts on its exit."""
-        while not self.closed and self._on_readable():
-            pass
-
-    def close(self, exc: BaseException | None = None) -> None:
-        """Drop the connection now (idempotent); the protocol hears of it once."""
-        if self.closed:
-            return
+    def _stop_serving(self) -> None:
         with self._wlock:
             self.closed = True
             for _, fds in self._wq:
@@ -237,6 +225,18 @@ class Connection:
             self._wq.clear()
         self.rbuf = bytearray()
         self.service._forget(self)
+
+    def detach(self) -> socket.socket:
+        """Stop serving the socket and hand it over, open (service thread):
+        the protocol hears nothing more, bytes not yet sent are dropped."""
+        self._stop_serving()
+        return self.sock
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Drop the connection now (idempotent); the protocol hears of it once."""
+        if self.closed:
+            return
+        self._stop_serving()
         try:
             self.sock.close()
         except OSError:

@@ -561,7 +561,7 @@ def test_a_frozen_consumer_breaks_the_producers_wait_without_timeout_within_the_
         with pytest.raises(gs.ChannelBrokenError,
                            match=rf"consumer 0 \(pid {p.pid}\) has not answered for .* stopped by a signal"):
             producer.send(np.arange(8, dtype=np.int32), timeout=None)
-        assert time.monotonic() - t0 < 1 + 1 + 2.5  # the peer timeout, after a second of silence
+        assert time.monotonic() - t0 < 1 + 2.5  # the peer timeout, and a margin
     finally:
         if killer is not None:
             killer.cancel()
@@ -591,7 +591,7 @@ def test_a_frozen_producer_breaks_a_consumers_wait_without_timeout_within_the_pe
             with pytest.raises(gs.ChannelBrokenError,
                                match=rf"producer \(pid {prod.pid}\) has not answered for .* stopped by a signal"):
                 ch.wait()
-            assert time.monotonic() - t0 < 1 + 1 + 2.5  # the peer timeout, after a second of silence
+            assert time.monotonic() - t0 < 1 + 2.5  # the peer timeout, and a margin
             with pytest.raises(gs.ChannelBrokenError):
                 ch.wait(timeout=0)
     finally:
