@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -211,14 +210,7 @@ class Exporter:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        bind_host = os.environ.get("GPUSHARE_CONTROL_HOST", "0.0.0.0")
-        try:
-            ipaddress.IPv4Address(bind_host)
-        except ValueError:
-            raise InvalidInputError(
-                f"GPUSHARE_CONTROL_HOST is {bind_host!r}; expected an IPv4 address of this host "
-                "(or 0.0.0.0 for every interface)"
-            ) from None
+        bind_host = _control.bind_host()
         self._lock = threading.Lock()
         self._exports: dict[str, Export] = {}
         # Ended shares, newest last: share id -> (token, why), so that a late
@@ -312,13 +304,9 @@ class Exporter:
 
     # -- serving (in the service thread) ----------------------------------
     def _accept(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # An importer on a node that vanishes without closing (power loss,
         # partition) ends its leases within about a minute.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        _control.keepalive(sock, 30, 10, 3)
         self._serve(sock, _Session(self))
 
     def _accept_local(self, sock: socket.socket) -> None:
