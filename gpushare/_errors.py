@@ -11,8 +11,6 @@ status name (``"UCS_ERR_CONNECTION_RESET"``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -34,7 +32,6 @@ __all__ = [
     "CUDAError",
     "SlowPathWarning",
     "translate",
-    "native_errors",
 ]
 
 
@@ -140,18 +137,6 @@ def translate(status: str, message: str) -> GpuShareError:
         exc.status = status
         return exc
     return _BY_STATUS.get(status, UCXError)(status, message)
-
-
-@contextlib.contextmanager
-def native_errors() -> Iterator[None]:
-    """Re-raise the native module's ``NativeError`` as a :class:`UCXError`."""
-    from ._ucx._loader import native
-
-    try:
-        yield
-    except native().NativeError as exc:
-        status, message = exc.args
-        raise translate(status, message) from None
 
 
 class AccessDeniedError(GpuShareError, PermissionError):

@@ -3,8 +3,9 @@
 // Policy (bounds checks, lifetimes, error classes, validation of untrusted
 // input beyond the byte layout) lives in Python: gpushare/_ucx/.  This file
 // converts arguments, releases the GIL around every libucxx call, and turns
-// C++ exceptions and UCS status codes into one Python exception type,
-// NativeError(status_name, message), which gpushare._errors translates.
+// C++ exceptions and UCS status codes into NativeError(status_name,
+// message), which the module's exception translator raises in Python as the
+// error gpushare._errors.translate makes of it.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -757,6 +758,17 @@ void checkSerializedRemoteKey(const std::string& blob)
   std::string data(blob.begin() + hashSize, blob.end());
   if (std::hash<std::string>{}(data) != expected)
     throw NativeError("UCS_ERR_INVALID_PARAM", "serialized remote key fails its checksum");
+}
+
+// What checkSerializedRemoteKey finds wrong with `blob`; empty when nothing is.
+std::string remoteKeyProblem(nb::bytes blob)
+{
+  try {
+    checkSerializedRemoteKey(std::string(blob.c_str(), blob.size()));
+  } catch (const NativeError& e) {
+    return e.message;
+  }
+  return {};
 }
 
 // (base_address, size) recorded in a serialized key, read without UCX.
@@ -2376,19 +2388,19 @@ NB_MODULE(_native, m)
   m.def("quiet_leaks", []() { nb::set_leak_warnings(false); },
         "Do not report native objects still alive at exit (a forked child keeps its parent's).");
 
-  static nb::object nativeErrorType;
-  nativeErrorType = nb::steal(PyErr_NewExceptionWithDoc(
-    "gpushare._ucx._native.NativeError",
-    "A UCX failure: args are (status_name, message). Translated by gpushare._errors.",
-    nullptr,
-    nullptr));
-  m.attr("NativeError") = nativeErrorType;
+  // Every C++ failure reaches Python as the gpushare error that
+  // gpushare._errors.translate(status, message) makes of it: Python code
+  // never sees, or catches, a native exception type.  Both references live
+  // as long as the process (never released: the translator may run until
+  // the interpreter is gone).
+  static PyObject* translate = nb::object(nb::module_::import_("gpushare._errors").attr("translate")).release().ptr();
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const NativeError& e) {
-      nb::object args = nb::make_tuple(e.status, e.message);
-      PyErr_SetObject(nativeErrorType.ptr(), args.ptr());
+      nb::object exc = nb::steal(PyObject_CallFunction(translate, "ss", e.status.c_str(), e.message.c_str()));
+      if (!exc.is_valid()) return;  // translate itself failed: its error stands
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
 
@@ -2403,6 +2415,8 @@ NB_MODULE(_native, m)
     return nb::make_tuple(major, minor, release);
   });
   m.def("serialized_remote_key_range", &serializedRemoteKeyRange, "blob"_a);
+  m.def("remote_key_problem", &remoteKeyProblem, "blob"_a,
+        "What is wrong with the layout of a serialized remote key; empty when nothing is.");
   m.def("quarantine", &quarantine, "address"_a, "length"_a);
 
   nb::class_<PinnedBuffer>(m, "PinnedBuffer")

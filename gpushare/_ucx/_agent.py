@@ -26,7 +26,6 @@ from .._errors import (
     OutOfBoundsError,
     UCXConnectionError,
     WaitTimeoutError,
-    native_errors,
     translate,
 )
 from . import _device
@@ -107,10 +106,6 @@ def wake_timeout_ms(tls: str | None) -> int:
     if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
         return -1
     return 1
-
-
-def _native_error_type() -> type[Exception]:
-    return native().NativeError
 
 
 def _pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:
@@ -403,8 +398,7 @@ class RemoteKey:
         self._check_open()
         if self._native is None:
             return 0
-        with native_errors():
-            return self._native.handle
+        return self._native.handle
 
     @property
     def size(self) -> int:
@@ -516,22 +510,19 @@ class MemoryHandle:
     def handle(self) -> int:
         """The ``ucp_mem_h`` as an integer."""
         n = self._check_open()
-        with native_errors():
-            return n.handle
+        return n.handle
 
     @property
     def size(self) -> int:
         """Registered size in bytes (at least what was asked for)."""
         n = self._check_open()
-        with native_errors():
-            return n.size
+        return n.size
 
     @property
     def base_address(self) -> int:
         """Address of the region's first byte; remote puts/gets target it."""
         n = self._check_open()
-        with native_errors():
-            return n.base_address
+        return n.base_address
 
     @property
     def memory_type(self) -> str:
@@ -553,7 +544,7 @@ class MemoryHandle:
         n = self._check_open()
         # Packing for a CUDA transport (cuda_ipc, where asked for) asks the
         # driver about the memory under its device's context.
-        with native_errors(), _device.on_memory_device(None, self._ordinal):
+        with _device.on_memory_device(None, self._ordinal):
             blob = n.pack_remote_key()
             base, size = native().serialized_remote_key_range(blob)
         packed = _pack(_KEY_MAGIC, _MEMORY_TYPE_CODES[self._memory_type], blob)
@@ -612,8 +603,7 @@ class _Connection:
     def transport_info(self) -> str:
         """UCX's description of the lanes and transports this connection uses."""
         n = self._check_open()
-        with native_errors():
-            return n.info()
+        return n.info()
 
     def _track(self, req: Request) -> Request:
         """Keep ``req`` (and its buffer) referenced until it completes."""
@@ -634,8 +624,7 @@ class _Connection:
             return
         self._closed = True
         try:
-            with native_errors():
-                self._native.close(timeout)
+            self._native.close(timeout)
         except GpuShareError:
             pass  # the peer is gone already: nothing left to disconnect
         with self._lock:
@@ -687,14 +676,13 @@ class Endpoint(_Connection):
         mtype, payload = _unpack(blob, _KEY_MAGIC, "remote key", _MAX_KEY)
         if mtype not in _MEMORY_TYPE_NAMES:
             raise InvalidInputError(f"remote key names unknown memory type {mtype}")
-        try:
-            base, size = native().serialized_remote_key_range(payload)
-        except native().NativeError as exc:
-            raise InvalidInputError(f"remote key is malformed: {exc.args[1]}") from None
+        problem = native().remote_key_problem(payload)
+        if problem:
+            raise InvalidInputError(f"remote key is malformed: {problem}")
+        base, size = native().serialized_remote_key_range(payload)
         if size == 0 or base + size > _U64:
             raise InvalidInputError(f"remote key covers an impossible range: base 0x{base:x}, size {size}")
-        with native_errors():
-            nkey = n.unpack_remote_key(payload)
+        nkey = n.unpack_remote_key(payload)
         return RemoteKey._make(native_key=nkey, blob=None, base=base, size=size,
                                memory_type=_MEMORY_TYPE_NAMES[mtype], endpoint=self)
 
@@ -733,11 +721,8 @@ class Endpoint(_Connection):
             # UCX copies CUDA memory on streams of its own: after the work
             # queued before the transfer (see _device).
             _device.order_before(local, consumer)
-            try:
-                with _device.on_memory_device(local):
-                    nreq = method(local.address, nbytes, remote_address, rkey._native, None)
-            except _native_error_type() as exc:
-                raise translate(*exc.args) from None
+            with _device.on_memory_device(local):
+                nreq = method(local.address, nbytes, remote_address, rkey._native, None)
         except BaseException:
             local.release()
             raise
@@ -814,8 +799,7 @@ class Endpoint(_Connection):
         n = self._check_open()
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
-        with native_errors():
-            nreq = n.flush(None)
+        nreq = n.flush(None)
         req = Request._from_native(nreq, None, self)
         if callback is not None:
             nreq.add_callback(_user_callback(callback, callback_data, [req], "flush"))
@@ -918,9 +902,8 @@ class Agent:
         self._quarantine: list = []
         self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
-        with native_errors():
-            self._native = native().Agent(cfg, progress == "polling", error_handling,
-                                          wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
+        self._native = native().Agent(cfg, progress == "polling", error_handling,
+                                      wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
         self._address = None
         self._finalizer = weakref.finalize(
             self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,
@@ -959,16 +942,14 @@ class Agent:
         """Bytes a peer passes to :meth:`connect` to reach this agent."""
         self._check_usable()
         if self._address is None:
-            with native_errors():
-                raw = self._native.address()
+            raw = self._native.address()
             self._address = _pack(_ADDRESS_MAGIC, 0, raw)
         return self._address
 
     def info(self) -> str:
         """UCX's description of this worker."""
         self._check_usable()
-        with native_errors():
-            return self._native.info()
+        return self._native.info()
 
     # -- operations ----------------------------------------------------------
 
@@ -986,8 +967,7 @@ class Agent:
         t = _check_timeout(timeout)
         _, raw = _unpack(peer_address, _ADDRESS_MAGIC, "agent address", _MAX_ADDRESS)
         check_worker_address(raw)  # UCX reads it with no bounds: its structure first
-        with native_errors():
-            nep = self._native.connect(raw)
+        nep = self._native.connect(raw)
         ep = Endpoint._make(self, nep)
         # Wire the connection up before handing it out: unpacking a remote key
         # on an endpoint that is not connected yet is unsafe in UCX.
@@ -1059,7 +1039,7 @@ class Agent:
                 ordinal = _device.ordinal_of(local)
             # UCX allocates CUDA memory, and registers it, under the device's
             # primary context (see _device); the caller's stays current.
-            with native_errors(), _device.on_memory_device(None, ordinal if mtype == "cuda" else None):
+            with _device.on_memory_device(None, ordinal if mtype == "cuda" else None):
                 nmh = self._native.create_memory_handle(reg_size, address, _MEMORY_TYPE_CODES[mtype])
         except BaseException:
             if local is not None:

@@ -27,7 +27,6 @@ from .._errors import (
     OutOfBoundsError,
     UCXConnectionError,
     WaitTimeoutError,
-    native_errors,
     translate,
 )
 from .._process import PerProcess, wait_alive
@@ -125,9 +124,8 @@ class _Node:
         progress = os.environ.get("GPUSHARE_UCX_PROGRESS", "blocking")
         if progress not in ("blocking", "polling"):
             raise InvalidInputError(f"GPUSHARE_UCX_PROGRESS must be 'blocking' or 'polling', not {progress!r}")
-        with native_errors():
-            self.native = native().Node(cfg, progress == "polling", True,
-                                        wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))), put_part(cfg))
+        self.native = native().Node(cfg, progress == "polling", True,
+                                    wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))), put_part(cfg))
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.held: list[Any] = []  # buffers of regions whose transfers did not drain
@@ -228,8 +226,7 @@ class Region:
         """
         n = self._check_open()
         key = secrets.token_bytes(KEY_BYTES)
-        with native_errors():
-            n.grant(self._id, key)
+        n.grant(self._id, key)
         return self._id, key
 
     def revoke(self, key: bytes, timeout: float = _CLOSE_TIMEOUT) -> bool:
@@ -252,8 +249,7 @@ class Region:
         n = self._check_open()
         key = _check_key(key)
         t = _check_timeout(timeout)
-        with native_errors():
-            outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
+        outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
         if outcome == 2:
             raise WaitTimeoutError(f"key revoked, but transfers admitted before did not finish within {timeout} s")
         return outcome == 1
@@ -291,8 +287,7 @@ class Region:
 def _close_region(node: _Node, region_id: int, local: _buffers.LocalBuffer, timeout: float) -> None:
     if os.getpid() != node.pid or node.native.closed:
         return  # a forked child, or the node already unregistered everything
-    with native_errors():
-        drained = node.native.close_region(region_id, timeout)
+    drained = node.native.close_region(region_id, timeout)
     if drained:
         local.release()
     else:
@@ -332,8 +327,7 @@ class Server:
     def address(self) -> bytes:
         """Bytes an importer passes to :meth:`Client.connect` (the worker's address)."""
         n = self._node.check()
-        with native_errors():
-            return _pack(_ADDRESS_MAGIC, 0, n.address())
+        return _pack(_ADDRESS_MAGIC, 0, n.address())
 
     def add_region(self, obj: Any, readonly: bool = False) -> Region:
         """Serve ``obj``'s memory as a new region.
@@ -364,7 +358,7 @@ class Server:
                 raise InvalidInputError("the buffer is read-only: add it with readonly=True")
             # UCX registers CUDA memory, and later copies into and out of it,
             # under the device's primary context (see _device).
-            with native_errors(), _device.on_memory_device(local):
+            with _device.on_memory_device(local):
                 rid = n.add_region(local.address, local.nbytes, readonly, _MEMORY_TYPE_CODES[local.memory_type])
         except BaseException:
             if local is not obj:
@@ -387,8 +381,7 @@ class Server:
     def info(self) -> str:
         """UCX's description of the worker (transports, devices)."""
         n = self._node.check()
-        with native_errors():
-            return n.info()
+        return n.info()
 
     def __repr__(self) -> str:
         return f"<gpushare._ucx.Server pid={self._node.pid}>"
@@ -471,12 +464,9 @@ class Peer(_Connection):
 
     def _native_post(self, op: str, items: list[tuple], kind: str, gather: bool = False) -> Any:
         n = self._check_open()
-        try:
-            if len(items) == 1 and kind == op:
-                return (n.get if op == "get" else n.put)(*items[0])
-            return n.post(1 if op == "get" else 2, items, kind, gather)
-        except native().NativeError as exc:
-            raise translate(*exc.args) from None
+        if len(items) == 1 and kind == op:
+            return (n.get if op == "get" else n.put)(*items[0])
+        return n.post(1 if op == "get" else 2, items, kind, gather)
 
     def _post(self, op: str, items: list[tuple], locals_: list, kind: str, gather: bool = False) -> Request:
         nreq = self._native_post(op, items, kind, gather)
@@ -666,8 +656,7 @@ class Client:
             return cached
         if cached is not None:
             cached.close(timeout=1.0)
-        with native_errors():
-            npeer = n.connect(raw)
+        npeer = n.connect(raw)
         peer = Peer._make(node, npeer)
         # Wire the connection up before handing it out.
         try:
