@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from . import _buffers, _types
-from ._api import export
-from ._api import open as open_share
+from ._export import export
+from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._channel_wire import (
     _ABORT,
@@ -43,7 +43,6 @@ from ._channel_wire import (
     MAX_SLOTS,
     ChannelHandle,
     _close_fd,
-    _deadline,
     _exited,
     _Hub,
     _Inbox,
@@ -325,7 +324,7 @@ class Producer:
 
     def _acquiring(self, timeout: float | None) -> Any:
         slot = self._begin_acquire()
-        deadline = _deadline(timeout)
+        deadline = _types.deadline(timeout)
         woken: frozenset[int] = frozenset()
         while True:
             self._pump(woken)
@@ -433,7 +432,7 @@ class Producer:
 
     def _draining(self, timeout: float | None) -> Any:
         self._check()
-        deadline = _deadline(timeout)
+        deadline = _types.deadline(timeout)
         woken: frozenset[int] = frozenset()
         while True:
             self._pump(woken)
@@ -575,9 +574,7 @@ def subscribe(handle: ChannelHandle, *, timeout: float = 30.0, device: int | Non
     """
     if not isinstance(handle, ChannelHandle):
         raise InvalidInputError(f"subscribe expects a gpushare.ChannelHandle, not {type(handle).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidInputError("timeout must be a positive number of seconds")
-    return Consumer._create(handle, float(timeout), device)
+    return Consumer._create(handle, _types.positive_timeout(timeout), device)
 
 
 class Step:
@@ -758,7 +755,7 @@ class Consumer:
 
     def _waiting(self, step: int | None, timeout: float | None) -> Any:
         self._check_step(step)
-        deadline = _deadline(timeout)
+        deadline = _types.deadline(timeout)
         woken: frozenset[int] = frozenset()
         while True:
             self._pump(woken)

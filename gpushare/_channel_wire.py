@@ -45,6 +45,7 @@ from ._paths.broker import peer_credentials
 from ._process import QUIET, node_key, peer_timeout, state_of
 from ._service import Connection, Protocol, get_service
 from ._share import Share, strict_json
+from ._types import in_range
 
 __all__ = ["ChannelHandle", "HANDLE_FORMAT", "MAX_CONSUMERS", "MAX_SLOTS"]
 
@@ -121,14 +122,6 @@ class _Wake:
             fd, self.fd = self.fd, -1
         if fd >= 0:
             _close_fd(fd)
-
-
-def _deadline(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or math.isnan(timeout):
-        raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, not {timeout!r}")
-    return time.monotonic() + timeout
 
 
 def _until(deadline: float | None) -> float:
@@ -215,11 +208,7 @@ async def _run_async(waits: Any) -> Any:
 
 
 def _int(value: Any, what: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"channel {what} must be an int, not {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidInputError(f"channel {what} is {value}; expected {lo} <= {what} <= {hi}")
-    return value
+    return in_range(value, what, lo, hi, owner="channel")
 
 
 class ChannelHandle:

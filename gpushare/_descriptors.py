@@ -11,11 +11,13 @@ boundary is untrusted.  Nothing here loads a driver.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterable
 from typing import Any
 
 from ._errors import InvalidInputError
+from ._types import OLD_HANDLE_TYPES
+from ._types import integer as _integer  # the name its callers here and in _same_node use
+from ._types import text as _text
 
 __all__ = [
     "FABRIC_HANDLE_BYTES",
@@ -37,22 +39,9 @@ MAX_SIZE = 1 << 63
 #: The one format of :class:`PosixFdBufferDescriptor` this version reads.
 POSIX_FD_FORMAT = 1
 _MAX_TOKEN_BYTES = 32
-_MAX_TEXT = 256
 _MAX_SUN_PATH = 107
 _MAX_DEVICE = 1 << 16
 _MAX_PID = 1 << 31
-
-
-def _integer(value: object, what: str) -> int:
-    """``value`` as an ``int``, refusing bools, floats and anything without ``__index__``."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy.bool_ too
-        raise InvalidInputError(f"{what} is a bool ({value!r}); expected an integer")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidInputError(
-            f"{what} is {type(value).__name__} {value!r:.60}; expected an integer"
-        ) from None
 
 
 def _size_list(sizes: object, what: str = "allocation size") -> tuple[int, ...]:
@@ -95,16 +84,6 @@ def _buffer_size(size: object, sizes: tuple[int, ...]) -> int:
         raise InvalidInputError(
             f"buffer size is {value}; expected between 0 and {total}, the sum of the allocation sizes"
         )
-    return value
-
-
-def _text(value: object, what: str, *, optional: bool = True) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise InvalidInputError(f"{what} is {type(value).__name__}; expected a str")
-    if len(value) > _MAX_TEXT:
-        raise InvalidInputError(f"{what} is {len(value)} characters; expected at most {_MAX_TEXT}")
     return value
 
 
@@ -673,7 +652,7 @@ def _rebuild(handle_type: object, *fields: object) -> Any:
                     CudaPoolBufferDescriptor)
     }
     if isinstance(handle_type, str):  # pickles made before the hyphenated spelling
-        handle_type = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}.get(handle_type, handle_type)
+        handle_type = OLD_HANDLE_TYPES.get(handle_type, handle_type)
     cls = kinds.get(handle_type) if isinstance(handle_type, str) else None
     if cls is None:
         raise InvalidInputError(f"unknown descriptor handle type {handle_type!r:.40}")

@@ -29,6 +29,7 @@ from ._errors import AccessDeniedError, ClosedError, ExporterUnreachableError, G
 from ._errors import OutOfBoundsError, WaitTimeoutError
 from ._process import QUIET, PerProcess, Stopped, await_alive, node_key, peer_timeout, state_of, wait_alive
 from ._service import Connection, Protocol, Timer, get_service
+from ._types import close_all as _close_all
 
 __all__ = ["Lease", "Transfer", "get_importer"]
 
@@ -490,11 +491,6 @@ def _connect_local(share: Any, deadline: float) -> socket.socket | None:
         sock.close()
         return None
     return sock
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = "") -> None:

@@ -222,6 +222,4 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
 def _timeout(timeout: float | None) -> dict:
     if timeout is None:
         return {}
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidInputError("timeout must be a positive number of seconds")
-    return {"timeout": float(timeout)}
+    return {"timeout": _types.positive_timeout(timeout)}

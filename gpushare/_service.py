@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._process import PerProcess
+from ._types import close_all as _close_all
 
 __all__ = ["Connection", "Protocol", "Service", "Timer", "get_service"]
 
@@ -528,14 +529,6 @@ def _fd_array(fds: Sequence[int]) -> bytes:
     import array
 
     return array.array("i", fds).tobytes()
-
-
-def _close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:

@@ -16,10 +16,9 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
-from . import _descriptors
 from ._errors import ClosedError, InvalidInputError
 from ._process import node_key
-from ._types import PATH_NAMES, PathName
+from ._types import PATH_NAMES, PathName, in_range, text
 
 __all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
 
@@ -51,15 +50,11 @@ _DTYPE_NAME = re.compile(r"^[A-Za-z0-9_\[\]<>|=,. ]{1,64}\Z")
 
 
 def _int(value: Any, what: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"share {what} must be an int, not {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise InvalidInputError(f"share {what} is {value}; expected {lo} <= {what} <= {hi}")
-    return value
+    return in_range(value, what, lo, hi, owner="share")
 
 
 def _text(value: Any, what: str) -> str:
-    return _descriptors._text(value, f"share {what}", optional=False)
+    return text(value, f"share {what}", optional=False)  # type: ignore[return-value]
 
 
 class Share:

@@ -1,4 +1,5 @@
-"""Names the API takes, as ``Literal`` types, and the one place spellings are normalised.
+"""Names the API takes, as ``Literal`` types, the one place spellings are
+normalised, and the one copy of each argument validator.
 
 Path names and handle types are spelled with hyphens (``"posix-fd"``,
 ``"cuda-ipc"``); the older underscore spellings of handle types
@@ -8,7 +9,12 @@ Path names and handle types are spelled with hyphens (``"posix-fd"``,
 
 from __future__ import annotations
 
+import math
+import operator
+import os
+import time
 import warnings
+from collections.abc import Iterable
 from typing import Literal, TypeAlias
 
 from ._errors import InvalidInputError
@@ -25,6 +31,14 @@ __all__ = [
     "internal_handle_type",
     "public_handle_types",
     "is_host",
+    "integer",
+    "in_range",
+    "text",
+    "timeout",
+    "deadline",
+    "positive_timeout",
+    "close_all",
+    "OLD_HANDLE_TYPES",
 ]
 
 #: A path between two processes, fastest first in :data:`PATH_NAMES`.
@@ -42,7 +56,8 @@ PATH_NAMES: tuple[PathName, ...] = ("same-process", "fabric", "posix-fd", "cuda-
 #: Paths that do not map the memory: the importer copies with get/put.
 COPIED_PATHS: tuple[PathName, ...] = ("cma", "ucx-rma")
 HANDLE_TYPES: tuple[HandleType, ...] = ("posix-fd", "fabric", "cuda-ipc")
-_OLD_HANDLE_TYPES = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}
+#: The older underscore spellings of handle types, and the one each now is.
+OLD_HANDLE_TYPES = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}
 
 
 def handle_type(value: object, *, stacklevel: int = 3) -> HandleType | None:
@@ -55,8 +70,8 @@ def handle_type(value: object, *, stacklevel: int = 3) -> HandleType | None:
     """
     if value is None:
         return None
-    if isinstance(value, str) and value in _OLD_HANDLE_TYPES:
-        new = _OLD_HANDLE_TYPES[value]
+    if isinstance(value, str) and value in OLD_HANDLE_TYPES:
+        new = OLD_HANDLE_TYPES[value]
         warnings.warn(f"handle_type={value!r} is deprecated; spell it {new!r}, like the path of the same name",
                       DeprecationWarning, stacklevel=stacklevel)
         return new  # type: ignore[return-value]
@@ -78,3 +93,88 @@ def public_handle_types(names: list[str]) -> list[str]:
 def is_host(device: object) -> bool:
     """True for ``"host"`` and its synonym ``"cpu"``."""
     return isinstance(device, str) and device in ("host", "cpu")
+
+
+# ---------------------------------------------------------------- validators
+#
+# Each check exists once, here.  The error texts name the argument (and, for
+# fields of a wire object, the object: ``owner="share"`` gives "share nbytes
+# must be an int"); tests and users match on them, so they stay as they are.
+
+#: The most characters :func:`text` accepts.
+MAX_TEXT = 256
+
+
+def integer(value: object, what: str) -> int:
+    """``value`` as an ``int``, refusing bools, floats and anything without ``__index__``
+    (numpy integers are accepted, numpy bools are not)."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy.bool_ too
+        raise InvalidInputError(f"{what} is a bool ({value!r}); expected an integer")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInputError(
+            f"{what} is {type(value).__name__} {value!r:.60}; expected an integer"
+        ) from None
+
+
+def in_range(value: object, what: str, lo: int = 0, hi: int = (1 << 64) - 1, *, owner: str = "") -> int:
+    """``value`` itself if it is an ``int`` (not a bool) with ``lo <= value <= hi``.
+
+    For fields read from the wire, where only a plain ``int`` is valid; ``owner``
+    names the object the field belongs to in the message.
+    """
+    name = f"{owner} {what}" if owner else what
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidInputError(f"{name} is {value}; expected {lo} <= {what} <= {hi}")
+    return value
+
+
+def text(value: object, what: str, *, optional: bool = True) -> str | None:
+    """``value`` if it is a ``str`` of at most :data:`MAX_TEXT` characters (or ``None``
+    when ``optional``)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} is {type(value).__name__}; expected a str")
+    if len(value) > MAX_TEXT:
+        raise InvalidInputError(f"{what} is {len(value)} characters; expected at most {MAX_TEXT}")
+    return value
+
+
+def _seconds(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+
+
+def timeout(value: object) -> float | None:
+    """A wait's ``timeout``: ``None`` (no limit) or a non-negative number of seconds."""
+    if value is None:
+        return None
+    if not _seconds(value) or value < 0:  # type: ignore[operator]
+        raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, not {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def deadline(value: object) -> float | None:
+    """The :func:`time.monotonic` instant a wait of ``timeout=value`` ends at (``None``: never)."""
+    seconds = timeout(value)
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def positive_timeout(value: object) -> float:
+    """The ``timeout`` of a call that must end: a positive number of seconds."""
+    if not _seconds(value) or not value > 0:  # type: ignore[operator]
+        raise InvalidInputError("timeout must be a positive number of seconds")
+    return float(value)  # type: ignore[arg-type]
+
+
+def close_all(fds: Iterable[int]) -> None:
+    """Close every file descriptor in ``fds``; one that fails to close does not keep
+    the others open."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,96 @@
+"""The one copy of each validator in gpushare._types, and the modules that use it."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+import gpushare as gs
+from gpushare import _channel_wire, _descriptors, _importer, _service, _share, _types
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "3", None, 2.5])
+def test_integer_refuses_what_is_not_an_integer(value):
+    with pytest.raises(gs.InvalidInputError, match="expected an integer"):
+        _types.integer(value, "size")
+
+
+def test_integer_takes_index_types():
+    class Index:
+        def __index__(self) -> int:
+            return 7
+
+    assert _types.integer(7, "size") == 7
+    assert _types.integer(Index(), "size") == 7
+
+
+def test_in_range_names_the_owner_and_the_bounds():
+    assert _types.in_range(5, "port", 1, 9) == 5
+    with pytest.raises(gs.InvalidInputError, match=r"^share port is 0; expected 1 <= port <= 9$"):
+        _types.in_range(0, "port", 1, 9, owner="share")
+    with pytest.raises(gs.InvalidInputError, match=r"^port must be an int, not bool$"):
+        _types.in_range(True, "port", 1, 9)
+
+
+def test_text_bounds_its_length():
+    assert _types.text(None, "node") is None
+    with pytest.raises(gs.InvalidInputError, match="expected a str"):
+        _types.text(None, "node", optional=False)
+    with pytest.raises(gs.InvalidInputError, match="at most 256"):
+        _types.text("x" * 257, "node")
+
+
+@pytest.mark.parametrize("value", [-1, math.nan, True, "1", [1]])
+def test_timeout_refuses_what_is_not_a_wait(value):
+    with pytest.raises(gs.InvalidInputError, match="timeout must be a non-negative number of seconds or None"):
+        _types.timeout(value)
+
+
+def test_timeout_and_deadline():
+    assert _types.timeout(None) is None
+    assert _types.timeout(0) == 0.0
+    assert _types.deadline(None) is None
+    before = time.monotonic()
+    assert before + 2 <= _types.deadline(2) <= time.monotonic() + 2
+
+
+@pytest.mark.parametrize("value", [0, -1, math.nan, None, True, "5"])
+def test_positive_timeout(value):
+    with pytest.raises(gs.InvalidInputError, match="^timeout must be a positive number of seconds$"):
+        _types.positive_timeout(value)
+    assert _types.positive_timeout(3) == 3.0
+
+
+def test_close_all_closes_the_rest_when_one_fails():
+    r, w = os.pipe()
+    os.close(w)
+    _types.close_all([w, r])  # w is closed already: its EBADF does not keep r open
+    with pytest.raises(OSError):
+        os.fstat(r)
+
+
+def test_each_module_uses_the_one_copy():
+    assert _descriptors._integer is _types.integer
+    assert _descriptors._text is _types.text
+    assert _importer._close_all is _types.close_all
+    assert _service._close_all is _types.close_all
+    # the share's and the channel handle's field checks word their errors through in_range
+    with pytest.raises(gs.InvalidInputError, match=r"^share nbytes must be an int, not float$"):
+        _share._int(1.0, "nbytes", 1, 2)
+    with pytest.raises(gs.InvalidInputError, match=r"^channel slots is 0; expected 1 <= slots <= 64$"):
+        _channel_wire._int(0, "slots", 1, 64)
+
+
+def test_pickles_with_the_old_handle_type_spelling_still_load():
+    from tests.test_descriptors import posix_fd
+
+    d = posix_fd()
+    rebuild, (kind, *fields) = d.__reduce__()
+    assert kind == "posix-fd"
+    old = rebuild("posix_fd", *fields)
+    assert type(old) is type(d) and old.handle_type == "posix-fd" and old == d
+    with pytest.raises(gs.InvalidInputError, match="unknown descriptor handle type"):
+        rebuild("posix fd", *fields)
