@@ -1,5 +1,6 @@
 """Names the API takes, as ``Literal`` types, the one place spellings are
-normalised, and the one copy of each argument validator.
+normalised, the one copy of each argument validator, and :class:`Completion`,
+what every operation in flight follows.
 
 Path names and handle types are spelled with hyphens (``"posix-fd"``,
 ``"cuda-ipc"``); the older underscore spellings of handle types
@@ -14,8 +15,8 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Iterable
-from typing import Literal, TypeAlias
+from collections.abc import Generator, Iterable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from ._errors import InvalidInputError
 
@@ -39,6 +40,7 @@ __all__ = [
     "positive_timeout",
     "close_all",
     "OLD_HANDLE_TYPES",
+    "Completion",
 ]
 
 #: A path between two processes, fastest first in :data:`PATH_NAMES`.
@@ -178,3 +180,35 @@ def close_all(fds: Iterable[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------- completions
+
+
+@runtime_checkable
+class Completion(Protocol):
+    """An operation in flight: a UCX request (:class:`gpushare.ucx.Request`), a
+    stream-ordered CUDA copy, a cma transfer, a batch.
+
+    Each of them follows this; ``tests/test_types.py`` checks their signatures
+    against it, so that one cannot drift from the others.
+    """
+
+    def done(self) -> bool:
+        """Whether the operation has completed (or failed); never blocks."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until it completes and raise its error; :class:`~gpushare.WaitTimeoutError`
+        if ``timeout`` seconds pass first (the operation stays in flight)."""
+        ...
+
+    def exception(self) -> BaseException | None:
+        """Its error, or ``None`` if it succeeded: ask once :meth:`done` is true.
+        (Before then :meth:`gpushare.ucx.Request.exception` waits, as
+        :meth:`concurrent.futures.Future.exception` does, and the others answer ``None``.)"""
+        ...
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await`` it: the asyncio form of :meth:`wait`, without blocking the loop."""
+        ...

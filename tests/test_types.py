@@ -94,3 +94,88 @@ def test_pickles_with_the_old_handle_type_spelling_still_load():
     assert type(old) is type(d) and old.handle_type == "posix-fd" and old == d
     with pytest.raises(gs.InvalidInputError, match="unknown descriptor handle type"):
         rebuild("posix fd", *fields)
+
+
+# ---------------------------------------------------------------- the Completion protocol
+
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+
+#: Each completion class, at the places it may live (the first that exists is checked).
+COMPLETIONS = {
+    "ucx Request": ["gpushare._ucx._agent:Request"],
+    "CUDA CopyRequest": ["gpushare._paths._cuda:CopyRequest", "gpushare._cuda._driver:CopyRequest"],
+    "cma Transfer": ["gpushare._importer:Transfer", "gpushare._paths.cma:Transfer"],
+    "BatchRequest": ["gpushare._batch:BatchRequest"],
+}
+
+
+def _find(places: list[str]) -> type:
+    for place in places:
+        module, name = place.split(":")
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ModuleNotFoundError:
+            continue
+        if found is not None:
+            return found
+    raise AssertionError(f"none of {places} exists; update COMPLETIONS in tests/test_types.py")
+
+
+def protocol_mismatches(cls: type, protocol: type = _types.Completion) -> list[str]:
+    """What ``cls`` lacks or spells differently from ``protocol``: each member exists,
+    takes the protocol's parameters (same names, kinds, defaults and annotations),
+    requires no others, and returns what the protocol says."""
+    problems = []
+    members = [n for n, v in vars(protocol).items() if inspect.isfunction(v) and (n[0] != "_" or n == "__await__")]
+    assert members, "the protocol defines no members"
+    for name in sorted(members):
+        want = getattr(protocol, name)
+        have = getattr(cls, name, None)
+        if have is None or not callable(have):
+            problems.append(f"{cls.__name__} has no {name}()")
+            continue
+        wsig, hsig = inspect.signature(want), inspect.signature(have)
+        wparams = list(wsig.parameters.values())[1:]
+        hparams = dict(list(hsig.parameters.items())[1:])
+        for w in wparams:
+            h = hparams.get(w.name)
+            if h is None:
+                problems.append(f"{cls.__name__}.{name} takes no {w.name!r}")
+                continue
+            if h.kind != w.kind:
+                problems.append(f"{cls.__name__}.{name}: {w.name!r} is {h.kind.description}, not {w.kind.description}")
+            if h.default != w.default:
+                problems.append(f"{cls.__name__}.{name}: {w.name!r} defaults to {h.default!r}, not {w.default!r}")
+            if h.annotation != w.annotation:
+                problems.append(f"{cls.__name__}.{name}: {w.name!r} is {h.annotation}, not {w.annotation}")
+        for extra, h in hparams.items():
+            if extra not in {w.name for w in wparams} and h.default is h.empty \
+                    and h.kind not in (h.VAR_POSITIONAL, h.VAR_KEYWORD):
+                problems.append(f"{cls.__name__}.{name} requires {extra!r}, which the protocol does not pass")
+        if name in ("done", "wait") and hsig.return_annotation != wsig.return_annotation:
+            problems.append(f"{cls.__name__}.{name} returns {hsig.return_annotation}, not {wsig.return_annotation}")
+        if name == "exception" and not str(hsig.return_annotation).endswith("| None"):
+            problems.append(f"{cls.__name__}.exception returns {hsig.return_annotation}, not an error or None")
+    return problems
+
+
+@pytest.mark.parametrize("what", sorted(COMPLETIONS))
+def test_each_completion_class_follows_the_protocol(what):
+    cls = _find(COMPLETIONS[what])
+    assert protocol_mismatches(cls) == []
+
+
+def test_the_protocol_check_sees_a_drift():
+    class Drifted:
+        def done(self) -> bool: ...
+        def wait(self, deadline: float) -> None: ...
+        def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+    problems = protocol_mismatches(Drifted)
+    assert "Drifted has no __await__()" in problems
+    assert "Drifted.wait takes no 'timeout'" in problems
+    assert "Drifted.wait requires 'deadline', which the protocol does not pass" in problems
+    # an extra optional parameter is fine (Request.exception takes a timeout)
+    assert not [p for p in problems if "exception" in p]
+    assert protocol_mismatches(_find(COMPLETIONS["BatchRequest"])) == []
