@@ -46,6 +46,7 @@ from ._errors import (
 from ._paths.host_fd import HostBuffer
 from ._same_node import allocate, export_buffer, import_buffer
 from ._share import Share
+from ._version import __version__
 
 if TYPE_CHECKING:
     from typing import Any
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     from . import ucx
 del TYPE_CHECKING
 
-__version__ = "0.1.0.dev0"
 
 # Library logging: silent unless the application configures logging
 # (``logging.getLogger("gpushare").setLevel(logging.DEBUG)``).

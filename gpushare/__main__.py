@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._demo import run_demo
+from ._doctor import run_doctor
+from ._version import __version__
+
 __all__ = ["main"]
 
 _DESCRIPTION = "Share GPU and host buffers between processes, on one GPU, one node or across nodes."
@@ -12,8 +16,6 @@ _DESCRIPTION = "Share GPU and host buffers between processes, on one GPU, one no
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``gpushare`` command line; return its exit status."""
-    from . import __version__
-
     parser = argparse.ArgumentParser(prog="gpushare", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"gpushare {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
@@ -34,14 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true", help="print plain data as JSON")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from ._doctor import run_doctor
-
         return run_doctor(as_json=args.json)
     if args.command == "demo":
         if args.size_mib < 1 or args.repeat < 1:
             parser.error("--size-mib and --repeat must be at least 1")
-        from ._demo import run_demo
-
         return run_demo(args.size_mib << 20, args.repeat, as_json=args.json)
     return 2  # pragma: no cover
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from . import _dlpack, _types
 from ._errors import InvalidInputError
+from ._paths import _cuda
+from ._same_node import allocate
 
 __all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 
@@ -133,8 +136,6 @@ class CudaArray:
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
         """A DLPack capsule of the array (read-only, DLPack 1.0, when ``readonly``)."""
-        from . import _dlpack
-
         if copy is True:
             raise BufferError("the array is exported without copying (copy=True is not supported)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
@@ -199,8 +200,6 @@ def describe(obj: Any, nbytes: int,
                                     "pass numpy.ascontiguousarray(a) instead")
         return (nbytes,), "|u1", _dtype_name(obj, typestr), None
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        from . import _dlpack
-
         try:
             device = obj.__dlpack_device__()[0]
             b = _dlpack.borrow(obj, stream=None if device == 1 else -1)
@@ -265,9 +264,6 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     InvalidInputError
         A shape, dtype or device out of range.
     """
-    from . import _types
-    from ._same_node import allocate
-
     dims = check_shape(shape)
     typestr = portable_typestr(dtype)
     nbytes = nbytes_of(dims, typestr)
@@ -296,8 +292,6 @@ def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     """
     arr = empty(shape, dtype, device=device, huge_pages=huge_pages)
     if isinstance(arr, CudaArray):
-        from ._paths import _cuda
-
         drv = _cuda.driver()
         # Zeros when this returns, without waiting for the caller's other work on the device.
         with _cuda.on_device(arr.device), _cuda.own_stream() as stream:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from . import _dlpack
 from ._errors import InvalidInputError
 
 __all__ = ["LocalBuffer", "resolve", "plain_host_nbytes", "MEMORY_TYPES"]
@@ -280,8 +281,6 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
         if dev_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
             # Read the tensor itself rather than through NumPy, which refuses
             # dtypes only DLPack has (bfloat16, float8, complex32).
-            from . import _dlpack
-
             try:
                 tensor = _dlpack.borrow(obj)
             except (BufferError, TypeError, ValueError, RuntimeError) as exc:
@@ -315,8 +314,6 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
 def _from_cuda_dlpack(obj: Any, stream: int | None, device: int) -> LocalBuffer:
     """A CUDA DLPack tensor read directly (its producer orders its work
     before ``stream``, or none is asked for)."""
-    from . import _dlpack
-
     try:
         tensor = _dlpack.borrow(obj, stream=-1 if stream is None else stream)
     except (BufferError, TypeError, ValueError, RuntimeError) as exc:

@@ -6,6 +6,11 @@ import os
 import re
 from typing import Any
 
+from ._paths import _cuda, cuda_vmm
+from ._process import node_identity
+from ._types import public_handle_types
+from ._version import __version__
+
 __all__ = ["capabilities"]
 
 IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"
@@ -91,14 +96,9 @@ def _fabric_info(uuids: dict[int, str]) -> tuple[dict[int, dict[str, Any]], str 
 
 
 def _devices(device: int | None, imex: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None, int | None]:
-    from ._paths import _cuda
-
     reason = _cuda.unavailable_reason()
     if reason is not None:
         return [], reason, None
-    from ._paths.cuda_vmm import device_handle_types
-    from ._types import public_handle_types
-
     drv = _cuda.driver()
     version = int(_cuda.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
     count = int(_cuda.check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
@@ -112,7 +112,7 @@ def _devices(device: int | None, imex: dict[str, Any]) -> tuple[list[dict[str, A
         if not 0 <= i < count:
             devices.append({"ordinal": i, "reason": f"no device {i}; the driver sees {count}"})
             continue
-        types, why_not = device_handle_types(i)
+        types, why_not = cuda_vmm.device_handle_types(i)
         if "fabric" in types and not imex["present"]:
             # The device supports fabric handles, but without an IMEX channel
             # the driver creates and imports none (CUDA_ERROR_NOT_PERMITTED).
@@ -158,9 +158,6 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
         (``present``, ``channels``, ``reason``), ``versions`` (gpushare,
         cuda-core, cuda-bindings) and ``ucx``.
     """
-    from . import __version__
-    from ._paths.broker import node_identity
-
     host_ok = hasattr(os, "memfd_create")
     imex = _imex()
     devices, reason, driver_version = _devices(device, imex)

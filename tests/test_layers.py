@@ -1,0 +1,375 @@
+"""The layers of gpushare and its import rule, checked from the source.
+
+A module may import modules of its own layer (without a cycle) or of lower
+layers, never of a higher one.  Imports under ``if TYPE_CHECKING:`` are exempt.
+Everything here reads the files with :mod:`ast`; no module of gpushare is
+imported, so a cycle or a broken import cannot hide itself.
+
+docs/design.md ("Layers") has the same table in prose.  A new module must be
+added to :data:`LAYERS`; the test says so when it finds one that is not there.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+from collections.abc import Iterable, Mapping
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpushare"
+
+#: Layer of each module, lowest first.  A name ending in "/" is a subpackage:
+#: every module in it has that layer.  Modules of the same layer may import
+#: each other (without a cycle).  Some names are the ones the layout moves
+#: towards (``_export``, ``_open``, ``_view``, ``_handles``, ``_cuda/``, ``_version``);
+#: both the old and the new names are listed so the table holds during the move.
+LAYERS: dict[str, int] = {
+    # L0 base: stdlib only
+    "_version": 0, "_errors": 0, "_types": 0, "_process": 0,
+    # L1 data and wire
+    "_descriptors": 1, "_share": 1, "_buffers": 1, "_dlpack": 1, "_auth": 1, "_control": 1,
+    # L2 engines
+    "_service": 2, "_cuda/": 2, "_ucx/": 2,
+    # L3 paths
+    "_paths/": 3,
+    # L4 endpoints
+    "_exporter": 4, "_importer": 4, "_handles": 4, "_same_node": 4, "_arrays": 4,
+    # L5 sharing API
+    "_view": 5, "_export": 5, "_open": 5, "_batch": 5, "_api": 5, "_aio": 5,
+    # L6 built on the API
+    "_channel_wire": 6, "_channel": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
+    # L7 surface: may import everything
+    "__init__": 7, "ucx": 7, "__main__": 7,
+}
+
+#: Imports that go up a layer today, as (importer, imported).  The list may
+#: only shrink: a new upward import fails the test, and so does an entry here
+#: that no longer happens (remove it then).
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
+    # the doctor and the demo call the public API through the package
+    ("gpushare._demo", "gpushare"),
+    ("gpushare._doctor", "gpushare"),
+    # export probes fabric cliques through capabilities(); the probe belongs in the CUDA engine
+    ("gpushare._export", "gpushare._capabilities"),
+    # the UCX engine uses the CUDA driver module, which lives under _paths/ until it moves to _cuda/
+    ("gpushare._ucx._agent", "gpushare._paths._cuda"),
+    ("gpushare._ucx._device", "gpushare._paths._cuda"),
+})
+
+#: Import cycles today, each as the sorted modules of one strongly connected
+#: component.  Same rule: it may only shrink.
+KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset({
+    # _paths/__init__ imports ucx_rma, which imports _ucx; _ucx._agent and _ucx._device
+    # import _paths._cuda (in functions), which runs _paths/__init__: gone once the
+    # driver module is _cuda/, below both
+    ("gpushare._paths", "gpushare._paths.ucx_rma", "gpushare._ucx", "gpushare._ucx._agent",
+     "gpushare._ucx._device", "gpushare._ucx._server"),
+})
+
+#: The most function-level imports of gpushare's own modules.  Own modules
+#: need no lazy import (none touches the GPU, starts a thread or loads UCX at
+#: import); lower this number as they move to the top of their files.
+MAX_FUNCTION_LEVEL = 37
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    source: str  # importing module, dotted ("gpushare._share")
+    target: str  # imported module of the package, dotted
+    path: str  # file of the importing module, relative to the package's parent
+    line: int
+    in_function: bool
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted name of every module in the package at ``root``."""
+    out = {}
+    for file in sorted(root.rglob("*.py")):
+        parts = list(file.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = file
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(node: ast.AST, in_function: bool) -> Iterable[tuple[ast.AST, bool]]:
+    """Every import statement under ``node`` and whether it runs in a function;
+    ``if TYPE_CHECKING:`` bodies are skipped (their ``else`` is not)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), in_function)
+        else:
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            yield from _walk(child, inner)
+
+
+#: Compiled modules of the package: not Python source, and they import nothing of it.
+NATIVE = frozenset({"gpushare._ucx._native"})
+
+
+def imports(root: pathlib.Path, native: Iterable[str] = NATIVE) -> list[Import]:
+    """Every import of one of the package's own modules by another, from the source
+    (one per statement and imported module)."""
+    modules = module_names(root)
+    package = root.name
+    skip = frozenset(native)
+    out: dict[tuple[str, str, int], Import] = {}
+    for name, file in modules.items():
+        is_package = file.name == "__init__.py"
+        rel = str(file.relative_to(root.parent))
+        tree = ast.parse(file.read_text(), filename=str(file))
+        for node, in_function in _walk(tree, False):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                assert isinstance(node, ast.ImportFrom)
+                if node.level:
+                    base = name.split(".") if is_package else name.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                # ``from X import y`` imports the module X.y when there is one, else X
+                for alias in node.names:
+                    sub = f"{stem}.{alias.name}"
+                    targets.append(sub if sub in modules or sub in skip else stem)
+            for target in targets:
+                if target in skip or not (target == package or target.startswith(package + ".")):
+                    continue
+                # ``import a.b.c`` of a module that does not exist: its nearest existing parent
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target != name:
+                    out.setdefault((name, target, node.lineno), Import(name, target, rel, node.lineno, in_function))
+    return list(out.values())
+
+
+def _parents(module: str, of: str) -> list[str]:
+    """The packages whose ``__init__`` importing ``module`` runs first, seen from
+    module ``of`` (those that contain ``of`` are already being imported)."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:n]) for n in range(2, len(parts)))
+            if not (of == p or of.startswith(p + "."))]
+
+
+def layer_of(module: str, layers: Mapping[str, int]) -> int | None:
+    """The layer of a dotted module name (``None``: not in the table)."""
+    parts = module.split(".")[1:]  # without the package
+    if not parts:
+        return layers.get("__init__")
+    if len(parts) > 1 or f"{parts[0]}/" in layers:
+        return layers.get(f"{parts[0]}/")
+    return layers.get(parts[0])
+
+
+def cycles(edges: Iterable[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(tuple(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+@dataclasses.dataclass
+class Report:
+    unknown: list[str]  # modules with no layer
+    upward: list[Import]  # imports of a higher layer
+    cycles: list[tuple[str, ...]]
+    function_level: list[Import]
+
+    def upward_pairs(self) -> set[tuple[str, str]]:
+        return {(i.source, i.target) for i in self.upward}
+
+
+def check(root: pathlib.Path, layers: Mapping[str, int], native: Iterable[str] = NATIVE) -> Report:
+    found = imports(root, native)
+    unknown = sorted(m for m in module_names(root) if layer_of(m, layers) is None)
+    upward = []
+    for imp in found:
+        src, dst = layer_of(imp.source, layers), layer_of(imp.target, layers)
+        if src is not None and dst is not None and dst > src:
+            upward.append(imp)
+    return Report(
+        unknown=unknown,
+        upward=upward,
+        # importing pkg._sub.mod runs pkg._sub's __init__ first: that is an edge too
+        cycles=cycles([(i.source, i.target) for i in found]
+                      + [(i.source, p) for i in found for p in _parents(i.target, i.source)]),
+        function_level=[i for i in found if i.in_function],
+    )
+
+
+def _describe(imps: Iterable[Import], layers: Mapping[str, int]) -> str:
+    return "\n".join(
+        f"  {i.where()}: {i.source} (L{layer_of(i.source, layers)}) imports {i.target} "
+        f"(L{layer_of(i.target, layers)}){' in a function' if i.in_function else ''}"
+        for i in sorted(imps, key=lambda i: (i.path, i.line))
+    )
+
+
+# ---------------------------------------------------------------- gpushare's own tree
+
+
+@pytest.fixture(scope="module")
+def report() -> Report:
+    return check(PACKAGE, LAYERS)
+
+
+def test_every_module_has_a_layer(report):
+    assert not report.unknown, (
+        "modules not in the layer table: " + ", ".join(report.unknown)
+        + "; add each to LAYERS in tests/test_layers.py (and to the table in docs/design.md)"
+    )
+
+
+def test_no_import_goes_up_a_layer(report):
+    new = [i for i in report.upward if (i.source, i.target) not in KNOWN_UPWARD]
+    assert not new, "imports of a higher layer (import from a lower layer, or move the code):\n" + _describe(
+        new, LAYERS
+    )
+    gone = KNOWN_UPWARD - report.upward_pairs()
+    assert not gone, f"no longer imported upwards, remove from KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_no_import_cycle(report):
+    new = [c for c in report.cycles if c not in KNOWN_CYCLES]
+    assert not new, "import cycles (top-level and function-level imports both count):\n" + "\n".join(
+        "  " + " -> ".join(c) for c in new
+    )
+    gone = KNOWN_CYCLES - set(report.cycles)
+    assert not gone, f"cycles that are gone, remove from KNOWN_CYCLES: {sorted(gone)}"
+
+
+def test_function_level_imports_of_own_modules_only_decrease(report):
+    count = len(report.function_level)
+    assert count <= MAX_FUNCTION_LEVEL, (
+        f"{count} function-level imports of gpushare's own modules (at most {MAX_FUNCTION_LEVEL}); "
+        "import own modules at the top of the file:\n" + _describe(report.function_level, LAYERS)
+    )
+
+
+# ---------------------------------------------------------------- the checker itself
+
+
+def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+TABLE = {"_base": 0, "_low": 1, "_high": 2, "_sub/": 1, "__init__": 3}
+
+
+def test_checker_reports_an_upward_import_and_a_cycle(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "from . import _high\n",
+        "_base.py": "import os\n",
+        # upward, in a function: L1 imports L2; and a cycle _low -> _high -> _low
+        "_low.py": "from . import _base\n\ndef f():\n    from ._high import g\n    return g\n",
+        "_high.py": "from ._low import f\n\ndef g():\n    return f\n",
+        "_sub/__init__.py": "",
+        # upward at the top, absolute spelling
+        "_sub/mod.py": "import pkg._high\nfrom .._base import x\n",
+    })
+    report = check(root, TABLE)
+    assert report.unknown == []
+    assert report.upward_pairs() == {("pkg._low", "pkg._high"), ("pkg._sub.mod", "pkg._high")}
+    assert report.cycles == [("pkg._high", "pkg._low")]
+    assert [(i.source, i.target, i.line) for i in report.function_level] == [("pkg._low", "pkg._high", 4)]
+
+
+def test_checker_exempts_type_checking_and_names_unknown_modules(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_base.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._high import g\n"
+            "else:\n    from ._low import f\n"
+        ),
+        "_low.py": "import typing\nif typing.TYPE_CHECKING:\n    from . import _high\n",
+        "_high.py": "",
+        "_new.py": "",
+    })
+    report = check(root, TABLE)
+    assert report.unknown == ["pkg._new"]
+    # only the else branch counts: _base (L0) imports _low (L1)
+    assert report.upward_pairs() == {("pkg._base", "pkg._low")}
+    assert report.cycles == []
+
+
+def test_checker_resolves_package_relative_imports(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_base.py": "",
+        "_high.py": "",
+        "_sub/__init__.py": "from . import a\nfrom .b import h\nfrom .. import _high\n",
+        "_sub/a.py": "from . import b\n",
+        "_sub/b.py": "from pkg._sub import a\n",
+    })
+    report = check(root, TABLE)
+    assert report.upward_pairs() == {("pkg._sub", "pkg._high")}
+    assert report.cycles == [("pkg._sub.a", "pkg._sub.b")]
+
+
+def test_checker_counts_a_subpackage_init_that_a_submodule_import_runs(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_base.py": "",
+        "_low.py": "",
+        "_high.py": "from ._sub import mod\n",
+        # importing pkg._sub.mod from _high runs _sub/__init__, which imports _high back
+        "_sub/__init__.py": "def f():\n    from .. import _high\n",
+        "_sub/mod.py": "from . import helper\n",
+        "_sub/helper.py": "from ._native import call\n",
+    })
+    report = check(root, {**TABLE, "_sub/": 2}, native={"pkg._sub._native"})
+    assert report.cycles == [("pkg._high", "pkg._sub")]
+    assert [(i.source, i.target) for i in report.function_level] == [("pkg._sub", "pkg._high")]
