@@ -1,0 +1,278 @@
+// Completion state, who progresses a worker (its progress thread or a
+// waiter), and the Request Python waits on.  Shared by the Agent and the
+// region server.
+
+#pragma once
+
+#include "common.hpp"
+
+namespace gpushare::native {
+
+// ---------------------------------------------------------------------------
+// Completion state shared by a request and the callback libucxx calls.
+
+struct Progress;
+struct Completion;
+// The node whose worker this thread progresses: its progress thread, or a
+// waiter holding the worker (see Progress).  Callbacks of requests that
+// complete here are handed to the node's progress thread, which runs them
+// outside UCX's progress.
+inline thread_local Progress* deferTo = nullptr;
+// Hand a completion's Python callbacks to the node's progress thread.
+void deferCallbacks(Progress* p, std::shared_ptr<Completion> c);
+
+struct Completion : std::enable_shared_from_this<Completion> {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done{false};     // status is final (callbacks may still be running)
+  bool settled{false};  // callbacks have run: waiters wake now
+  std::thread::id callbackThread{};
+  ucs_status_t status{UCS_INPROGRESS};
+  // A refusal or protocol failure of the region server (GS_* codes), with
+  // its message; 0 for UCX outcomes.
+  uint32_t gsStatus{0};
+  // Python callables to run on completion; touched only with the GIL held
+  // (appended under `mutex`, taken out under `mutex`).
+  std::vector<PyObject*> callbacks;
+
+  ~Completion()
+  {
+    if (callbacks.empty()) return;
+    if (pyFinalizing()) return;  // leak rather than touch a dying interpreter
+    nb::gil_scoped_acquire gil;
+    for (auto* cb : callbacks)
+      Py_DECREF(cb);
+  }
+
+  // `settled` and `done`, readable without the mutex (for the spin before a wait).
+  std::atomic<bool> settledFlag{false};
+  std::atomic<bool> doneFlag{false};
+
+  void settle()
+  {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      settled = true;
+      settledFlag.store(true, std::memory_order_release);
+    }
+    cv.notify_all();
+  }
+
+  // Called by libucxx or the node: in whichever thread progresses the
+  // worker, or at once in the submitting thread (which has released the
+  // GIL) when the request completes immediately.  Callbacks run before
+  // waiters wake, so that a wait() that returns has seen every callback
+  // registered before completion run.  Inside a node's progress they do
+  // not run: UCX holds the worker's lock there (and a waiter holds the
+  // worker), so a callback that blocked (on a lock its caller holds, say)
+  // would stall the worker for everyone; the node's progress thread runs
+  // them after its pass of progress.
+  void complete(ucs_status_t s, uint32_t gs = 0);
+
+  // Run the Python callbacks of a completed request, then wake its waiters.
+  void runCallbacks_();
+};
+
+// How long Request::wait spins before it sleeps: kSpinMicros, plus one
+// microsecond per kSpinBytesPerMicro bytes the request moves (a 1 MiB put
+// takes 0.2 ms and more on loopback), at most kSpinMaxMicros.
+constexpr int64_t kSpinMicros        = 100;
+constexpr int64_t kSpinBytesPerMicro = 2048;
+constexpr int64_t kSpinMaxMicros     = 2000;
+
+inline int64_t steadyNanos()
+{
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+           std::chrono::steady_clock::now().time_since_epoch())
+    .count();
+}
+
+// Who progresses a node's worker.  Its progress thread does, except while a
+// thread waiting for one of the node's requests has claimed the worker: that
+// thread then progresses it itself, and the progress thread stands aside
+// (parked), so that a synchronous caller's answer needs no hand-over
+// between two threads (on a core the two share, each hand-over is a context
+// switch).  Shared by the node and its requests: a waiter never progresses
+// a worker that is going away.
+struct Progress {
+  std::shared_ptr<ucxx::Worker> worker;
+  std::atomic<bool> claimed{false};
+  std::atomic<bool> closed{false};
+  // When the node was last active (steadyNanos), for the progress thread's
+  // linger.
+  std::atomic<int64_t> lastActive{0};
+  std::mutex parkMutex;
+  std::condition_variable parkCv;
+  // Completions whose callbacks the progress thread runs (under parkMutex).
+  std::vector<std::shared_ptr<Completion>> deferred;
+  std::atomic<bool> hasDeferred{false};
+  // Whether the progress thread is running Python callbacks (waiters then
+  // drive their requests themselves).
+  std::atomic<bool> callbacksRunning{false};
+  // Whether the progress thread sleeps in the kernel (then a request
+  // queued, or callbacks handed over, must wake it through the worker).
+  std::atomic<bool> asleep{false};
+  ucp_worker_h wh{nullptr};
+  bool polling{false};
+
+  // Claim the worker; false if another thread holds it or it is closing
+  // (except for the node's progress thread itself, in a callback: the worker
+  // lives until that thread is joined, and nobody else progresses it then).
+  bool claim()
+  {
+    if (deferTo == this) {
+      bool expected = false;
+      return claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst);
+    }
+    if (closed.load(std::memory_order_acquire)) return false;
+    bool expected = false;
+    if (!claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst)) return false;
+    // Stores claimed, then reads closed; shutdown stores closed, then reads
+    // claimed: one of the two sees the other.
+    if (closed.load(std::memory_order_seq_cst)) {
+      claimed.store(false, std::memory_order_release);
+      return false;
+    }
+    return true;
+  }
+
+  // No waiter progresses the worker from now on: refuse claims and wait
+  // until the one held, if any, is given back.  (The progress thread itself
+  // may still claim it, in a callback, until it is joined.)  Stores closed,
+  // then reads claimed; claim() stores claimed, then reads closed: one of
+  // the two sees the other.
+  void close()
+  {
+    closed.store(true, std::memory_order_seq_cst);
+    while (claimed.load(std::memory_order_seq_cst)) std::this_thread::yield();
+  }
+
+  // Give the worker back.  The progress thread is not woken here: it looks
+  // again within kParkNanos (a synchronous caller's next request usually
+  // claims the worker again before that, and a wake-up on a core the two
+  // threads share costs two context switches per request).
+  void release()
+  {
+    lastActive.store(steadyNanos(), std::memory_order_relaxed);
+    claimed.store(false, std::memory_order_release);
+  }
+
+  // Wake the progress thread if it is parked (the worker is closing, or a
+  // request needs it).
+  void unpark()
+  {
+    { std::lock_guard<std::mutex> lock(parkMutex); }
+    parkCv.notify_all();
+  }
+
+  // The first completion handed over (or `only`, if it is there); null if none.
+  std::shared_ptr<Completion> takeDeferred(const Completion* only = nullptr)
+  {
+    std::lock_guard<std::mutex> lock(parkMutex);
+    auto it = only == nullptr ? deferred.begin()
+                              : std::find_if(deferred.begin(), deferred.end(),
+                                             [only](const auto& d) { return d.get() == only; });
+    if (it == deferred.end()) return nullptr;
+    auto c = std::move(*it);
+    deferred.erase(it);
+    hasDeferred.store(!deferred.empty(), std::memory_order_release);
+    return c;
+  }
+
+  // Run the callbacks handed over by waiters (the progress thread), one
+  // completion at a time, so that a waiter may take its own meanwhile.
+  void runDeferred();
+
+  // Run `c`'s callbacks here if they still wait to be run (the progress
+  // thread is busy, or is this thread); whether it did.
+  bool runOwn(const std::shared_ptr<Completion>& c)
+  {
+    auto mine = takeDeferred(c.get());
+    if (!mine) return false;
+    mine->runCallbacks_();
+    return true;
+  }
+};
+
+// Sets deferTo for a scope (a waiter holding the worker, a peer closing).
+struct DeferTo {
+  Progress* const outer;  // the progress thread's own, when this runs in a callback
+  explicit DeferTo(Progress* p) : outer(deferTo) { deferTo = p; }
+  ~DeferTo() { deferTo = outer; }
+  DeferTo(const DeferTo&)            = delete;
+  DeferTo& operator=(const DeferTo&) = delete;
+};
+
+// How long the progress thread stands aside while a waiter holds the
+// worker, before it looks again.
+constexpr int64_t kParkNanos = 200'000;
+// How often a thread sleeping on a node's request looks whether the
+// progress thread is held up in Python callbacks.
+constexpr std::chrono::milliseconds kWaitSlice{1};
+
+class Request {
+ public:
+  std::shared_ptr<Completion> completion;
+  std::shared_ptr<ucxx::Request> request;
+  std::string kind;
+  // How long wait() spins before it sleeps.
+  int64_t spinMicros{kSpinMicros};
+  // For a node's requests: a waiter may progress the node's worker itself.
+  std::shared_ptr<Progress> progress;
+
+  Request(std::shared_ptr<Completion> c, std::string k)
+    : completion(std::move(c)), kind(std::move(k))
+  {
+  }
+  ~Request() { releaseNoGil(request); }
+
+  bool done()
+  {
+    std::lock_guard<std::mutex> lock(completion->mutex);
+    return completion->done;
+  }
+
+  // Wait for completion; timeout < 0 waits forever.  Returns whether done.
+  bool wait(double timeout);
+
+  // Whether it completed successfully (status() says how it did not).
+  bool ok()
+  {
+    std::lock_guard<std::mutex> lock(completion->mutex);
+    return completion->done && completion->gsStatus == 0 && completion->status == UCS_OK;
+  }
+
+  // (status_name, message) or None while in flight.
+  nb::object status();
+
+  // Run `fn()` on completion; at once in this thread when already complete.
+  // Returns True when it was queued, False when it ran here.
+  bool addCallback(nb::object fn)
+  {
+    {
+      std::lock_guard<std::mutex> lock(completion->mutex);
+      if (!completion->done) {
+        completion->callbacks.push_back(fn.release().ptr());
+        return true;
+      }
+    }
+    fn();
+    return false;
+  }
+};
+
+inline ucxx::RequestCallbackUserFunction completer(const std::shared_ptr<Completion>& c)
+{
+  // The request owns this function; capture the completion only, so that a
+  // dropped Python Request does not keep libucxx objects alive in a cycle.
+  return [c](ucs_status_t status, std::shared_ptr<void>) { c->complete(status); };
+}
+
+inline std::shared_ptr<Completion> newCompletion(nb::object callback)
+{
+  auto c = std::make_shared<Completion>();
+  if (!callback.is_none()) c->callbacks.push_back(callback.release().ptr());
+  return c;
+}
+
+}  // namespace gpushare::native

@@ -1,0 +1,287 @@
+#include "rma.hpp"
+
+namespace gpushare::native {
+
+void checkSerializedRemoteKey(const std::string& blob)
+{
+  const size_t hashSize  = sizeof(size_t);
+  const size_t fixedSize = sizeof(size_t) + sizeof(uint64_t) + sizeof(size_t);
+  if (blob.size() < hashSize + fixedSize)
+    throw NativeError("UCS_ERR_INVALID_PARAM",
+                      "serialized remote key is " + std::to_string(blob.size()) +
+                        " bytes; at least " + std::to_string(hashSize + fixedSize) +
+                        " are needed");
+  size_t packedSize;
+  std::memcpy(&packedSize, blob.data() + hashSize, sizeof(packedSize));
+  if (packedSize != blob.size() - hashSize - fixedSize)
+    throw NativeError("UCS_ERR_INVALID_PARAM",
+                      "serialized remote key says its packed key is " + std::to_string(packedSize) +
+                        " bytes; the blob holds " +
+                        std::to_string(blob.size() - hashSize - fixedSize));
+  size_t expected;
+  std::memcpy(&expected, blob.data(), sizeof(expected));
+  std::string data(blob.begin() + hashSize, blob.end());
+  if (std::hash<std::string>{}(data) != expected)
+    throw NativeError("UCS_ERR_INVALID_PARAM", "serialized remote key fails its checksum");
+}
+
+std::string remoteKeyProblem(nb::bytes blob)
+{
+  try {
+    checkSerializedRemoteKey(std::string(blob.c_str(), blob.size()));
+  } catch (const NativeError& e) {
+    return e.message;
+  }
+  return {};
+}
+
+std::tuple<uint64_t, uint64_t> serializedRemoteKeyRange(nb::bytes blob)
+{
+  std::string s(blob.c_str(), blob.size());
+  checkSerializedRemoteKey(s);
+  uint64_t base, size;
+  std::memcpy(&base, s.data() + s.size() - 16, 8);
+  std::memcpy(&size, s.data() + s.size() - 8, 8);
+  return {base, size};
+}
+
+nb::bytes MemoryHandle::packRemoteKey()
+{
+  get();
+  auto h = handle;
+  std::string blob = call("ucp_rkey_pack", [&] {
+    std::shared_ptr<ucxx::RemoteKey> rk = h->remoteKeyBuilder().build();
+    return std::string(rk->serialize());
+  });
+  return nb::bytes(blob.data(), blob.size());
+}
+
+bool Endpoint::failFast(const std::shared_ptr<ucxx::Endpoint>& e, const std::shared_ptr<Completion>& c)
+{
+  if (e->isAlive()) return false;
+  c->complete(UCS_ERR_CONNECTION_RESET);
+  return true;
+}
+
+std::string Endpoint::info()
+{
+  auto e = get();
+  return call("ucp_ep_print_info", [&] {
+    char* text = nullptr;
+    size_t length = 0;
+    FILE* stream = open_memstream(&text, &length);
+    if (stream == nullptr) throw NativeError("UCS_ERR_NO_MEMORY", "open_memstream failed");
+    ucp_ep_print_info(e->getHandle(), stream);
+    fclose(stream);
+    std::string out(text, length);
+    free(text);
+    return out;
+  });
+}
+
+RemoteKey Endpoint::unpackRemoteKey(nb::bytes blob)
+{
+  auto e = get();
+  std::string s(blob.c_str(), blob.size());
+  checkSerializedRemoteKey(s);
+  auto k = call("ucp_ep_rkey_unpack",
+                [&]() -> std::shared_ptr<ucxx::RemoteKey> { return e->remoteKeyBuilder(s).build(); });
+  return RemoteKey(std::move(k));
+}
+
+Request Endpoint::memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
+               nb::object callback)
+{
+  auto e   = get();
+  auto key = rk.key;
+  if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
+  auto c = newCompletion(std::move(callback));
+  Request r(c, "put");
+  if (failFast(e, c)) return r;
+  r.request = call("ucp_put_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
+    std::shared_ptr<ucxx::Request> req =
+      e->memPutBuilder(reinterpret_cast<const void*>(buffer), length, remoteAddress, key->getHandle())
+        .callbackFunction(completer(c))
+        .build();
+    return req;
+  });
+  return r;
+}
+
+Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
+               nb::object callback)
+{
+  auto e   = get();
+  auto key = rk.key;
+  if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
+  auto c = newCompletion(std::move(callback));
+  Request r(c, "get");
+  if (failFast(e, c)) return r;
+  r.request = call("ucp_get_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
+    std::shared_ptr<ucxx::Request> req =
+      e->memGetBuilder(reinterpret_cast<void*>(buffer), length, remoteAddress, key->getHandle())
+        .callbackFunction(completer(c))
+        .build();
+    return req;
+  });
+  return r;
+}
+
+Request Endpoint::flush(nb::object callback)
+{
+  auto e = get();
+  auto c = newCompletion(std::move(callback));
+  Request r(c, "flush");
+  if (failFast(e, c)) return r;
+  r.request = call("ucp_ep_flush_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
+    std::shared_ptr<ucxx::Request> req = e->flushBuilder().callbackFunction(completer(c)).build();
+    return req;
+  });
+  return r;
+}
+
+void Endpoint::close(double timeout)
+{
+  if (!ep) return;
+  auto e = ep;
+  uint64_t periodNs = 100'000'000;  // 100 ms per attempt
+  uint64_t attempts = std::max<uint64_t>(1, static_cast<uint64_t>(timeout * 10.0));
+  call("ucp_ep_close_nbx", [&] {
+    e->closeBlocking(periodNs, attempts);
+    return 0;
+  });
+  releaseNoGil(ep);
+}
+
+Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+      int wakeTimeoutMs)
+  : errorHandling(errorHandling_), polling(polling_)
+{
+  beforeUcpInit();
+  ucxx::ConfigMap cfg(config.begin(), config.end());
+  call("ucp_init", [&] {
+    context = ucxx::contextBuilder(UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP | UCP_FEATURE_AM)
+                .configMap(cfg)
+                .build();
+    worker = context->workerBuilder().build();
+    // -1: sleep until an event (every transport wakes the worker); else
+    // the bound on how late a shared-memory arrival is noticed.
+    worker->startProgressThread(polling, wakeTimeoutMs);
+    return 0;
+  });
+}
+
+nb::bytes Agent::address()
+{
+  auto w    = getWorker();
+  auto addr = call("ucp_worker_get_address", [&] {
+    std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(w).build();
+    return std::string(a->getStringView());
+  });
+  return nb::bytes(addr.data(), addr.size());
+}
+
+std::string Agent::info()
+{
+  auto w = getWorker();
+  return call("ucp_worker_print_info", [&] { return w->getInfo(); });
+}
+
+Endpoint Agent::connect(nb::bytes peer)
+{
+  auto w = getWorker();
+  std::string s(peer.c_str(), peer.size());
+  auto e = call("ucp_ep_create", [&]() -> std::shared_ptr<ucxx::Endpoint> {
+    std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(std::string_view(s)).build();
+    return ucxx::endpointBuilder(w, a).endpointErrorHandling(errorHandling).build();
+  });
+  return Endpoint(std::move(e));
+}
+
+MemoryHandle Agent::createMemoryHandle(size_t size, uintptr_t buffer, int memoryType)
+{
+  auto w   = getWorker();
+  auto ctx = context;
+  auto h   = call("ucp_mem_map", [&]() -> std::shared_ptr<ucxx::MemoryHandle> {
+    auto b = ctx->memoryHandleBuilder(size);
+    if (buffer != 0) b.buffer(reinterpret_cast<void*>(buffer));
+    b.memoryType(static_cast<ucs_memory_type_t>(memoryType));
+    return b.build();
+  });
+  return MemoryHandle(std::move(h));
+}
+
+void Agent::shutdown()
+{
+  if (!worker) return;
+  stopProgressNoGil(worker);
+  releaseNoGil(worker);
+  releaseNoGil(context);
+}
+
+// UCX logs to stdout unless UCX_LOG_FILE names a file: stdout belongs to the
+// application, so messages go to stderr instead (UCX_LOG_LEVEL still decides
+// which are printed).  Installed once, before the first context is made.
+static ucs_log_func_rc_t stderrLogHandler(const char* file, unsigned line, const char* function,
+                                          ucs_log_level_t level, const ucs_log_component_config_t* comp,
+                                          const char* message, va_list ap)
+{
+  (void)function;
+  (void)comp;
+  const char* base = std::strrchr(file, '/');
+  std::fprintf(stderr, "[UCX %s] %s:%u ", ucs_log_level_names[level], base ? base + 1 : file, line);
+  std::vfprintf(stderr, message, ap);
+  std::fputc('\n', stderr);
+  return UCS_LOG_FUNC_RC_STOP;
+}
+
+static void logToStderr()
+{
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* file = ucs_global_opts.log_file;
+    if (file == nullptr || file[0] == '\0') {
+      ucs_log_push_handler(stderrLogHandler);
+    }
+  });
+}
+
+// UCX's memory hooks (libucm) look up the C library's mmap, munmap, mremap
+// and madvise lazily, with dlopen and dlsym, the first time each is needed.
+// In "reloc" hook mode the first need arises while ucp_init patches every
+// loaded library from inside dl_iterate_phdr, which holds the loader's
+// write lock; dlsym then waits for the loader's main lock.  A dlopen in
+// another thread at that moment (a Python extension module being imported,
+// say) holds the main lock and waits for the write lock: the process hangs
+// for good.  Calling each lookup once beforehand, with arguments that
+// change nothing, leaves nothing for ucp_init to look up there.  Where
+// libucm has no such functions, there is nothing to do.
+static void resolveUcmOriginals()
+{
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ucm = dlopen("libucm.so.0", RTLD_LAZY | RTLD_NOLOAD);
+    if (ucm == nullptr) return;
+    const int saved = errno;
+    using Mmap    = void* (*)(void*, size_t, int, int, int, off_t);
+    using Munmap  = int (*)(void*, size_t);
+    using Mremap  = void* (*)(void*, size_t, size_t, int, void*);
+    using Madvise = int (*)(void*, size_t, int);
+    // Each fails with EINVAL (length 0) or does nothing (madvise of no pages).
+    if (auto f = reinterpret_cast<Mmap>(dlsym(ucm, "ucm_orig_mmap_dlsym")))
+      (void)f(nullptr, 0, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (auto f = reinterpret_cast<Munmap>(dlsym(ucm, "ucm_orig_munmap_dlsym"))) (void)f(nullptr, 0);
+    if (auto f = reinterpret_cast<Mremap>(dlsym(ucm, "ucm_orig_mremap_dlsym"))) (void)f(nullptr, 0, 0, 0, nullptr);
+    if (auto f = reinterpret_cast<Madvise>(dlsym(ucm, "ucm_orig_madvise_dlsym"))) (void)f(nullptr, 0, MADV_NORMAL);
+    errno = saved;
+    dlclose(ucm);
+  });
+}
+
+void beforeUcpInit()
+{
+  logToStderr();
+  resolveUcmOriginals();
+}
+
+}  // namespace gpushare::native

@@ -1,0 +1,124 @@
+// The Agent's RMA binding (the seed API): MemoryHandle, RemoteKey, Endpoint
+// and Agent, each a thin adapter of its libucxx class.
+
+#pragma once
+
+#include "progress.hpp"
+
+namespace gpushare::native {
+
+class MemoryHandle {
+ public:
+  std::shared_ptr<ucxx::MemoryHandle> handle;
+  explicit MemoryHandle(std::shared_ptr<ucxx::MemoryHandle> h) : handle(std::move(h)) {}
+  ~MemoryHandle() { releaseNoGil(handle); }
+
+  ucxx::MemoryHandle& get()
+  {
+    if (!handle) throw NativeError("UCS_ERR_INVALID_PARAM", "memory handle is closed");
+    return *handle;
+  }
+  uintptr_t ucpHandle() { return reinterpret_cast<uintptr_t>(get().getHandle()); }
+  size_t size() { return get().getSize(); }
+  uint64_t baseAddress() { return get().getBaseAddress(); }
+  int memoryType() { return static_cast<int>(get().getMemoryType()); }
+
+  nb::bytes packRemoteKey();
+
+  void close() { releaseNoGil(handle); }
+};
+
+class RemoteKey {
+ public:
+  std::shared_ptr<ucxx::RemoteKey> key;
+  explicit RemoteKey(std::shared_ptr<ucxx::RemoteKey> k) : key(std::move(k)) {}
+  ~RemoteKey() { releaseNoGil(key); }
+  ucxx::RemoteKey& get()
+  {
+    if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
+    return *key;
+  }
+  uintptr_t ucpHandle() { return reinterpret_cast<uintptr_t>(get().getHandle()); }
+  size_t size() { return get().getSize(); }
+  uint64_t baseAddress() { return get().getBaseAddress(); }
+  void close() { releaseNoGil(key); }
+};
+
+// Check the byte layout libucxx's RemoteKey::deserialize expects, before it
+// reads anything: hash(8) | packed_size(8) | packed(packed_size) | base(8) | size(8).
+void checkSerializedRemoteKey(const std::string& blob);
+
+// What checkSerializedRemoteKey finds wrong with `blob`; empty when nothing is.
+std::string remoteKeyProblem(nb::bytes blob);
+
+// (base_address, size) recorded in a serialized key, read without UCX.
+std::tuple<uint64_t, uint64_t> serializedRemoteKeyRange(nb::bytes blob);
+
+class Endpoint {
+ public:
+  std::shared_ptr<ucxx::Endpoint> ep;
+  explicit Endpoint(std::shared_ptr<ucxx::Endpoint> e) : ep(std::move(e)) {}
+  ~Endpoint() { releaseNoGil(ep); }
+
+  std::shared_ptr<ucxx::Endpoint> get()
+  {
+    if (!ep) throw NativeError("UCS_ERR_NOT_CONNECTED", "endpoint is closed");
+    return ep;
+  }
+
+  bool alive() { return ep && ep->isAlive(); }
+
+  // A request on an endpoint whose peer has failed completes at once with
+  // UCS_ERR_CONNECTION_RESET, without reaching UCX: posted on the failed
+  // endpoint, it left an operation UCX never flushed (reported when the
+  // worker is destroyed).
+  static bool failFast(const std::shared_ptr<ucxx::Endpoint>& e, const std::shared_ptr<Completion>& c);
+
+  // What ucp_ep_print_info says: the lanes and transports this endpoint uses.
+  std::string info();
+
+  RemoteKey unpackRemoteKey(nb::bytes blob);
+
+  Request memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
+                 nb::object callback);
+
+  Request memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
+                 nb::object callback);
+
+  Request flush(nb::object callback);
+
+  // Cancel what is in flight and disconnect; waits at most `timeout` seconds.
+  void close(double timeout);
+};
+
+class Agent {
+ public:
+  std::shared_ptr<ucxx::Context> context;
+  std::shared_ptr<ucxx::Worker> worker;
+  bool errorHandling;
+  bool polling;
+
+  Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+        int wakeTimeoutMs);
+  ~Agent() { shutdown(); }
+
+  std::shared_ptr<ucxx::Worker> getWorker()
+  {
+    if (!worker) throw NativeError("UCS_ERR_INVALID_PARAM", "agent is closed");
+    return worker;
+  }
+
+  nb::bytes address();
+
+  std::string info();
+
+  Endpoint connect(nb::bytes peer);
+
+  MemoryHandle createMemoryHandle(size_t size, uintptr_t buffer, int memoryType);
+
+  void shutdown();
+
+  bool closed() const { return !worker; }
+};
+
+}  // namespace gpushare::native
