@@ -13,7 +13,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from . import _view
 from ._errors import InvalidInputError, WaitTimeoutError
+from ._view import View
 
 __all__ = ["BatchRequest", "get_batch", "put_batch"]
 
@@ -69,8 +71,6 @@ class BatchRequest:
 
 
 def _items(items: Iterable[Any], direction: str) -> list[tuple[Any, int, Any]]:
-    from ._api import View
-
     if isinstance(items, (str, bytes)):
         raise InvalidInputError("a batch is an iterable of (view, offset, buffer) tuples")
     try:
@@ -81,29 +81,26 @@ def _items(items: Iterable[Any], direction: str) -> list[tuple[Any, int, Any]]:
         if not isinstance(item, tuple) or len(item) != 3 or not isinstance(item[0], View):
             raise InvalidInputError(f"batch item {i} is not a (view, offset, buffer) tuple: {item!r:.80}")
         view, offset, buf = item
-        if direction == "put":
-            view._check_writable()
-        view._span(buf, offset, direction == "get")[0].release()  # bounds, state and buffer, before anything moves
+        _view.check_item(view, offset, buf, direction)  # bounds, state and buffer, before anything moves
     return out
 
 
 def _start(items: Iterable[Any], direction: str) -> BatchRequest:
     checked = _items(items, direction)
     parts: list[Any] = []
-    # One request per exporter and kind of memory: puts into host shares
-    # travel gathered, several to a message.
-    remote: dict[tuple[int, bool], tuple[Any, bool, list[tuple[int, bytes, int, Any]]]] = {}
+    # Items whose transports share a key travel together (a ucx-rma batch
+    # per exporter and kind of memory); mapped items are copies.
+    groups: dict[Any, list[tuple[Any, int, Any]]] = {}
     for view, offset, buf in checked:
-        if view.path == "ucx-rma":
-            peer, host = view._peer, view.share.device == "host"
-            remote.setdefault((id(peer), host), (peer, host, []))[2].append((*view._region, offset, buf))
+        transport = _view.transport_of(view)
+        if transport is not None:
+            groups.setdefault(transport.batch_key, []).append((transport, offset, buf))
             continue
-        # cma: every item one request on its connection, all sent before any is awaited
-        request = view._cma(buf, offset, direction) if view.path == "cma" else view._copy(buf, offset, direction, None)
+        request = _view.start_copy(view, offset, buf, direction)
         if request is not None:
             parts.append(request)
-    for peer, host, entries in remote.values():
-        parts.append(peer.get_batch(entries) if direction == "get" else peer.put_batch(entries, host_regions=host))
+    for entries in groups.values():
+        parts.extend(entries[0][0].batch(entries, direction))
     return BatchRequest(parts, len(checked))
 
 

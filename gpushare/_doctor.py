@@ -38,13 +38,13 @@ def ucx_transports() -> dict[str, Any]:
 
 
 def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
-    from ._api import _candidates
+    from ._open import choose
     from ._share import SHARE_FORMAT, Share
 
     shape, typestr = (4096,), "|u1"
     share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
                         shape, typestr, offers, "closed", None, False)
-    order, left_out, _ = _candidates(share, None, None)
+    order, left_out, _ = choose(share, None, None)
     if not order:
         return "none", "; ".join(left_out)
     return order[0], "; ".join(left_out)

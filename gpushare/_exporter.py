@@ -28,14 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _auth, _buffers, _control, _share
-from ._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError, WaitTimeoutError
+from . import _auth, _control, _paths, _share
+from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._paths import cma
-from ._paths.broker import control_address, grant, may_share, peer_credentials, release_registrations
-from ._paths.host_fd import _read_only
+from ._paths.broker import control_address, may_share, peer_credentials, release_registrations
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
-from ._ucx import _server
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -91,10 +89,10 @@ class Export:
     #: and whether it (or a copy) left the process, pickled or as bytes.
     share_ref: Any = None
     sent: bool = False
-    #: The share's memory in this process's region server (ucx-rma), made on
-    #: the first ucx-rma open; every lease over it holds a key of its own.
-    region: Any = None
-    rma_address: bytes | None = None
+    #: What a path keeps for the share while it serves it, by path name
+    #: (ucx-rma: the share's region in this process's region server, made on
+    #: the first ucx-rma open; every lease over it holds a key of its own).
+    state: dict[str, Any] = field(default_factory=dict)
     #: Set by the exporter's registry: called once when the share's lifetime ends.
     on_end: Callable[[Export, str], None] | None = None
     # Re-entrant: releasing the last reference to the object (closing the
@@ -156,9 +154,9 @@ class Export:
             self.obj = self.target()
 
     def close_remote(self) -> None:
-        region, self.region = self.region, None
-        if region is not None:
-            region.close()  # every key of it is revoked: remote access stops at once
+        states, self.state = self.state, {}
+        for held in states.values():
+            held.close()  # a region: every key of it is revoked, remote access stops at once
 
     def end(self, reason: str) -> None:
         """The share's lifetime ended: leave the registry (lock held)."""
@@ -180,30 +178,6 @@ class Export:
         self.close_mapped()
         self.obj = None
         self.end("retired")
-
-    # -- ucx-rma --------------------------------------------------------
-    def rma_offer(self) -> tuple[bytes, int, bytes]:
-        """The region server's address, this share's region and a key of its
-        own for one lease (lock held); the region is added on the first
-        ucx-rma open.  The lease's end revokes the key."""
-        if self.region is None:
-            target = self.target()
-            srv = _server.server()
-            self.region = srv.add_region(target, readonly=self.readonly)
-            self.rma_address = srv.address
-        region_id, key = self.region.grant()
-        return self.rma_address, region_id, key
-
-    def rma_revoke(self, key: bytes) -> None:
-        """A ucx-rma lease ended: its key stops working at once (lock held).
-        Transfers admitted before finish on their own: the service thread
-        does not wait for them."""
-        if self.region is not None:
-            try:
-                self.region.revoke(key, timeout=0)
-            except (WaitTimeoutError, ClosedError):
-                pass  # revoked all the same (or the region went with the share)
-
 
 class Exporter:
     """This process's exporter service; use :func:`get_exporter`."""
@@ -348,12 +322,10 @@ class _Session(Protocol):
         self.leases: dict[int, Export] = {}
         #: (importer's nonce, ours) between our hello and the importer's proof.
         self.nonces: tuple[bytes, bytes] | None = None
-        #: The region-server key of each ucx-rma lease, revoked when it ends.
-        self.keys: dict[int, bytes] = {}
-        #: The path of each lease.
-        self.paths: dict[int, str] = {}
-        #: Each cma lease's pinned memory and the importer's process (from the kernel).
-        self.cma: dict[int, tuple[Any, Any]] = {}
+        #: What each lease's path granted (its state, what ends it).
+        self.grants: dict[int, _paths.Grant] = {}
+        #: The connection (set when its first bytes come; paths ask it who the peer is).
+        self.conn: Connection | None = None
         #: cma copies queued or running for this connection.
         self._copies = 0
         self._copies_lock = threading.Lock()
@@ -367,6 +339,7 @@ class _Session(Protocol):
 
     # -- protocol ---------------------------------------------------------
     def data_received(self, conn: Connection, fds: list[int]) -> None:
+        self.conn = conn
         for fd in fds:
             os.close(fd)  # importers send none
         if self.finished:
@@ -382,16 +355,13 @@ class _Session(Protocol):
 
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         leases, self.leases = self.leases, {}
-        keys, self.keys = self.keys, {}
+        grants, self.grants = self.grants, {}  # copies in flight keep their memory pinned until they finish
         retries, self.retries = self.retries, {}
-        self.paths = {}
-        self.cma = {}  # copies in flight keep their memory pinned until they finish
         with self.exporter._lock:
             self.exporter._sessions.discard(self)
         for lease, export in leases.items():  # the importer closed, died or misbehaved
             with export.lock:
-                if lease in keys:
-                    export.rma_revoke(keys[lease])
+                _ended(grants.get(lease))
                 export.opens -= 1
                 export.after_close()
         for export, unused, _ in retries.values():
@@ -417,6 +387,24 @@ class _Session(Protocol):
             log.warning("refused a control connection from %s: it does not hold this process's key", _peer(conn))
             return False
         return True
+
+    def refuse(self, conn: Connection, rid: Any, code: str, message: str) -> None:
+        """Answer request ``rid`` with a refusal (paths call this)."""
+        self._refuse(conn, rid, code, message)
+
+    refusal_text = staticmethod(lambda code, policy: refusal_text(code, policy))
+
+    def take_copy(self) -> bool:
+        """Count one more copy queued for this connection, unless it has too many."""
+        with self._copies_lock:
+            if self._copies >= cma.MAX_QUEUED:
+                return False
+            self._copies += 1
+            return True
+
+    def copy_done(self) -> None:
+        with self._copies_lock:
+            self._copies -= 1
 
     def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
         conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
@@ -457,8 +445,8 @@ class _Session(Protocol):
                                      "proof": _auth.proof("exporter", importer_nonce, exporter_nonce)}))
         elif op == "open":
             self._open(conn, rid, msg)
-        elif op == "cma":
-            self._cma(conn, rid, msg)
+        elif op == cma.OP:
+            cma.serve_copy(self, conn, rid, msg)
         elif op == "ping":  # an importer waiting on a transfer asks for a sign of life
             conn.send(_control.pack({"id": rid, "ok": True}))
         elif op in ("close", "failed"):
@@ -500,38 +488,30 @@ class _Session(Protocol):
             if refusal is not None and not (retry and refusal == "exhausted"):
                 self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
                 return
-            if path not in export.offers or path == "same-process":
+            if path not in export.offers:
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
                 return
-            fds: list[int] = []
-            key = None
-            pinned = None
+            served = _paths.by_name(path)
             try:
-                if path == "ucx-rma":
-                    address, region_id, key = export.rma_offer()
-                    payload = {"address": address, "region": region_id, "key": key}
-                elif path == "cma":
-                    pinned = self._cma_offer(conn, export)
-                    payload = {}
-                else:
-                    if path == "host-fd" and not export.readonly and _sealed(export):
-                        raise UnsupportedError("the buffer was sealed after this share was made: it maps only "
-                                               "read-only now (export it again: a writable share of a sealed "
-                                               "buffer goes over cma)")
-                    desc = export.descriptors[path]
-                    payload = {"descriptor": [desc.handle_type, *desc._fields()]}
-                    if self.local and path == "host-fd":
-                        fds = _local_fds(desc)
+                grant = served.serve(export, self)
+            except GpuShareError as exc:
+                self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
+                return
+            if grant is None:  # opened in the exporting process only
+                self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
+                return
+            grant.path = served
+            fds = grant.fds
+            try:
                 lease = self._next_lease
-                reply = {"id": rid, "ok": True, "lease": lease, "payload": payload}
+                reply = {"id": rid, "ok": True, "lease": lease, "payload": grant.payload}
                 if fds:
                     reply["fds"] = len(fds)
                 frame = _control.pack(reply)
             except GpuShareError as exc:
                 for fd in fds:
                     os.close(fd)
-                if key is not None:
-                    export.rma_revoke(key)
+                _ended(grant)
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             export.opens += 1
@@ -544,98 +524,10 @@ class _Session(Protocol):
                 export.total += 1
         self._next_lease += 1
         self.leases[lease] = export
-        self.paths[lease] = path
-        if key is not None:
-            self.keys[lease] = key
-        if pinned is not None:
-            self.cma[lease] = pinned
+        self.grants[lease] = grant
         conn.deadline = None
         conn.send(frame, fds)
         log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
-
-    def _cma_offer(self, conn: Connection, export: Export) -> tuple[Any, Any]:
-        """A cma lease: the share's memory, pinned for the lease, and the
-        importer's process as the kernel gives it (lock held)."""
-        if not self.local:
-            raise UnsupportedError("cma needs a control connection over the exporter's Unix socket (this "
-                                   "node, this user)")
-        why = cma.available()
-        if why is not None:
-            raise UnsupportedError(why)
-        pid = peer_credentials(conn.sock)[0]
-        cma.check_access(pid)
-        process = cma.Process(pid)
-        pinned = _buffers.resolve(export.target(), writable=False)
-        if pinned.nbytes < export.nbytes:
-            pinned.release()
-            raise UnsupportedError(f"the exported object is {pinned.nbytes} bytes now, not the {export.nbytes} it "
-                                   "was when exported: export it again")
-        return pinned, process
-
-    def _cma(self, conn: Connection, rid: Any, msg: dict) -> None:
-        """An importer's get or put over its cma lease: checked here (lease,
-        bounds, read-only, revocation), copied by the copy threads, answered
-        when the bytes have moved."""
-        lease = msg.get("lease")
-        entry = self.cma.get(lease) if type(lease) is int else None
-        if entry is None:
-            self._refuse(conn, rid, "closed", "this connection holds no open cma lease by that id")
-            return
-        export = self.leases[lease]
-        direction, offset, n, address = msg.get("dir"), msg.get("offset"), msg.get("n"), msg.get("addr")
-        if direction not in ("get", "put") or not all(type(v) is int for v in (offset, n, address)) or not (
-                0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
-            self._refuse(conn, rid, "bad", "malformed cma request")
-            return
-        pinned, process = entry
-        if offset + n > min(export.nbytes, pinned.nbytes):
-            self._refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {export.nbytes}")
-            return
-        refusal = self._cma_refusal(export, lease)
-        if refusal is not None:
-            self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
-            return
-        if direction == "put" and export.readonly:
-            self._refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
-            return
-        with self._copies_lock:
-            if self._copies >= cma.MAX_QUEUED:
-                self._refuse(conn, rid, "busy", f"this connection has {cma.MAX_QUEUED} copies queued already")
-                return
-            self._copies += 1
-        copier = cma.copier()
-
-        def still() -> str | None:
-            """Why the copy must stop now (checked before each piece), or None."""
-            if conn.closed:
-                return "the importer's connection closed"
-            if copier.stopping:
-                return "the exporter is exiting"
-            why = self._cma_refusal(export, lease)
-            return None if why is None else _REFUSALS[why]
-
-        def job() -> None:  # holds ``pinned``: the memory stays while the copy runs
-            try:
-                cma.copy(process, pinned.address + offset, address, n, into_remote=direction == "get", still=still)
-                reply = {"id": rid, "ok": True}
-            except ClosedError as exc:
-                reply = {"id": rid, "ok": False, "code": "closed", "message": str(exc)[:300]}
-            except GpuShareError as exc:
-                reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
-            finally:
-                with self._copies_lock:
-                    self._copies -= 1
-            conn.send(_control.pack(reply))
-
-        copier.submit(job)
-
-    def _cma_refusal(self, export: Export, lease: int) -> str | None:
-        """Why a copy over ``lease`` may not run now: the lease ended, or the
-        share was revoked or retired (any thread)."""
-        if lease not in self.cma:
-            return "closed"
-        with export.lock:
-            return "revoked" if export.revoked else ("retired" if export.retired else None)
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -644,14 +536,12 @@ class _Session(Protocol):
         export = self.leases.pop(lease, None) if isinstance(lease, int) else None
         if export is None:
             return  # already ended: nothing to do
-        key = self.keys.pop(lease, None)
-        path = self.paths.pop(lease, None)
-        self.cma.pop(lease, None)  # copies in flight keep the memory pinned until they finish
+        grant = self.grants.pop(lease, None)  # copies in flight keep the memory pinned until they finish
+        path = grant.path.name if grant is not None else None
         log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
                  " (the importer could not use the path)" if failed else "")
         with export.lock:
-            if key is not None:
-                export.rma_revoke(key)  # that importer's access to the memory ends now
+            _ended(grant)  # that importer's access to the memory ends now
             export.opens -= 1
             waits = False
             if failed:
@@ -664,17 +554,10 @@ class _Session(Protocol):
         self._idle(conn)
 
 
-def _sealed(export: Export) -> bool:
-    """Whether the memfds of a host-fd export are sealed against writes."""
-    return any(fds and _read_only(fds) for _, fds in export.registrations)
-
-
-def _local_fds(desc: Any) -> list[int]:
-    """The fds a host-fd descriptor names, for an importer on this node's
-    control socket (the broker's registration and token, checked as the
-    broker checks them); none if the registration was withdrawn (the
-    importer then asks the broker, and hears why)."""
-    return grant(desc.export_id, desc.token) or []
+def _ended(grant: _paths.Grant | None) -> None:
+    """A lease ended: what its path granted is withdrawn (export lock held)."""
+    if grant is not None and grant.on_end is not None:
+        grant.on_end()
 
 
 _REFUSALS = {

@@ -103,8 +103,8 @@ def guard_import() -> None:
         except gs.GpuShareError as exc:
             return type(exc).__name__
 
-    peer = views["a"]._peer
-    (ra, ka), (rb, kb), (rr, kr) = views["a"]._region, views["b"]._region, views["ro"]._region
+    peer = views["a"]._transport.peer
+    (ra, ka), (rb, kb), (rr, kr) = views["a"]._transport.region, views["b"]._transport.region, views["ro"]._transport.region
     buf = np.zeros(16, np.uint8)
     result["own"] = attempt(lambda: peer.get(ra, ka, 0, buf, 30))
     result["other_region_with_own_key"] = attempt(lambda: peer.get(rb, ka, 0, buf, 30))

@@ -334,7 +334,7 @@ def _forge_cma(state: dict, name: str, direction: str, offset: int, n: int, addr
         local.address = address
     local.nbytes = n
     try:
-        view._peer.copy(direction, offset, local).wait(10)
+        view._transport.lease.copy(direction, offset, local).wait(10)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return f"{type(exc).__name__}: {exc}"
     return "copied"
@@ -390,12 +390,12 @@ def _try_writing(state: dict, name: str) -> dict:
 def _forged_offers(state: dict, share: Any, blobs: list) -> list[str]:
     """Each blob as the UCX address of a ucx-rma offer of ``share``: what the importer says."""
     import gpushare as gs
-    from gpushare import _api
+    from gpushare import _open
 
     out = []
     for blob in blobs:
         try:
-            _api._import(share, "ucx-rma", {"address": blob, "region": 1, "key": bytes(32)}, 2.0, [], None, None)
+            _open._import(share, "ucx-rma", {"address": blob, "region": 1, "key": bytes(32)}, 2.0, [], None, None)
             out.append("opened")
         except gs.GpuShareError as exc:
             out.append(type(exc).__name__)
@@ -412,7 +412,7 @@ def _fuzz_cma(state: dict, name: str, count: int) -> dict:
     from gpushare import _buffers
 
     view = state["views"][name]
-    lease = view._peer
+    lease = view._transport.lease
     link = lease._link
     scratch = bytearray(3 * 4096)
     base = _buffers.resolve(scratch, writable=True).address

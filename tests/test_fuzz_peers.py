@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpushare as gs
-from gpushare import _api, _share
+from gpushare import _open, _share
 from gpushare._paths import broker as broker_mod
 
 from _procs import Child
@@ -175,7 +175,7 @@ def host_share():
 def test_any_offer_payload_is_a_view_or_an_error(host_share, path, payload):
     before = _fds()
     try:
-        view = _api._import(host_share, path, payload, 2.0, [], None, None)
+        view = _open._import(host_share, path, payload, 2.0, [], None, None)
     except gs.GpuShareError:
         pass
     else:

@@ -72,13 +72,13 @@ def _setup_as_nobody() -> dict:
     import encodings.idna  # noqa: F401 - what the process needs later, loaded while it may read it
     import os
 
-    import gpushare._api
+    import gpushare._open
     import gpushare._importer
     import gpushare._paths.broker
     import gpushare._paths.host_fd
     import gpushare._ucx._server  # noqa: F401
 
-    gpushare._api._candidates  # noqa: B018
+    gpushare._open.choose  # noqa: B018
     os.setgid(65534)
     os.setuid(65534)
     return _share_peer.setup()

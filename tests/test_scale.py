@@ -376,18 +376,18 @@ def test_a_shares_region_is_added_on_its_first_remote_open_and_removed_when_no_v
 
     share = gs.export(np.arange(4096, dtype=np.uint64).astype(np.uint8), lifetime="revoked")
     export = registered(share)
-    assert export.region is None  # exporting registers nothing
+    assert export.state.get("ucx-rma") is None  # exporting registers nothing
     importer = Child(_share_peer.setup)
     try:
         assert importer.call("open", "a", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"
-        assert export.region is not None
+        assert export.state.get("ucx-rma") is not None
         assert importer.call("get", "a", 0, 4) == bytes(range(4))
         importer.call("close", "a")
-        assert _wait_for(lambda: export.region is None, 10)
+        assert _wait_for(lambda: export.state.get("ucx-rma") is None, 10)
         assert importer.call("open", "b", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"  # added again
         assert importer.call("get", "b", 4, 4) == bytes(range(4, 8))
         share.revoke()  # and removed when the share ends
-        assert export.region is None
+        assert export.state.get("ucx-rma") is None
     finally:
         importer.close()
 

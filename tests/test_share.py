@@ -501,7 +501,7 @@ def test_lifetime_none_does_not_keep_the_object_alive_after_remote_opens(peer):
     assert peer.call("open", "n-rma", share, {"prefer": "ucx-rma"})["path"] == "ucx-rma"
     peer.call("close", "n-rma")
     export = registered(share)
-    assert _wait_for(lambda: export.region is None)
+    assert _wait_for(lambda: export.state.get("ucx-rma") is None)
     del box
     assert _wait_for(lambda: (gc.collect(), ref() is None)[1])
     assert _wait_for(lambda: export.retired and not export.registrations)
@@ -577,14 +577,14 @@ def test_control_channel_survives_garbage(payload):
 
 
 def test_cuda_paths_are_chosen_only_where_cuda_can_map():
-    from gpushare._api import _candidates
+    from gpushare._open import choose
     from gpushare._paths import _cuda
     from gpushare._share import SHARE_FORMAT, Share, node_key
 
     share = Share._make(SHARE_FORMAT, "1" * 32, b"\0" * 32, 1, node_key(), (("127.0.0.1", 9),), 4096, 0,
                         (4096,), "|u1", ("same-process", "posix-fd", "cuda-ipc", "ucx-rma"), "closed", None,
                         False)
-    order, left_out, _ = _candidates(share, None, None)
+    order, left_out, _ = choose(share, None, None)
     if _cuda.unavailable_reason() is None:
         assert order[:2] == ["posix-fd", "cuda-ipc"]
     else:  # no driver here: straight to ucx-rma, saying why, with no failed probe

@@ -27,9 +27,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import AccessDeniedError, ClosedError, InvalidInputError, UnsupportedError
+from .. import _buffers, _control
+from .._errors import AccessDeniedError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
+from .base import Grant, Here, Memory, Offer, Opened, Options, no_fds, same_node
+from .broker import peer_credentials
 
-__all__ = ["available", "check_access", "copy", "copier"]
+__all__ = ["available", "check_access", "copy", "copier", "PATH", "serve_copy", "CmaTransport"]
 
 log = logging.getLogger("gpushare")
 
@@ -38,6 +41,8 @@ log = logging.getLogger("gpushare")
 #: share not revoked, the importer the same process): a revocation or a
 #: closed connection stops a copy within one piece (about a millisecond).
 PIECE = 8 << 20
+#: The control message that asks the exporter for a copy.
+OP = "cma"
 #: Copies an importer's connection may have queued or running at once.
 MAX_QUEUED = 64
 
@@ -227,3 +232,179 @@ def stop() -> None:
     c = _copier
     if c is not None and _copier_pid == os.getpid():
         c.stop()
+
+
+# ---------------------------------------------------------------- the path
+
+
+class Cma:
+    name = "cma"
+    rank = 5
+    mapped = False
+    maps_strided = False
+    reason = ("same node; the exporter copies with the kernel's cross-memory attach (process_vm_readv/writev), "
+              "checking each transfer; copies with get/put")
+
+    def offer(self, memory: Memory) -> Offer | None:
+        # Host memory the mapped paths cannot serve goes by cross-memory attach on its node.
+        if memory.memory_type != "host" or memory.strided or "host-fd" in memory.offered:
+            return None
+        return Offer()
+
+    def serve(self, export: Any, session: Any) -> Grant:
+        """A cma lease: the share's memory, pinned for the lease, and the
+        importer's process as the kernel gives it (lock held)."""
+        if not session.local:
+            raise UnsupportedError("cma needs a control connection over the exporter's Unix socket (this "
+                                   "node, this user)")
+        why = available()
+        if why is not None:
+            raise UnsupportedError(why)
+        pid = peer_credentials(session.conn.sock)[0]
+        check_access(pid)
+        process = Process(pid)
+        pinned = _buffers.resolve(export.target(), writable=False)
+        if pinned.nbytes < export.nbytes:
+            pinned.release()
+            raise UnsupportedError(f"the exported object is {pinned.nbytes} bytes now, not the {export.nbytes} it "
+                                   "was when exported: export it again")
+        return Grant({}, state=(pinned, process))
+
+    def not_offered(self, share: Any) -> str | None:
+        if share.strides is not None:
+            return f"not {self.name}: the share is a strided array, which goes only where it is mapped"
+        return None
+
+    def unavailable(self, share: Any, here: Here) -> str | None:
+        if not same_node(share, here):
+            return "exporter is on another node (or network namespace)"
+        return here.cma_reason
+
+    def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
+        no_fds(self.name, fds)
+        if grant or lease is None or share.device != "host":
+            raise InvalidInputError("exporter sent a malformed cma offer")
+        return Opened(transport=CmaTransport(lease))  # the exporter copies, over the lease
+
+
+PATH = Cma()
+
+
+def serve_copy(session: Any, conn: Any, rid: Any, msg: dict) -> None:
+    """An importer's get or put over its cma lease: checked here (lease,
+    bounds, read-only, revocation), copied by the copy threads, answered
+    when the bytes have moved.  ``session`` is the exporter's control
+    session: its grants, its refusals and its count of queued copies."""
+    lease = msg.get("lease")
+    grant = session.grants.get(lease) if type(lease) is int else None
+    entry = grant.state if grant is not None and grant.path is PATH else None
+    if entry is None:
+        session.refuse(conn, rid, "closed", "this connection holds no open cma lease by that id")
+        return
+    export = session.leases[lease]
+    direction, offset, n, address = msg.get("dir"), msg.get("offset"), msg.get("n"), msg.get("addr")
+    if direction not in ("get", "put") or not all(type(v) is int for v in (offset, n, address)) or not (
+            0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
+        session.refuse(conn, rid, "bad", "malformed cma request")
+        return
+    pinned, process = entry
+    if offset + n > min(export.nbytes, pinned.nbytes):
+        session.refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {export.nbytes}")
+        return
+    refusal = _refusal(session, export, lease)
+    if refusal is not None:
+        session.refuse(conn, rid, refusal, session.refusal_text(refusal, export.policy))
+        return
+    if direction == "put" and export.readonly:
+        session.refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
+        return
+    if not session.take_copy():
+        session.refuse(conn, rid, "busy", f"this connection has {MAX_QUEUED} copies queued already")
+        return
+    runner = copier()
+
+    def still() -> str | None:
+        """Why the copy must stop now (checked before each piece), or None."""
+        if conn.closed:
+            return "the importer's connection closed"
+        if runner.stopping:
+            return "the exporter is exiting"
+        why = _refusal(session, export, lease)
+        return None if why is None else session.refusal_text(why, None)
+
+    def job() -> None:  # holds ``pinned``: the memory stays while the copy runs
+        try:
+            copy(process, pinned.address + offset, address, n, into_remote=direction == "get", still=still)
+            reply = {"id": rid, "ok": True}
+        except ClosedError as exc:
+            reply = {"id": rid, "ok": False, "code": "closed", "message": str(exc)[:300]}
+        except GpuShareError as exc:
+            reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
+        finally:
+            session.copy_done()
+        conn.send(_control.pack(reply))
+
+    runner.submit(job)
+
+
+def _refusal(session: Any, export: Any, lease: int) -> str | None:
+    """Why a copy over ``lease`` may not run now: the lease ended, or the
+    share was revoked or retired (any thread)."""
+    if lease not in session.grants:
+        return "closed"
+    with export.lock:
+        return "revoked" if export.revoked else ("retired" if export.retired else None)
+
+
+class CmaTransport:
+    """A cma view's copies: each a request on the lease's control
+    connection, which the exporter serves and answers."""
+
+    host_only = True
+
+    def __init__(self, lease: Any) -> None:
+        self.lease = lease
+        self.batch_key = self  # every item its own request on the connection
+
+    def start(self, direction: str, offset: int, local: Any) -> Any:
+        """Ask the exporter to copy between the share and ``local`` (resolved
+        and checked): a request (``local`` stays pinned until the copy ends),
+        or ``None`` when there is nothing to copy."""
+        if local.nbytes == 0:
+            local.release()
+            return None
+        return self.lease.copy(direction, offset, local)
+
+    def _move(self, direction: str, offset: int, buf: Any, timeout: float | None, span: Any) -> None:
+        request = self.start(direction, offset, span(buf, offset, direction == "get")[0])
+        if request is not None:
+            request.wait(timeout)
+
+    def get(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self._move("get", offset, buf, timeout, span)
+
+    def put(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self._move("put", offset, buf, timeout, span)
+
+    async def _move_async(self, direction: str, offset: int, buf: Any, span: Any) -> None:
+        request = self.start(direction, offset, span(buf, offset, direction == "get")[0])
+        if request is not None:
+            await request
+
+    async def get_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self._move_async("get", offset, buf, span)
+
+    async def put_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self._move_async("put", offset, buf, span)
+
+    def batch(self, items: list, direction: str) -> list:
+        # every item one request on its connection, all sent before any is awaited
+        requests = []
+        for t, offset, buf in items:
+            request = t.start(direction, offset, _buffers.resolve(buf, writable=direction == "get"))
+            if request is not None:
+                requests.append(request)
+        return requests
+
+    def close(self) -> None:
+        pass  # the view's lease ends the exporter's side

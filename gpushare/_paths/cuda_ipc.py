@@ -23,8 +23,10 @@ import warnings
 from typing import Any
 
 from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
-from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
-from . import _cuda
+from .._errors import ClosedError, CUDAError, GpuShareError, InvalidInputError, UnsupportedError
+from . import _cuda, cuda_vmm
+from .base import Grant, Here, Memory, Offer, Opened, Options, cuda_unavailable, descriptor_of, descriptor_payload
+from .base import no_fds, same_node
 from .broker import node_identity
 from .host_fd import check_same_node
 
@@ -397,3 +399,49 @@ def _pool_ref_class() -> type:
 
     _PoolRef = PoolRef
     return _PoolRef
+
+
+class CudaIpc:
+    """The cuda-ipc path: CUDA memory not from gpushare.allocate (a legacy IPC
+    handle, or its stream-ordered pool's export) mapped on this node."""
+
+    name = "cuda-ipc"
+    rank = 3
+    mapped = True
+    maps_strided = False
+    reason = ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
+              "(a legacy handle, or its pool's export)")
+
+    def offer(self, memory: Memory) -> Offer | None:
+        if memory.memory_type != "cuda" or cuda_vmm.is_vmm_buffer(memory.obj):
+            return None
+        try:
+            return Offer(export_ipc(memory.obj))
+        except GpuShareError:
+            return None
+
+    def serve(self, export: Any, session: Any) -> Grant:
+        return Grant(descriptor_payload(export, self.name))
+
+    def not_offered(self, share: Any) -> str | None:
+        if share.device != "host" and "posix-fd" not in share.offers:
+            return ("not cuda-ipc: not offered; legacy CUDA IPC cannot export memory from a "
+                    "stream-ordered pool (cudaMallocAsync, cuda.core Device.allocate) or VMM")
+        return None
+
+    def unavailable(self, share: Any, here: Here) -> str | None:
+        if not same_node(share, here):
+            return "exporter is on another node (or network namespace)"
+        if share.readonly:
+            return "legacy CUDA IPC maps memory writable only, and this share is read-only"
+        return cuda_unavailable(here)
+
+    def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
+        no_fds(self.name, fds)
+        desc = descriptor_of(share, grant, (CudaIpcBufferDescriptor, CudaPoolBufferDescriptor))
+        if isinstance(desc, CudaIpcBufferDescriptor):
+            return Opened(mapping=import_ipc(desc, how.device, readonly=share.readonly))
+        return Opened(mapping=import_pool(desc, how.device, readonly=share.readonly, timeout=how.timeout))
+
+
+PATH = CudaIpc()

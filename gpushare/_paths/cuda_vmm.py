@@ -180,6 +180,8 @@ def _mapping_class() -> type:
             self.lock = threading.Lock()
             self.closed = False
             self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
+            #: The POSIX fds of the allocations, exported once, for shares' own registrations.
+            self.posix_fds: list[int] | None = None
             with _live_lock:
                 _live.add(id(self))
 
@@ -216,6 +218,9 @@ def _mapping_class() -> type:
                     return
                 self.closed = True
                 export, self.posix_export = self.posix_export, None
+                for fd in self.posix_fds or ():
+                    os.close(fd)
+                self.posix_fds = None
                 if export is not None:
                     if export[0].pid == os.getpid():
                         export[0].revoke(export[1].export_id)
@@ -332,14 +337,20 @@ def is_vmm_buffer(buf: Any) -> bool:
     return _Mapping is not None and isinstance(getattr(buf, "memory_resource", None), _Mapping)
 
 
-def export_device(buf: Any, handle_type: str | None) -> Any:
-    """The descriptor of a buffer from :func:`allocate_device`."""
-    drv = _cuda.driver()
+def _exportable(buf: Any) -> Any:
+    """The memory resource of a buffer this process allocated and may export."""
     mr = buf.memory_resource
     if mr.closed or buf.is_closed:
         raise ClosedError("cannot export a closed buffer")
     if not mr.exporter:
         raise UnsupportedError("this buffer was imported; only the process that allocated it can export it")
+    return mr
+
+
+def export_device(buf: Any, handle_type: str | None) -> Any:
+    """The descriptor of a buffer from :func:`allocate_device`."""
+    drv = _cuda.driver()
+    mr = _exportable(buf)
     if handle_type is None:
         handle_type = "fabric" if "fabric" in mr.handle_types else "posix_fd"
     if handle_type not in mr.handle_types:
@@ -383,6 +394,29 @@ def export_device(buf: Any, handle_type: str | None) -> Any:
             raise
         mr.posix_export = (broker, desc, fds)
         return desc
+
+
+def posix_fds(buf: Any) -> list[int]:
+    """The POSIX fds of a buffer from :func:`allocate_device` (borrowed: the
+    buffer keeps them), exported once and registered with no broker."""
+    drv = _cuda.driver()
+    mr = _exportable(buf)
+    if "posix_fd" not in mr.handle_types:
+        raise UnsupportedError(f"this buffer cannot be exported with handle_type='posix-fd'; it supports "
+                               f"{mr.handle_types}")
+    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    with mr.lock:
+        if mr.posix_fds is None:
+            fds: list[int] = []
+            try:
+                for h in mr.handles:
+                    fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(h, t, 0), "export posix fd")))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            mr.posix_fds = fds
+        return list(mr.posix_fds)
 
 
 def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,

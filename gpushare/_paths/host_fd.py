@@ -31,6 +31,8 @@ from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from .._process import check_same_node
 from . import broker as _broker
+from .base import Grant, Here, Memory, Offer, Opened, Options, descriptor_of, descriptor_payload, own_registration
+from .base import same_node
 
 __all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "containing"]
 
@@ -505,12 +507,7 @@ def export_host(buf: HostBuffer) -> PosixFdBufferDescriptor:
     the same one on every call in this process."""
     res = buf._res
     with res.lock:
-        if res.closed:
-            raise ClosedError("cannot export a closed host buffer")
-        if not res.fds:
-            raise UnsupportedError(
-                "this host buffer was imported; only the process that allocated it can export it"
-            )
+        _check_exportable(res)
         if res.export is not None and res.export[0].pid == os.getpid():
             return res.export[1]
         broker, desc = _broker.publish(
@@ -518,6 +515,22 @@ def export_host(buf: HostBuffer) -> PosixFdBufferDescriptor:
         )
         res.export = (broker, desc)
         return desc
+
+
+def share_fds(buf: HostBuffer) -> list[int]:
+    """The memfds of a buffer this process allocated, for a share's own
+    registration (borrowed: the buffer keeps them)."""
+    res = buf._res
+    with res.lock:
+        _check_exportable(res)
+        return list(res.fds)
+
+
+def _check_exportable(res: _Resources) -> None:
+    if res.closed:
+        raise ClosedError("cannot export a closed host buffer")
+    if not res.fds:
+        raise UnsupportedError("this host buffer was imported; only the process that allocated it can export it")
 
 
 def import_host(
@@ -570,3 +583,69 @@ def _check_memfd(fd: int, index: int, size: int) -> None:
         raise InvalidInputError(
             f"file descriptor {index} is not sealed against shrinking; refusing to map it"
         )
+
+
+class HostFd:
+    """The host-fd path: host memory from gpushare.allocate mapped on this
+    node through its memfds (sent over the exporter's Unix control socket,
+    else fetched from its broker)."""
+
+    name = "host-fd"
+    rank = 4
+    mapped = True
+    maps_strided = True
+    reason = "same node; host memory mapped through memfds"
+
+    def offer(self, memory: Memory) -> Offer | None:
+        buf = memory.obj
+        # A sealed buffer maps only read-only: shared writable, it goes by copies (cma).
+        if not isinstance(buf, HostBuffer) or not (memory.readonly or not buf.sealed):
+            return None
+        fds = share_fds(buf)
+        return own_registration(fds, device="host", sizes=buf.sizes, size=buf.size, owner_uuid=None,
+                                readonly=memory.readonly)
+
+    def serve(self, export: Any, session: Any) -> Grant:
+        if not export.readonly and any(fds and _read_only(fds) for _, fds in export.registrations):
+            raise UnsupportedError("the buffer was sealed after this share was made: it maps only "
+                                   "read-only now (export it again: a writable share of a sealed "
+                                   "buffer goes over cma)")
+        grant = Grant(descriptor_payload(export, self.name))
+        if session.local:
+            # The fds the descriptor names, checked as the broker checks them;
+            # none if the registration was withdrawn (the importer then asks
+            # the broker, and hears why).
+            desc = export.descriptors[self.name]
+            grant.fds = _broker.grant(desc.export_id, desc.token) or []
+        return grant
+
+    def not_offered(self, share: Any) -> str | None:
+        if share.device == "host":
+            return "not host-fd: not offered, the memory is not from gpushare.allocate(device='host')"
+        return None
+
+    def unavailable(self, share: Any, here: Here) -> str | None:
+        if not same_node(share, here):
+            return "exporter is on another node (or network namespace)"
+        return None
+
+    def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
+        desc = descriptor_of(share, grant, (PosixFdBufferDescriptor,))
+        if desc.device != "host":
+            raise InvalidInputError("exporter sent a descriptor of CUDA memory with a host-fd offer")
+        if fds:
+            given = list(fds)
+            fds.clear()  # import_host owns them now
+            mapped = import_host(desc, fds=given)
+        else:
+            mapped = import_host(desc, timeout=how.timeout)
+        if how.prefault:
+            try:
+                prefault(mapped)
+            except BaseException:
+                mapped.close()
+                raise
+        return Opened(mapping=mapped)
+
+
+PATH = HostFd()

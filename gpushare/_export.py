@@ -1,0 +1,176 @@
+"""gpushare.export: offer a buffer's memory to other processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from . import _arrays, _buffers, _paths
+from ._errors import InvalidInputError
+from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
+from ._paths import _cuda, cuda_vmm, host_fd
+from ._paths.broker import release_registrations
+from ._share import LIFETIMES, SHARE_FORMAT, Share, node_key
+from ._types import Lifetime, PathName
+
+#: What ``paths=``, ``prefer=`` and ``exclude=`` take: path names, or one comma-separated str.
+PathList = Iterable[PathName] | str
+
+__all__ = ["export", "PathList"]
+
+log = logging.getLogger("gpushare.api")
+
+
+def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
+    if isinstance(lifetime, bool):
+        raise InvalidInputError("lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int")
+    if isinstance(lifetime, int):
+        if not 1 <= lifetime <= 999_999_999:
+            raise InvalidInputError(f"lifetime={lifetime}: a number of imports must be between 1 and 999999999")
+        return lifetime, f"imports={lifetime}"
+    if lifetime in LIFETIMES:
+        return lifetime, lifetime
+    raise InvalidInputError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
+
+
+def _memory(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool, strided: bool) -> tuple[
+        _paths.Memory, int]:
+    """What the paths are offered: the gpushare.allocate buffer that holds
+    ``span`` (address, nbytes) where there is one, and the span's offset in it."""
+    offset = 0
+    if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
+        obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
+    if memory_type == "cuda" and span[1] and not cuda_vmm.is_vmm_buffer(obj):
+        # A CuPy or torch array (a slice, a typed view) over gpushare.allocate
+        # memory: the importer maps the whole buffer and views its part.
+        found = cuda_vmm.containing(*span)
+        if found is not None:
+            obj, offset = found
+    if memory_type == "host" and not isinstance(obj, host_fd.HostBuffer):
+        # An array over gpushare.allocate memory (a typed view, a slice):
+        # the importer maps the whole buffer and views its part of it.
+        found = host_fd.containing(*span)
+        if found is not None:
+            obj, offset = found
+    return _paths.Memory(obj, memory_type, readonly, strided), offset
+
+
+def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = None,
+           readonly: bool | None = None) -> Share:
+    """Offer ``obj``'s memory to other processes; return the :class:`Share` to send them.
+
+    Parameters
+    ----------
+    obj
+        A buffer from :func:`gpushare.allocate` (every path), a cuda.core
+        ``Buffer``, a CuPy array, a torch tensor, a NumPy array, or anything
+        with DLPack, ``__cuda_array_interface__`` or the buffer protocol.
+        Memory gpushare did not allocate is offered only where it can be
+        served: other CUDA memory on cuda-ipc and ucx-rma, other host memory
+        on ucx-rma.  It must be C-contiguous.
+    lifetime : {"auto", "closed", "revoked", "none"} or int
+        How long the exporter keeps ``obj`` alive and openable.  ``"auto"``
+        (the default): while this process holds the returned :class:`Share`
+        (it keeps ``obj`` alive, like a reference), while any import is
+        open, until the first import of a share that was pickled or sent as
+        bytes, and after that while ``obj`` itself is still alive here; so a
+        share handed to N Pool workers stays openable until the last one has
+        opened it.  ``"closed"``: until every importer has closed it
+        (counted from the first import).  ``N``: until ``N`` imports have
+        been made and closed.  ``"revoked"``: until :meth:`Share.revoke`.
+        ``"none"``: the exporter holds only a weak reference, and opens fail
+        once ``obj`` is gone.  See docs/lifetimes.md.
+    paths : iterable of str, optional
+        Offer only these paths (``"ucx-rma"`` and ``"same-process"`` are
+        always possible).
+    readonly : bool, optional
+        Importers may only read (``View.put`` is refused, mapped views are
+        read-only).  Read-only memory (``bytes``, a non-writeable array) is
+        always shared read-only.  UCX does not enforce this against a
+        malicious peer on TCP and shared memory (see docs/security.md).
+
+    Returns
+    -------
+    Share
+        Plain data; pickle it and send it over any transport.
+    """
+    policy, lifetime_name = _parse_lifetime(lifetime)
+    wanted = None
+    if paths is not None:
+        wanted = _paths.path_list(paths, "paths")
+    if readonly is not None and not isinstance(readonly, bool):
+        raise InvalidInputError("readonly must be a bool or None")
+    # A strided array is served as the memory it spans, with its strides.
+    memory, strides = _arrays.span_of(obj)
+    local = _buffers.resolve(memory, writable=False)
+    try:
+        nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
+        readonly = bool(readonly) or local.readonly
+    finally:
+        local.release()
+    if nbytes < 1:
+        raise InvalidInputError("cannot export an empty buffer")
+    device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
+    offered, offset = _memory(memory, memory_type, (local.address, nbytes), readonly, strides is not None)
+    # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
+    offers, descs, regs = _paths.offers(offered, wanted)
+    try:
+        shape, typestr, dtype_name, dlpack_dtype = _arrays.describe(obj, nbytes, strided=strides is not None)
+    except InvalidInputError:
+        release_registrations(regs)
+        raise
+    share_id, token = new_ids()
+    exporter = get_exporter()
+    record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
+                    offers=tuple(offers), descriptors=descs, policy=policy, readonly=readonly,
+                    registrations=regs)
+    try:
+        if policy == "none":
+            record.obj_ref = weak_or_none(obj, record)
+        else:
+            record.obj = memory  # for a strided array, its span, which holds the array
+    except BaseException:
+        release_registrations(regs)
+        raise
+    exporter.add(record)
+    fabric = None
+    if _paths.fabric.PATH.name in offers:
+        fabric = _fabric_clique(device)
+    log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
+             "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
+             ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
+    share = Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
+                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
+                        dlpack_dtype, strides)
+    if policy == "auto":
+        track_auto(obj, share, record)
+    return share
+
+
+def _device_ordinal(address: int, hint: Any) -> int:
+    """The CUDA device that owns ``address`` (asked of the driver)."""
+    return _cuda.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)
+
+
+def fabric_cliques() -> tuple[dict[int, str], str | None]:
+    """This node's fabric clique per device ("cluster:clique"), or why there is none."""
+    # capabilities() is built on the sharing API (a layer above): imported where used.
+    from ._capabilities import capabilities
+
+    caps = capabilities()
+    if not caps["cuda"]["available"]:
+        return {}, f"no CUDA here ({caps['cuda']['reason']})"
+    if not caps["imex"]["present"]:
+        return {}, f"no IMEX channel ({caps['imex']['reason']})"
+    cliques = {}
+    for dev in caps["cuda"]["devices"]:
+        fab = dev.get("fabric") or {}
+        if fab.get("cluster_uuid"):
+            cliques[dev["ordinal"]] = f"{fab['cluster_uuid']}:{fab['clique_id']}"
+    return cliques, None if cliques else "no device reports an NVLink fabric clique"
+
+
+def _fabric_clique(device: Any) -> str | None:
+    return fabric_cliques()[0].get(device)

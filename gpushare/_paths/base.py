@@ -1,0 +1,155 @@
+"""Plain data the paths share: facts about this process, an exporter's
+grant, an importer's opened path, and the helpers several paths use."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._descriptors import _rebuild
+from .._errors import InvalidInputError
+from .._process import node_key, process_state
+from . import broker
+
+if TYPE_CHECKING:
+    from .._share import Share
+
+
+@dataclass(frozen=True)
+class Here:
+    """Facts about the importing process that decide which paths it can take."""
+
+    #: This process's node (and network namespace) key.
+    node: str
+    #: This process's id.
+    pid: int
+    #: Whether this very process exported the share (and still serves it).
+    exported_here: bool = False
+    #: Why this process cannot map CUDA memory, or None.
+    cuda_reason: str | None = None
+    #: This node's fabric cliques ("cluster:clique"), and why there are none.
+    fabric_cliques: tuple[str, ...] = ()
+    fabric_reason: str | None = None
+    #: Why this process cannot use cross-memory attach, or None.
+    cma_reason: str | None = None
+
+
+@dataclass
+class Memory:
+    """What :func:`gpushare.export` offers: the buffer the mapped paths
+    serve (a gpushare.allocate buffer where the memory lies in one), its
+    kind, and the paths offered so far (fastest first)."""
+
+    obj: Any
+    memory_type: str
+    readonly: bool
+    strided: bool
+    offered: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Offer:
+    """A path's offer: the descriptor it hands importers, and the share's own
+    fd registration ``(export_id, fds)`` where it has one."""
+
+    descriptor: Any = None
+    registration: tuple[int, list[int]] | None = None
+
+
+@dataclass
+class Grant:
+    """What the exporter answers to an open of one path: the payload, the fds
+    sent with it, and what ends the lease (called with the export's lock held)."""
+
+    payload: dict
+    fds: list[int] = field(default_factory=list)
+    on_end: Any = None
+    state: Any = None
+    path: Any = None  # set by the exporter: the path that made it
+
+
+@dataclass
+class Opened:
+    """An importer's side of an open path: a mapping or a transport (or, for
+    same-process, the exporter's own object)."""
+
+    mapping: Any = None
+    transport: Any = None
+    target: Any = None
+
+
+@dataclass(frozen=True)
+class Options:
+    """How an importer opens: the device to map on, the seconds left, prefault."""
+
+    device: int | None = None
+    timeout: float = 10.0
+    prefault: bool = False
+
+
+def same_node(share: Share, here: Here) -> bool:
+    return share.node == here.node
+
+
+def cuda_unavailable(here: Here) -> str | None:
+    if here.cuda_reason is None:
+        return None
+    return f"this process cannot map CUDA memory ({here.cuda_reason.split(' (')[0]})"
+
+
+def own_registration(fds: list[int], *, device: Any, sizes: tuple[int, ...], size: int, owner_uuid: str | None,
+                     readonly: bool = False) -> Offer:
+    """Serve duplicates of ``fds`` under a token of this share's own.
+
+    The share's registration is independent of the buffer's: revoking or
+    retiring the share revokes it (and closes the duplicates) without
+    touching other exports of the same buffer.  For a read-only share the
+    duplicates are the memfds opened again read-only: an importer can map
+    them only read-only, and cannot make its mapping writable.
+    """
+    dups: list[int] = []
+    try:
+        for fd in fds:
+            dups.append(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) if readonly else os.dup(fd))
+        _, desc = broker.publish(dups, device=device, sizes=sizes, size=size, owner_uuid=owner_uuid)
+    except BaseException:
+        for fd in dups:
+            os.close(fd)
+        raise
+    return Offer(desc, (desc.export_id, dups))
+
+
+def descriptor_of(share: Share, payload: dict, kinds: tuple[type, ...]) -> Any:
+    """The descriptor of a mapped offer, checked against the share."""
+    fields = payload.get("descriptor")
+    if not isinstance(fields, tuple) or not fields:
+        raise InvalidInputError("exporter sent a malformed descriptor")
+    desc = _rebuild(*fields)
+    if not isinstance(desc, kinds):
+        raise InvalidInputError(f"exporter sent a {type(desc).__name__} with a {payload.get('path', 'mapped')} offer")
+    size = getattr(desc, "size", None)
+    # A share of part of a buffer maps the whole buffer and views its part.
+    if not isinstance(size, int) or size < share.offset + share.nbytes:
+        raise InvalidInputError(f"descriptor is {size if size is not None else '?'} bytes; the share says "
+                                f"{share.nbytes} at offset {share.offset}")
+    return desc
+
+
+def descriptor_payload(export: Any, name: str) -> dict:
+    desc = export.descriptors[name]
+    return {"descriptor": [desc.handle_type, *desc._fields()]}
+
+
+def no_fds(name: str, fds: list[int]) -> None:
+    if fds:
+        raise InvalidInputError(f"exporter sent file descriptors with a {name} offer")
+
+
+def exporter_exited(share: Share) -> bool | None:
+    """True when the exporting process is gone (checked on its node only), False
+    when it runs, None when this process cannot tell (another node)."""
+    if share.node != node_key():
+        return None
+    state = process_state(share.exporter_pid)
+    return state is None or state in ("Z", "X")  # gone, or exited and not yet reaped by its parent

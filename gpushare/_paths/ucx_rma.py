@@ -1,0 +1,159 @@
+"""The ucx-rma path: remote memory access through UCX, to any node.
+
+The exporter adds the share's memory to its region server on the first
+ucx-rma open (:func:`serve`) and grants each lease a key of its own, revoked
+when the lease ends; the importer connects to the region server once per
+exporter and moves bytes with get/put (:class:`RmaTransport`), each
+transfer checked by the exporter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from .._errors import ClosedError, InvalidInputError, UCXConnectionError, WaitTimeoutError
+from .._process import await_alive
+from .._ucx import _device, _server
+from . import _cuda
+from .base import Grant, Here, Memory, Offer, Opened, Options, exporter_exited, no_fds
+
+__all__ = ["PATH", "RmaTransport", "raise_rma_error"]
+
+
+class UcxRma:
+    name = "ucx-rma"
+    rank = 6
+    mapped = False
+    maps_strided = False
+    reason = "remote memory access through UCX, each transfer checked by the exporter; copies with get/put"
+
+    def offer(self, memory: Memory) -> Offer | None:
+        return None if memory.strided else Offer()
+
+    def serve(self, export: Any, session: Any) -> Grant:
+        """The region server's address, this share's region and a key of its
+        own for one lease (lock held); the region is added on the first
+        ucx-rma open.  The lease's end revokes the key."""
+        srv = _server.server()
+        region = export.state.get(self.name)
+        if region is None:
+            region = export.state[self.name] = srv.add_region(export.target(), readonly=export.readonly)
+        region_id, key = region.grant()
+        return Grant({"address": srv.address, "region": region_id, "key": key},
+                     on_end=lambda: _revoke(export, key))
+
+    def not_offered(self, share: Any) -> str | None:
+        if share.strides is not None:
+            return f"not {self.name}: the share is a strided array, which goes only where it is mapped"
+        return None
+
+    def unavailable(self, share: Any, here: Here) -> str | None:
+        return None
+
+    def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
+        no_fds(self.name, fds)
+        address, region_id, key = grant.get("address"), grant.get("region"), grant.get("key")
+        if (not isinstance(address, bytes) or isinstance(region_id, bool) or not isinstance(region_id, int)
+                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _server.KEY_BYTES):
+            raise InvalidInputError("exporter sent a malformed ucx-rma offer")
+        # One connection per exporter, shared by every view of its shares;
+        # the exporter checks this view's key on every transfer.
+        peer = _server.client().connect(address, timeout=how.timeout)
+        return Opened(transport=RmaTransport(share, peer, (region_id, key), lease))
+
+
+PATH = UcxRma()
+
+
+def warm() -> None:
+    """Load UCX while the exporter prepares its offer."""
+    _server.warm()
+
+
+def _revoke(export: Any, key: bytes) -> None:
+    """A ucx-rma lease ended: its key stops working at once (lock held).
+    Transfers admitted before finish on their own: the service thread
+    does not wait for them."""
+    region = export.state.get(PATH.name)
+    if region is not None:
+        try:
+            region.revoke(key, timeout=0)
+        except (WaitTimeoutError, ClosedError):
+            pass  # revoked all the same (or the region went with the share)
+
+
+class RmaTransport:
+    """A ucx-rma view's transfers, on the connection to the exporter's region server."""
+
+    host_only = False
+
+    def __init__(self, share: Any, peer: Any, region: tuple[int, bytes], lease: Any) -> None:
+        self.share = share
+        self.peer = peer
+        self.region = region
+        self.lease = lease  # asked for signs of life while a transfer waits
+        # One request per exporter and kind of memory: puts into host shares
+        # travel gathered, several to a message.
+        self.batch_key = (id(peer), share.device == "host")
+
+    def _move(self, get: bool, offset: int, buf: Any, timeout: float | None, stream: Any, check: Any) -> None:
+        check(buf, offset, get)  # bounds and the buffer; the connection pins it itself
+        try:
+            # CUDA memory: after the work queued on ``stream`` or the
+            # buffer's own stream (the legacy one when none is named).
+            (self.peer.get if get else self.peer.put)(*self.region, offset, buf, timeout, alive=self.lease,
+                                                      stream=stream)
+        except (UCXConnectionError, ClosedError) as exc:
+            raise_rma_error(self.share, exc)
+
+    def get(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self._move(True, offset, buf, timeout, stream, check)
+
+    def put(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self._move(False, offset, buf, timeout, stream, check)
+
+    async def _move_async(self, get: bool, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        handle = _device.consumer_stream(stream)
+        local, _ = span(buf, offset, get, _cuda.LEGACY_STREAM if handle is None else handle)
+        try:
+            # CUDA memory: the producer's work drains first without
+            # blocking the loop (the post below then waits for nothing).
+            await _device.order_before_async(local, handle)
+        finally:
+            local.release()
+        post = self.peer.get_async if get else self.peer.put_async
+        try:
+            # Liveness as for the blocking calls: a frozen exporter ends the wait.
+            await await_alive(post(*self.region, offset, buf, stream=stream), self.lease)
+        except (UCXConnectionError, ClosedError) as exc:
+            raise_rma_error(self.share, exc)
+
+    async def get_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self._move_async(True, offset, buf, stream, span)
+
+    async def put_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self._move_async(False, offset, buf, stream, span)
+
+    def batch(self, items: list, direction: str) -> list:
+        entries = [(*t.region, offset, buf) for t, offset, buf in items]
+        if direction == "get":
+            return [self.peer.get_batch(entries)]
+        return [self.peer.put_batch(entries, host_regions=self.share.device == "host")]
+
+    def close(self) -> None:
+        pass  # the connection serves every view of the exporter; the lease's end revokes the key
+
+
+def raise_rma_error(share: Any, exc: UCXConnectionError | ClosedError) -> NoReturn:
+    """Raise ``exc`` (caught from a ucx-rma transfer), saying what a broken
+    connection means: the exporter's side went away."""
+    if isinstance(exc, UCXConnectionError):
+        pid = share.exporter_pid
+        what = ("has exited" if exporter_exited(share) else
+                "closed its side: the share was revoked or its lifetime ended, or the process exited")
+        raise type(exc)(exc.status, f"{exc.message}: the exporter (pid {pid}) {what}; this view cannot be used "
+                                    "any more: close it, and open a share from a running exporter") from exc
+    if "exporter" in str(exc):
+        raise ClosedError(f"{exc}: the share was revoked or its lifetime ended; this view cannot be used any "
+                          "more: close it (and open the share again if it is still exported)") from None
+    raise exc
