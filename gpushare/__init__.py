@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ._aio import open_async
-from ._api import View, export, open
 from ._arrays import CudaArray, empty, empty_like, zeros
 from ._auth import set_authkey
 from ._batch import BatchRequest, get_batch, put_batch
@@ -43,10 +41,13 @@ from ._errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
+from ._export import export
+from ._open import open, open_async
 from ._paths.host_fd import HostBuffer
 from ._same_node import allocate, export_buffer, import_buffer
 from ._share import Share
 from ._version import __version__
+from ._view import View
 
 if TYPE_CHECKING:
     from typing import Any
