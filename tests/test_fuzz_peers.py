@@ -238,13 +238,13 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
     import sys
 
     code = (
-        "from gpushare._ucx import _server, _agent\n"
-        "raw = bytearray(_agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, 'a', 1 << 16)[1])\n"
+        "from gpushare._ucx import _common, _server\n"
+        "raw = bytearray(_common.unpack(_server.server().address, _common.ADDRESS_MAGIC, 'a', 1 << 16)[1])\n"
         "pos = 1 + 8 + 1\n"  # a v1 address: header, worker uuid, the first device's memory domain
         "dev = raw[pos]; pos += 1 + bool(dev & 0x40) + bool(dev & 0x20) + (dev & 0x1f) + 2\n"
         "raw[pos + 4:pos + 8] = bytes(4)\n"  # its first transport's bandwidth: 0, which UCX refuses
         "try:\n"
-        "    _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
+        "    _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
         "except Exception as e:\n"
         "    print('refused', type(e).__name__)\n"
     )
@@ -273,10 +273,10 @@ _ADDRESS_FUZZ = r"""
 import random, subprocess, sys
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own: nothing leaves it
 import gpushare as gs
-from gpushare._ucx import _server, _agent
+from gpushare._ucx import _common, _server
 from gpushare._ucx._address import check_worker_address
 
-raw = _agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, "a", 1 << 16)[1]
+raw = _common.unpack(_server.server().address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
 rng = random.Random(int(sys.argv[1]))
 blobs = []
 for pos in range(len(raw)):
@@ -296,7 +296,7 @@ for blob in blobs:
         seen["refused"] += 1
         continue
     try:
-        _server.client().connect(_agent._pack(_agent._ADDRESS_MAGIC, 0, blob), timeout=1)
+        _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, blob), timeout=1)
         seen["connected"] += 1
     except gs.GpuShareError:
         seen["ucx error"] += 1
@@ -317,14 +317,14 @@ def test_forged_ucx_addresses_with_valid_envelopes_are_refused_or_fail_never_cra
 
 
 def test_the_address_check_takes_real_addresses_and_refuses_broken_ones():
-    from gpushare._ucx import _agent, _server
+    from gpushare._ucx import _common, _server
     from gpushare._ucx._address import check_worker_address
     import gpushare.ucx as gu
 
-    raw = _agent._unpack(_server.server().address, _agent._ADDRESS_MAGIC, "a", 1 << 16)[1]
+    raw = _common.unpack(_server.server().address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
     check_worker_address(raw)
-    check_worker_address(_agent._unpack(gu.Agent(error_handling=False, transports="all").address,
-                                        _agent._ADDRESS_MAGIC, "a", 1 << 16)[1])
+    check_worker_address(_common.unpack(gu.Agent(error_handling=False, transports="all").address,
+                                        _common.ADDRESS_MAGIC, "a", 1 << 16)[1])
     for broken, why in [(raw[:-1], "ends at byte"), (raw + b"\0", "after its last device"),
                         (bytes([raw[0] | 0x0F]) + raw[1:], "format version 15"),
                         (raw[:9] + b"\xff" + raw[10:], "names no transport")]:
@@ -337,12 +337,12 @@ import random, subprocess, sys
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own
 import gpushare as gs
 import gpushare.ucx as gu
-from gpushare._ucx import _agent
+from gpushare._ucx import _common
 
 exporter, importer = gu.Agent(), gu.Agent()
 memory = bytearray(4096)
 handle = exporter.create_memory_handle(len(memory), memory)
-mtype, payload = _agent._unpack(handle.create_remote_key().serialize(), _agent._KEY_MAGIC, "k", 1 << 16)
+mtype, payload = _common.unpack(handle.create_remote_key().serialize(), _common.KEY_MAGIC, "k", 1 << 16)
 ep = importer.connect(exporter.address)
 rng = random.Random(int(sys.argv[1]))
 forged = []
@@ -358,7 +358,7 @@ forged += [payload[:n] for n in range(len(payload))] + [payload + bytes(n) for n
 refused = unpacked = 0
 for blob in forged:
     try:
-        ep.unpack_remote_key(_agent._pack(_agent._KEY_MAGIC, mtype, blob)).close()
+        ep.unpack_remote_key(_common.pack(_common.KEY_MAGIC, mtype, blob)).close()
         unpacked += 1
     except gs.GpuShareError:
         refused += 1

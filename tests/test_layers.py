@@ -61,11 +61,11 @@ KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
 #: Import cycles today, each as the sorted modules of one strongly connected
 #: component.  Same rule: it may only shrink.
 KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset({
-    # _paths/__init__ imports ucx_rma, which imports _ucx; _ucx._agent and _ucx._device
-    # import _paths._cuda (in functions), which runs _paths/__init__: gone once the
+    # _paths/__init__ imports ucx_rma, which imports _ucx; _ucx._device imports
+    # _paths._cuda (in a function), which runs _paths/__init__: gone once the
     # driver module is _cuda/, below both
-    ("gpushare._paths", "gpushare._paths.ucx_rma", "gpushare._ucx", "gpushare._ucx._agent",
-     "gpushare._ucx._device", "gpushare._ucx._server"),
+    ("gpushare._paths", "gpushare._paths.ucx_rma", "gpushare._ucx", "gpushare._ucx._device",
+     "gpushare._ucx._server"),
 })
 
 #: The most function-level imports of gpushare's own modules.  Own modules

@@ -61,7 +61,7 @@ def test_idle_agent_sleeps_without_a_timer(link, peer):
 
 
 def test_wake_timeout_follows_the_transports():
-    from gpushare._ucx._agent import default_transports, wake_timeout_ms
+    from gpushare._ucx._common import default_transports, wake_timeout_ms
 
     assert wake_timeout_ms("tcp") == -1
     assert wake_timeout_ms("tcp,cuda_copy") == -1

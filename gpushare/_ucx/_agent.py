@@ -5,17 +5,11 @@ Policy lives here; ``_native`` only adapts libucxx.  See ``docs/ucx.md``.
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import os
-import struct
-import sys
 import threading
-import types
 import weakref
-import zlib
-from collections import deque
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _buffers
@@ -26,152 +20,33 @@ from .._errors import (
     OutOfBoundsError,
     UCXConnectionError,
     WaitTimeoutError,
-    translate,
 )
 from . import _device
 from ._address import check_worker_address
-from ._loader import check_memtype_config, infiniband_present, keep_forever, native
+from ._common import (
+    ADDRESS_MAGIC,
+    KEY_MAGIC,
+    MAX_ADDRESS,
+    MAX_KEY,
+    MEMORY_TYPE_CODES,
+    MEMORY_TYPE_NAMES,
+    PROGRESS_MODES,
+    U64,
+    Connection,
+    Request,
+    check_int,
+    check_timeout,
+    default_transports,
+    mt_config,
+    pack,
+    report_callback_error,
+    unpack,
+    user_callback,
+    wake_timeout_ms,
+)
+from ._loader import check_memtype_config, keep_forever, native
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
-
-#: Progress modes an :class:`Agent` accepts.
-PROGRESS_MODES = ("blocking", "polling")
-
-_ADDRESS_MAGIC = b"GSUA"
-_KEY_MAGIC = b"GSRK"
-_FORMAT_VERSION = 1
-# magic(4) | version(u16) | memory type(u16) | payload length(u32) | crc32(u32)
-_HEADER = struct.Struct("<4sHHII")
-_MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
-_MAX_KEY = 1 << 16  # a packed remote key is tens to hundreds of bytes
-_U64 = (1 << 64) - 1
-_MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
-_MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
-
-
-# Transports whose interfaces wake a worker's event fd for every completion
-# and arrival: a blocking progress thread may sleep without a timeout on them.
-_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc", "ib"})
-
-
-def _cuda_driver_present() -> bool:
-    """Whether this process can load a CUDA driver (without initialising it)."""
-    if os.path.exists("/dev/nvidiactl"):
-        return True
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)
-    except OSError:
-        return False
-    return True
-
-
-def default_transports() -> str:
-    """``UCX_TLS`` for a worker with error handling: TCP; InfiniBand and
-    RoCE (``ib``) where this node has such devices; and ``cuda_copy`` (GPU
-    memory staged by the copy engines) where a CUDA driver is present.
-
-    Shared-memory transports and CMA are left out (they cannot wake a
-    sleeping worker, and error handling rules CMA out), and so is
-    ``cuda_ipc``: it maps one physical allocation per registered range and
-    takes VMM memory only with fabric handles, so over it a buffer of several
-    allocations would expose its first one only.  Processes on one node
-    share GPU memory over the mapped paths instead."""
-    tls = ["tcp"]
-    if infiniband_present():
-        tls.insert(0, "ib")
-    if _cuda_driver_present():
-        tls.append("cuda_copy")
-    return ",".join(tls)
-
-
-def mt_config() -> dict[str, str]:
-    """Settings for a worker that several threads call into.
-
-    UCX guards such a worker with a spinlock by default; with the progress
-    thread and callers contending on a busy machine a preempted holder makes
-    the other spin for a whole time slice (milliseconds per small request).
-    A mutex sleeps instead.  ``UCX_USE_MT_MUTEX`` in the environment wins.
-    """
-    return {} if "UCX_USE_MT_MUTEX" in os.environ else {"USE_MT_MUTEX": "y"}
-
-
-def wake_timeout_ms(tls: str | None) -> int:
-    """epoll timeout of a blocking progress thread for transport list ``tls``.
-
-    -1 (sleep until an event) when every transport wakes the worker; 1 ms
-    otherwise: shared-memory transports deliver without waking a sleeper.
-    """
-    if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
-        return -1
-    return 1
-
-
-def _pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:
-    return _HEADER.pack(magic, _FORMAT_VERSION, memory_type, len(payload), zlib.crc32(payload)) + payload
-
-
-def _unpack(blob: Any, magic: bytes, what: str, limit: int) -> tuple[int, bytes]:
-    """Check an envelope from another process; return (memory type, payload)."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise InvalidInputError(f"{what} must be bytes, not {type(blob).__name__}")
-    blob = bytes(blob)
-    if len(blob) < _HEADER.size:
-        raise InvalidInputError(f"{what} is {len(blob)} bytes; at least {_HEADER.size} expected")
-    got_magic, version, mtype, length, crc = _HEADER.unpack_from(blob)
-    if got_magic != magic:
-        raise InvalidInputError(f"not a gpushare {what}: starts with {got_magic!r}, expected {magic!r}")
-    if version != _FORMAT_VERSION:
-        raise InvalidInputError(f"{what} has format version {version}; this gpushare reads version {_FORMAT_VERSION}")
-    payload = blob[_HEADER.size :]
-    if length > limit or len(payload) != length:
-        raise InvalidInputError(f"{what} says {length} payload bytes; {len(payload)} came (limit {limit})")
-    if zlib.crc32(payload) != crc:
-        raise InvalidInputError(f"{what} is corrupted: checksum mismatch")
-    return mtype, payload
-
-
-def _check_int(value: Any, name: str, *, minimum: int = 0, maximum: int = _U64) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{name} must be an int, not {type(value).__name__}")
-    if not minimum <= value <= maximum:
-        raise InvalidInputError(f"{name} is {value}; expected {minimum} <= {name} <= {maximum}")
-    return value
-
-
-def _check_timeout(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise InvalidInputError(f"timeout must be None or a non-negative number, not {timeout!r}")
-    return float(timeout)
-
-
-def _user_callback(callback: Callable, data: Any, holder: list, op: str) -> Callable[[], None]:
-    """``callback(error, data)`` for the request that ``holder`` will hold."""
-
-    def run() -> None:
-        try:
-            callback(holder[0]._error() if holder else None, data)
-        except Exception:
-            _report_callback_error(op)
-
-    return run
-
-
-def _report_callback_error(where: str) -> None:
-    """Report the exception being handled through sys.unraisablehook."""
-    exc = sys.exc_info()[1]
-    sys.unraisablehook(
-        types.SimpleNamespace(
-            exc_type=type(exc),
-            exc_value=exc,
-            exc_traceback=exc.__traceback__ if exc is not None else None,
-            err_msg=f"Exception ignored in gpushare {where} callback",
-            object=None,
-        )
-    )
 
 
 def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: weakref.WeakSet,
@@ -192,7 +67,7 @@ def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: 
     try:
         nagent.close()
     except Exception:  # noqa: BLE001 - never fail in a finalizer
-        _report_callback_error("agent close")
+        report_callback_error("agent close")
         return  # leak the quarantined memory rather than free it under a live worker
     with lock:
         parked, quarantine[:] = list(quarantine), []
@@ -219,7 +94,7 @@ def _free_allocated(nmh: Any, ordinal: int | None) -> None:
         with _device.on_memory_device(None, ordinal):
             nmh.close()
     except GpuShareError:  # the driver refused the context: free what can be freed
-        _report_callback_error("memory handle close")
+        report_callback_error("memory handle close")
         nmh.close()
 
 
@@ -230,127 +105,6 @@ def _alloc_ordinal() -> int:
 
     current = _cuda.current_ordinal()
     return 0 if current is None else current
-
-
-# --------------------------------------------------------------------------
-
-
-class Request:
-    """A non-blocking operation (put, get or flush) in flight.
-
-    Made by :meth:`Endpoint.mem_put`, :meth:`Endpoint.mem_get` and
-    :meth:`Endpoint.flush`; not constructed by users.  It can be waited on,
-    polled, given callbacks, and awaited from asyncio.  The local buffer stays
-    referenced until the request completes.
-    """
-
-    __slots__ = ("_native", "_buffer", "_endpoint", "__weakref__")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("Request objects are made by Endpoint.mem_put/mem_get/flush")
-
-    @classmethod
-    def _from_native(cls, nreq: Any, buffer: _buffers.LocalBuffer | None, endpoint: Endpoint) -> Request:
-        self = object.__new__(cls)
-        self._native = nreq
-        self._buffer = buffer
-        self._endpoint = endpoint
-        return self
-
-    @property
-    def kind(self) -> str:
-        """``"put"``, ``"get"`` or ``"flush"``."""
-        return self._native.kind
-
-    def done(self) -> bool:
-        """Whether the request has completed (successfully or not)."""
-        done = self._native.done()
-        if done and self._buffer is not None:
-            self._buffer = None  # the transfer no longer touches it
-        return done
-
-    def _error(self) -> GpuShareError | None:
-        status = self._native.status()
-        if status is None or status[0] == "UCS_OK":
-            return None
-        name, message = status
-        return translate(name, f"{self.kind} failed: {message}")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the request completes.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait; ``None`` waits until UCX completes or fails the
-            request (a dead peer fails it).
-
-        Raises
-        ------
-        WaitTimeoutError
-            If ``timeout`` passes first; the request stays in flight.
-        UCXError
-            If the request failed.
-        """
-        t = _check_timeout(timeout)
-        if not self._native.wait(-1.0 if t is None else t):
-            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
-        self._buffer = None
-        err = self._error()
-        if err is not None:
-            raise err
-
-    def exception(self, timeout: float | None = None) -> GpuShareError | None:
-        """Wait like :meth:`wait` and return the request's error, or ``None``."""
-        t = _check_timeout(timeout)
-        if not self._native.wait(-1.0 if t is None else t):
-            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
-        return self._error()
-
-    def add_done_callback(self, fn: Callable[[Request], Any]) -> None:
-        """Call ``fn(request)`` when the request completes.
-
-        It runs in the agent's progress thread, or at once in this thread if
-        the request has already completed.  Exceptions it raises are reported
-        through :func:`sys.unraisablehook`.
-        """
-        if not callable(fn):
-            raise InvalidInputError("callback must be callable")
-        ref = self
-
-        def run() -> None:
-            try:
-                fn(ref)
-            except Exception:
-                _report_callback_error("done")
-
-        self._native.add_callback(run)
-
-    def __await__(self) -> Generator[Any, None, Request]:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def wake() -> None:
-            def settle() -> None:
-                if not fut.done():
-                    fut.set_result(None)
-
-            try:
-                loop.call_soon_threadsafe(settle)
-            except RuntimeError:
-                pass  # the loop closed; nobody is awaiting any more
-
-        self._native.add_callback(wake)
-        yield from fut.__await__()
-        self._buffer = None
-        err = self._error()
-        if err is not None:
-            raise err
-        return self
-
-    def __repr__(self) -> str:
-        state = "done" if self._native.done() else "pending"
-        return f"<gpushare.ucx.Request {self.kind} {state}>"
 
 
 class RemoteKey:
@@ -465,7 +219,7 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     try:
         nmh.close()
     except Exception:  # noqa: BLE001
-        _report_callback_error("memory handle close")
+        report_callback_error("memory handle close")
     if mm is not None:
         native().quarantine(addr, length)
     with lock:
@@ -547,7 +301,7 @@ class MemoryHandle:
         with _device.on_memory_device(None, self._ordinal):
             blob = n.pack_remote_key()
             base, size = native().serialized_remote_key_range(blob)
-        packed = _pack(_KEY_MAGIC, _MEMORY_TYPE_CODES[self._memory_type], blob)
+        packed = pack(KEY_MAGIC, MEMORY_TYPE_CODES[self._memory_type], blob)
         return RemoteKey._make(native_key=None, blob=packed, base=base, size=size,
                                memory_type=self._memory_type, endpoint=None)
 
@@ -576,71 +330,7 @@ class MemoryHandle:
         return f"<gpushare.ucx.MemoryHandle {self._memory_type} base=0x{self._native.base_address:x} size={self._native.size}>"
 
 
-class _Connection:
-    """What :class:`Endpoint` and the region server's ``Peer`` share: a native
-    endpoint, the requests in flight (whose buffers stay referenced), close."""
-
-    __slots__ = ("_native", "_inflight", "_closed", "_lock", "__weakref__")
-
-    def _init(self, native_ep: Any) -> None:
-        self._native = native_ep
-        self._inflight: deque[Request] = deque()
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def _check_open(self) -> Any:  # pragma: no cover - every subclass overrides it
-        raise NotImplementedError
-
-    @property
-    def alive(self) -> bool:
-        """Whether the connection is up (false once closed or the peer failed)."""
-        return not self._closed and self._native.alive()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def transport_info(self) -> str:
-        """UCX's description of the lanes and transports this connection uses."""
-        n = self._check_open()
-        return n.info()
-
-    def _track(self, req: Request) -> Request:
-        """Keep ``req`` (and its buffer) referenced until it completes."""
-        if self._inflight:
-            self._prune()
-        if not req._native.done():
-            with self._lock:
-                self._inflight.append(req)
-        return req
-
-    def _prune(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0]._native.done():
-                self._inflight.popleft()._buffer = None
-
-    def _shutdown(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._native.close(timeout)
-        except GpuShareError:
-            pass  # the peer is gone already: nothing left to disconnect
-        with self._lock:
-            self._inflight.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self, timeout: float = 5.0) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-class Endpoint(_Connection):
+class Endpoint(Connection):
     """A connection to one peer agent; made by :meth:`Agent.connect`."""
 
     __slots__ = ("_agent",)
@@ -673,18 +363,18 @@ class Endpoint(_Connection):
             If the blob is truncated, corrupted, foreign or from another version.
         """
         n = self._check_open()
-        mtype, payload = _unpack(blob, _KEY_MAGIC, "remote key", _MAX_KEY)
-        if mtype not in _MEMORY_TYPE_NAMES:
+        mtype, payload = unpack(blob, KEY_MAGIC, "remote key", MAX_KEY)
+        if mtype not in MEMORY_TYPE_NAMES:
             raise InvalidInputError(f"remote key names unknown memory type {mtype}")
         problem = native().remote_key_problem(payload)
         if problem:
             raise InvalidInputError(f"remote key is malformed: {problem}")
         base, size = native().serialized_remote_key_range(payload)
-        if size == 0 or base + size > _U64:
+        if size == 0 or base + size > U64:
             raise InvalidInputError(f"remote key covers an impossible range: base 0x{base:x}, size {size}")
         nkey = n.unpack_remote_key(payload)
         return RemoteKey._make(native_key=nkey, blob=None, base=base, size=size,
-                               memory_type=_MEMORY_TYPE_NAMES[mtype], endpoint=self)
+                               memory_type=MEMORY_TYPE_NAMES[mtype], endpoint=self)
 
     def _submit(self, op: str, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable | None, callback_data: Any, nbytes: int | None, stream: Any) -> Request:
@@ -692,7 +382,7 @@ class Endpoint(_Connection):
         if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
             raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
         rkey._check_open()
-        _check_int(remote_address, "remote_address")
+        check_int(remote_address, "remote_address")
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
         consumer = _device.consumer_stream(stream)
@@ -701,7 +391,7 @@ class Endpoint(_Connection):
             if nbytes is None:
                 nbytes = local.nbytes
             else:
-                _check_int(nbytes, "nbytes")
+                check_int(nbytes, "nbytes")
                 if nbytes > local.nbytes:
                     raise InvalidInputError(
                         f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}"
@@ -713,7 +403,7 @@ class Endpoint(_Connection):
                     f"region [0x{lo:x}, 0x{hi:x})"
                 )
             holder: list[Request] = []
-            on_done = None if callback is None else _user_callback(callback, callback_data, holder, op)
+            on_done = None if callback is None else user_callback(callback, callback_data, holder, op)
 
             if self._inflight:
                 self._prune()
@@ -802,7 +492,7 @@ class Endpoint(_Connection):
         nreq = n.flush(None)
         req = Request._from_native(nreq, None, self)
         if callback is not None:
-            nreq.add_callback(_user_callback(callback, callback_data, [req], "flush"))
+            nreq.add_callback(user_callback(callback, callback_data, [req], "flush"))
         return req
 
     def close(self, timeout: float = 5.0) -> None:
@@ -811,7 +501,7 @@ class Endpoint(_Connection):
         Requests still in flight fail with :class:`UCXCanceledError` (or a
         connection error).  Waits at most ``timeout`` seconds.
         """
-        t = _check_timeout(timeout)
+        t = check_timeout(timeout)
         if self._closed:
             return
         if self._agent._usable():
@@ -943,7 +633,7 @@ class Agent:
         self._check_usable()
         if self._address is None:
             raw = self._native.address()
-            self._address = _pack(_ADDRESS_MAGIC, 0, raw)
+            self._address = pack(ADDRESS_MAGIC, 0, raw)
         return self._address
 
     def info(self) -> str:
@@ -964,8 +654,8 @@ class Agent:
             If the peer cannot be reached within ``timeout`` seconds.
         """
         self._check_usable()
-        t = _check_timeout(timeout)
-        _, raw = _unpack(peer_address, _ADDRESS_MAGIC, "agent address", _MAX_ADDRESS)
+        t = check_timeout(timeout)
+        _, raw = unpack(peer_address, ADDRESS_MAGIC, "agent address", MAX_ADDRESS)
         check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         nep = self._native.connect(raw)
         ep = Endpoint._make(self, nep)
@@ -1004,10 +694,10 @@ class Agent:
             synonym of ``"host"``.
         """
         self._check_usable()
-        _check_int(size, "size", minimum=1, maximum=1 << 48)
+        check_int(size, "size", minimum=1, maximum=1 << 48)
         if memory_type == "cpu":
             memory_type = "host"
-        if memory_type is not None and memory_type not in _MEMORY_TYPE_CODES:
+        if memory_type is not None and memory_type not in MEMORY_TYPE_CODES:
             raise InvalidInputError(f"memory_type must be 'host' (or 'cpu') or 'cuda', not {memory_type!r}")
         n = native()
         mm = None
@@ -1040,7 +730,7 @@ class Agent:
             # UCX allocates CUDA memory, and registers it, under the device's
             # primary context (see _device); the caller's stays current.
             with _device.on_memory_device(None, ordinal if mtype == "cuda" else None):
-                nmh = self._native.create_memory_handle(reg_size, address, _MEMORY_TYPE_CODES[mtype])
+                nmh = self._native.create_memory_handle(reg_size, address, MEMORY_TYPE_CODES[mtype])
         except BaseException:
             if local is not None:
                 local.release()

@@ -30,18 +30,19 @@ from .._errors import (
     translate,
 )
 from .._process import PerProcess, wait_alive
-from ._agent import (
-    _ADDRESS_MAGIC,
-    _Connection,
-    _MAX_ADDRESS,
-    _MEMORY_TYPE_CODES,
+from ._common import (
+    ADDRESS_MAGIC,
+    MAX_ADDRESS,
+    MEMORY_TYPE_CODES,
+    U64,
+    Connection,
     Request,
-    _check_int,
-    _check_timeout,
-    _pack,
-    _unpack,
+    check_int,
+    check_timeout,
     default_transports,
     mt_config,
+    pack,
+    unpack,
     wake_timeout_ms,
 )
 from . import _device
@@ -52,7 +53,6 @@ __all__ = ["Server", "Region", "Client", "Peer", "server", "client", "node_confi
 
 #: Length in bytes of a region key.
 KEY_BYTES = 16
-_U64 = (1 << 64) - 1
 _CLOSE_TIMEOUT = 10.0
 _OK = ("UCS_OK", "GS_OK")
 
@@ -248,7 +248,7 @@ class Region:
         """
         n = self._check_open()
         key = _check_key(key)
-        t = _check_timeout(timeout)
+        t = check_timeout(timeout)
         outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
         if outcome == 2:
             raise WaitTimeoutError(f"key revoked, but transfers admitted before did not finish within {timeout} s")
@@ -267,7 +267,7 @@ class Region:
         registered and referenced until the process's node stops, and is
         never reused under the peer.
         """
-        t = _check_timeout(timeout)
+        t = check_timeout(timeout)
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
@@ -327,7 +327,7 @@ class Server:
     def address(self) -> bytes:
         """Bytes an importer passes to :meth:`Client.connect` (the worker's address)."""
         n = self._node.check()
-        return _pack(_ADDRESS_MAGIC, 0, n.address())
+        return pack(ADDRESS_MAGIC, 0, n.address())
 
     def add_region(self, obj: Any, readonly: bool = False) -> Region:
         """Serve ``obj``'s memory as a new region.
@@ -359,7 +359,7 @@ class Server:
             # UCX registers CUDA memory, and later copies into and out of it,
             # under the device's primary context (see _device).
             with _device.on_memory_device(local):
-                rid = n.add_region(local.address, local.nbytes, readonly, _MEMORY_TYPE_CODES[local.memory_type])
+                rid = n.add_region(local.address, local.nbytes, readonly, MEMORY_TYPE_CODES[local.memory_type])
         except BaseException:
             if local is not obj:
                 local.release()
@@ -396,10 +396,10 @@ def server() -> Server:
 
 
 def _check_region_id(region_id: Any) -> int:
-    return _check_int(region_id, "region_id", minimum=1)
+    return check_int(region_id, "region_id", minimum=1)
 
 
-class Peer(_Connection):
+class Peer(Connection):
     """The connection from this process to one exporter's :class:`Server`.
 
     Made by :meth:`Client.connect`, one per exporter address.  Requests carry
@@ -429,7 +429,7 @@ class Peer(_Connection):
               nbytes: Any, locals_: list, stream: int | None = None) -> tuple:
         _check_region_id(region_id)
         key = _check_key(key)
-        _check_int(offset, "offset")
+        check_int(offset, "offset")
         local = None
         if _buffers.plain_host_nbytes(buffer) is not None:
             # NumPy arrays and Python's byte buffers: pinned natively, the
@@ -440,23 +440,23 @@ class Peer(_Connection):
                 pass
             else:
                 locals_.append(local)
-                memory_type = _MEMORY_TYPE_CODES["host"]
+                memory_type = MEMORY_TYPE_CODES["host"]
         if local is None:
             local = _device.resolve(buffer, writable=(op == "get"), stream=stream)
             if local is not buffer:
                 locals_.append(local)
-            memory_type = _MEMORY_TYPE_CODES[local.memory_type]
+            memory_type = MEMORY_TYPE_CODES[local.memory_type]
         if nbytes is None:
             nbytes = local.nbytes
         else:
-            _check_int(nbytes, "nbytes")
+            check_int(nbytes, "nbytes")
             if nbytes > local.nbytes:
                 raise InvalidInputError(f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}")
         if nbytes < 1:
             raise InvalidInputError(f"a {op} moves at least one byte")
-        if offset + nbytes > _U64:
+        if offset + nbytes > U64:
             raise OutOfBoundsError("offset + nbytes runs past 2**64")
-        if memory_type != _MEMORY_TYPE_CODES["host"]:
+        if memory_type != MEMORY_TYPE_CODES["host"]:
             # UCX copies CUDA memory on streams of its own: after the work
             # queued before the transfer (see _device).
             _device.order_before(local, stream)
@@ -567,12 +567,12 @@ class Peer(_Connection):
         :class:`WaitTimeoutError` (the transfer stays in flight).  ``alive``
         (for the sharing API: the view's lease): asked every second of the
         wait whether the exporter still answers."""
-        self._one("get", region_id, key, offset, dst, nbytes, _check_timeout(timeout), alive, stream)
+        self._one("get", region_id, key, offset, dst, nbytes, check_timeout(timeout), alive, stream)
 
     def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
             nbytes: int | None = None, alive: Any = None, stream: Any = None) -> None:
         """:meth:`put_async` and wait, as :meth:`get`."""
-        self._one("put", region_id, key, offset, src, nbytes, _check_timeout(timeout), alive, stream)
+        self._one("put", region_id, key, offset, src, nbytes, check_timeout(timeout), alive, stream)
 
     def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, stream: Any = None) -> Request:
         """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.
@@ -600,7 +600,7 @@ class Peer(_Connection):
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect (idempotent); requests in flight fail.  The next
         :meth:`Client.connect` to this address makes a new peer."""
-        t = _check_timeout(timeout)
+        t = check_timeout(timeout)
         if self._closed:
             return
         if os.getpid() == self._node.pid and not self._node.native.closed:
@@ -647,8 +647,8 @@ class Client:
         """
         node = self._node
         n = node.check()
-        t = _check_timeout(timeout)
-        _, raw = _unpack(address, _ADDRESS_MAGIC, "worker address", _MAX_ADDRESS)
+        t = check_timeout(timeout)
+        _, raw = unpack(address, ADDRESS_MAGIC, "worker address", MAX_ADDRESS)
         check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         with node.lock:
             cached = node.peers.get(raw)

@@ -1,0 +1,364 @@
+"""What the Agent (``_agent``) and the region server (``_server``) share:
+worker configuration (transports, progress, locking), the envelope of
+addresses and keys that cross processes (pack/unpack), argument checks,
+:class:`Request` and the :class:`Connection` base of their endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import sys
+import threading
+import types
+import zlib
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import Any
+
+from .. import _buffers
+from .._errors import GpuShareError, InvalidInputError, WaitTimeoutError, translate
+from ._loader import infiniband_present
+
+__all__ = [
+    "PROGRESS_MODES",
+    "ADDRESS_MAGIC",
+    "KEY_MAGIC",
+    "MAX_ADDRESS",
+    "MAX_KEY",
+    "U64",
+    "MEMORY_TYPE_CODES",
+    "MEMORY_TYPE_NAMES",
+    "default_transports",
+    "mt_config",
+    "wake_timeout_ms",
+    "pack",
+    "unpack",
+    "check_int",
+    "check_timeout",
+    "user_callback",
+    "report_callback_error",
+    "Request",
+    "Connection",
+]
+
+#: Progress modes an :class:`Agent` accepts.
+PROGRESS_MODES = ("blocking", "polling")
+
+ADDRESS_MAGIC = b"GSUA"
+KEY_MAGIC = b"GSRK"
+_FORMAT_VERSION = 1
+# magic(4) | version(u16) | memory type(u16) | payload length(u32) | crc32(u32)
+_HEADER = struct.Struct("<4sHHII")
+MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
+MAX_KEY = 1 << 16  # a packed remote key is tens to hundreds of bytes
+U64 = (1 << 64) - 1
+MEMORY_TYPE_CODES = {"host": 0, "cuda": 1}
+MEMORY_TYPE_NAMES = {0: "host", 1: "cuda", 2: "cuda"}
+
+
+# Transports whose interfaces wake a worker's event fd for every completion
+# and arrival: a blocking progress thread may sleep without a timeout on them.
+_WAKING_TRANSPORTS = frozenset({"tcp", "cuda_copy", "cuda_ipc", "ib"})
+
+
+def _cuda_driver_present() -> bool:
+    """Whether this process can load a CUDA driver (without initialising it)."""
+    if os.path.exists("/dev/nvidiactl"):
+        return True
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_LOCAL)
+    except OSError:
+        return False
+    return True
+
+
+def default_transports() -> str:
+    """``UCX_TLS`` for a worker with error handling: TCP; InfiniBand and
+    RoCE (``ib``) where this node has such devices; and ``cuda_copy`` (GPU
+    memory staged by the copy engines) where a CUDA driver is present.
+
+    Shared-memory transports and CMA are left out (they cannot wake a
+    sleeping worker, and error handling rules CMA out), and so is
+    ``cuda_ipc``: it maps one physical allocation per registered range and
+    takes VMM memory only with fabric handles, so over it a buffer of several
+    allocations would expose its first one only.  Processes on one node
+    share GPU memory over the mapped paths instead."""
+    tls = ["tcp"]
+    if infiniband_present():
+        tls.insert(0, "ib")
+    if _cuda_driver_present():
+        tls.append("cuda_copy")
+    return ",".join(tls)
+
+
+def mt_config() -> dict[str, str]:
+    """Settings for a worker that several threads call into.
+
+    UCX guards such a worker with a spinlock by default; with the progress
+    thread and callers contending on a busy machine a preempted holder makes
+    the other spin for a whole time slice (milliseconds per small request).
+    A mutex sleeps instead.  ``UCX_USE_MT_MUTEX`` in the environment wins.
+    """
+    return {} if "UCX_USE_MT_MUTEX" in os.environ else {"USE_MT_MUTEX": "y"}
+
+
+def wake_timeout_ms(tls: str | None) -> int:
+    """epoll timeout of a blocking progress thread for transport list ``tls``.
+
+    -1 (sleep until an event) when every transport wakes the worker; 1 ms
+    otherwise: shared-memory transports deliver without waking a sleeper.
+    """
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
+        return -1
+    return 1
+
+
+def pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:
+    return _HEADER.pack(magic, _FORMAT_VERSION, memory_type, len(payload), zlib.crc32(payload)) + payload
+
+
+def unpack(blob: Any, magic: bytes, what: str, limit: int) -> tuple[int, bytes]:
+    """Check an envelope from another process; return (memory type, payload)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{what} must be bytes, not {type(blob).__name__}")
+    blob = bytes(blob)
+    if len(blob) < _HEADER.size:
+        raise InvalidInputError(f"{what} is {len(blob)} bytes; at least {_HEADER.size} expected")
+    got_magic, version, mtype, length, crc = _HEADER.unpack_from(blob)
+    if got_magic != magic:
+        raise InvalidInputError(f"not a gpushare {what}: starts with {got_magic!r}, expected {magic!r}")
+    if version != _FORMAT_VERSION:
+        raise InvalidInputError(f"{what} has format version {version}; this gpushare reads version {_FORMAT_VERSION}")
+    payload = blob[_HEADER.size :]
+    if length > limit or len(payload) != length:
+        raise InvalidInputError(f"{what} says {length} payload bytes; {len(payload)} came (limit {limit})")
+    if zlib.crc32(payload) != crc:
+        raise InvalidInputError(f"{what} is corrupted: checksum mismatch")
+    return mtype, payload
+
+
+def check_int(value: Any, name: str, *, minimum: int = 0, maximum: int = U64) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, not {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise InvalidInputError(f"{name} is {value}; expected {minimum} <= {name} <= {maximum}")
+    return value
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise InvalidInputError(f"timeout must be None or a non-negative number, not {timeout!r}")
+    return float(timeout)
+
+
+def user_callback(callback: Callable, data: Any, holder: list, op: str) -> Callable[[], None]:
+    """``callback(error, data)`` for the request that ``holder`` will hold."""
+
+    def run() -> None:
+        try:
+            callback(holder[0]._error() if holder else None, data)
+        except Exception:
+            report_callback_error(op)
+
+    return run
+
+
+def report_callback_error(where: str) -> None:
+    """Report the exception being handled through sys.unraisablehook."""
+    exc = sys.exc_info()[1]
+    sys.unraisablehook(
+        types.SimpleNamespace(
+            exc_type=type(exc),
+            exc_value=exc,
+            exc_traceback=exc.__traceback__ if exc is not None else None,
+            err_msg=f"Exception ignored in gpushare {where} callback",
+            object=None,
+        )
+    )
+
+
+class Request:
+    """A non-blocking operation (put, get or flush) in flight.
+
+    Made by :meth:`Endpoint.mem_put`, :meth:`Endpoint.mem_get` and
+    :meth:`Endpoint.flush`; not constructed by users.  It can be waited on,
+    polled, given callbacks, and awaited from asyncio.  The local buffer stays
+    referenced until the request completes.
+    """
+
+    __slots__ = ("_native", "_buffer", "_endpoint", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Request objects are made by Endpoint.mem_put/mem_get/flush")
+
+    @classmethod
+    def _from_native(cls, nreq: Any, buffer: _buffers.LocalBuffer | None, endpoint: Connection) -> Request:
+        self = object.__new__(cls)
+        self._native = nreq
+        self._buffer = buffer
+        self._endpoint = endpoint
+        return self
+
+    @property
+    def kind(self) -> str:
+        """``"put"``, ``"get"`` or ``"flush"``."""
+        return self._native.kind
+
+    def done(self) -> bool:
+        """Whether the request has completed (successfully or not)."""
+        done = self._native.done()
+        if done and self._buffer is not None:
+            self._buffer = None  # the transfer no longer touches it
+        return done
+
+    def _error(self) -> GpuShareError | None:
+        status = self._native.status()
+        if status is None or status[0] == "UCS_OK":
+            return None
+        name, message = status
+        return translate(name, f"{self.kind} failed: {message}")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the request completes.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; ``None`` waits until UCX completes or fails the
+            request (a dead peer fails it).
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` passes first; the request stays in flight.
+        UCXError
+            If the request failed.
+        """
+        t = check_timeout(timeout)
+        if not self._native.wait(-1.0 if t is None else t):
+            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
+        self._buffer = None
+        err = self._error()
+        if err is not None:
+            raise err
+
+    def exception(self, timeout: float | None = None) -> GpuShareError | None:
+        """Wait like :meth:`wait` and return the request's error, or ``None``."""
+        t = check_timeout(timeout)
+        if not self._native.wait(-1.0 if t is None else t):
+            raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
+        return self._error()
+
+    def add_done_callback(self, fn: Callable[[Request], Any]) -> None:
+        """Call ``fn(request)`` when the request completes.
+
+        It runs in the agent's progress thread, or at once in this thread if
+        the request has already completed.  Exceptions it raises are reported
+        through :func:`sys.unraisablehook`.
+        """
+        if not callable(fn):
+            raise InvalidInputError("callback must be callable")
+        ref = self
+
+        def run() -> None:
+            try:
+                fn(ref)
+            except Exception:
+                report_callback_error("done")
+
+        self._native.add_callback(run)
+
+    def __await__(self) -> Generator[Any, None, Request]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def wake() -> None:
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass  # the loop closed; nobody is awaiting any more
+
+        self._native.add_callback(wake)
+        yield from fut.__await__()
+        self._buffer = None
+        err = self._error()
+        if err is not None:
+            raise err
+        return self
+
+    def __repr__(self) -> str:
+        state = "done" if self._native.done() else "pending"
+        return f"<gpushare.ucx.Request {self.kind} {state}>"
+
+
+class Connection:
+    """What :class:`Endpoint` and the region server's ``Peer`` share: a native
+    endpoint, the requests in flight (whose buffers stay referenced), close."""
+
+    __slots__ = ("_native", "_inflight", "_closed", "_lock", "__weakref__")
+
+    def _init(self, native_ep: Any) -> None:
+        self._native = native_ep
+        self._inflight: deque[Request] = deque()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _check_open(self) -> Any:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is up (false once closed or the peer failed)."""
+        return not self._closed and self._native.alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def transport_info(self) -> str:
+        """UCX's description of the lanes and transports this connection uses."""
+        n = self._check_open()
+        return n.info()
+
+    def _track(self, req: Request) -> Request:
+        """Keep ``req`` (and its buffer) referenced until it completes."""
+        if self._inflight:
+            self._prune()
+        if not req._native.done():
+            with self._lock:
+                self._inflight.append(req)
+        return req
+
+    def _prune(self) -> None:
+        with self._lock:
+            while self._inflight and self._inflight[0]._native.done():
+                self._inflight.popleft()._buffer = None
+
+    def _shutdown(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._native.close(timeout)
+        except GpuShareError:
+            pass  # the peer is gone already: nothing left to disconnect
+        with self._lock:
+            self._inflight.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
