@@ -55,16 +55,16 @@ def test_separate_programs_need_a_shared_key(tmp_path, shared_key):
     env.pop("GPUSHARE_AUTHKEY", None)
     if shared_key:
         env["GPUSHARE_AUTHKEY"] = "a key both programs were given"
-    exporter = subprocess.Popen([sys.executable, _program(tmp_path, "exp.py", EXPORTER)], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        share_hex = exporter.stdout.readline().strip()
-        r = subprocess.run([sys.executable, _program(tmp_path, "imp.py", IMPORTER), share_hex], env=env,
-                           capture_output=True, text=True, timeout=60)
-    finally:
-        exporter.stdin.write("\n")
-        exporter.stdin.flush()
-        exporter.wait(30)
+    with subprocess.Popen([sys.executable, _program(tmp_path, "exp.py", EXPORTER)], env=env,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as exporter:
+        try:
+            share_hex = exporter.stdout.readline().strip()
+            r = subprocess.run([sys.executable, _program(tmp_path, "imp.py", IMPORTER), share_hex], env=env,
+                               capture_output=True, text=True, timeout=60)
+        finally:
+            exporter.stdin.write("\n")
+            exporter.stdin.flush()
+            exporter.wait(30)
     if shared_key:
         words = r.stdout.split()
         assert words[0] == "opened" and words[2] == "00010203", r.stdout + r.stderr
