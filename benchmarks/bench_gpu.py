@@ -23,10 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from _report import spread
-
+# The benchmarks' helpers and the tests' process helpers, also when Python
+# does not put the script's folder on sys.path (-P, PYTHONSAFEPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from _report import spread  # noqa: E402
 
 MiB = 1 << 20
 
@@ -89,7 +91,7 @@ def import_latency(runs: int, iters: int) -> None:
     print(f"\n2. import latency (us; median (min-max) of {runs})")
     buf = gs.allocate(64 * MiB, device=0)
     share = gs.export(buf, lifetime="revoked")
-    desc = gs.export_buffer(buf, handle_type="posix_fd")
+    desc = gs.export_buffer(buf, handle_type="posix-fd")
     child = Child(_importer_setup, timeout=120)
     try:
         for name, cmd, args in (("gs.open (posix-fd) + close", "open_close", (share,)),
@@ -118,7 +120,7 @@ def _perftest_cuda(test: str, size: int, iters: int, tls: str) -> float:
     try:
         time.sleep(0.3)
         out = subprocess.run([exe, "127.0.0.1", "-p", port, *flags, "-t", test, "-s", str(size), "-n", str(iters)],
-                             env=env, capture_output=True, text=True, timeout=300)
+                             env=env, capture_output=True, text=True, timeout=60)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("Final:")), None)
         if line is None:
             raise RuntimeError(f"{out.stdout[-300:]} {out.stderr[-300:]}")
@@ -128,30 +130,108 @@ def _perftest_cuda(test: str, size: int, iters: int, tls: str) -> float:
         server.wait(10)
 
 
-def _rma_exporter(conn, tls: str, size: int) -> None:
-    from gpushare import ucx
+def _rma_exporter(conn, tls: str, size: int, errfile: str) -> None:
+    """The exporting side of section 3, in a spawned process.  Its stderr
+    (UCX's own messages included) goes to ``errfile`` so that the parent can
+    say why it failed."""
+    import os
+    import traceback
 
-    with ucx.Agent(transports=tls) as agent:
-        mh = agent.create_memory_handle(size, memory_type="cuda")  # UCX allocates device memory
-        conn.send((agent.address, mh.create_remote_key().serialize()))
-        conn.recv()
+    fd = os.open(errfile, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    try:
+        from gpushare import ucx
+
+        with ucx.Agent(transports=tls) as agent:
+            mh = agent.create_memory_handle(size, memory_type="cuda")  # UCX allocates device memory
+            conn.send((agent.address, mh.create_remote_key().serialize()))
+            conn.recv()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class ExporterFailed(RuntimeError):
+    """The benchmark's exporting process ended before it answered."""
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-limit:]
+    except OSError as exc:
+        return f"(its stderr could not be read: {exc})"
+
+
+def start_exporter(tls: str, size: int, timeout: float = 120.0, target=_rma_exporter):
+    """Start the exporter of section 3; return ``(proc, conn, errfile, (address, key))``.
+
+    The parent closes its copy of the child's pipe end at once, so a child
+    that dies shows as end of file; the parent polls in short steps and
+    checks that the child lives, so a failed exporter is reported (its exit
+    code and stderr) within a second instead of leaving the parent waiting
+    forever.  Raises :class:`ExporterFailed` (or :class:`TimeoutError`)."""
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    fd, errfile = tempfile.mkstemp(prefix="bench-gpu-exporter-", suffix=".stderr")
+    os.close(fd)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, tls, size, errfile), daemon=True)
+    proc.start()
+    child.close()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if parent.poll(0.1):
+                try:
+                    return proc, parent, errfile, parent.recv()
+                except EOFError:
+                    pass  # the child is gone: report it below
+            if not proc.is_alive():
+                proc.join(5)
+                raise ExporterFailed(f"the exporter (pid {proc.pid}) exited with code {proc.exitcode} before"
+                                     f" answering; its stderr:\n{_tail(errfile)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the exporter (pid {proc.pid}) did not answer within {timeout} s;"
+                                   f" its stderr:\n{_tail(errfile)}")
+    except BaseException:
+        _stop_exporter(proc, parent, errfile)
+        raise
+
+
+def _stop_exporter(proc, conn, errfile: str) -> None:
+    import os
+
+    try:
+        conn.send("done")
+    except (OSError, ValueError):
+        pass  # already gone
+    conn.close()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+    try:
+        os.unlink(errfile)
+    except OSError:
+        pass
 
 
 def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_ipc") -> None:
-    import multiprocessing as mp
-
     import gpushare as gs
     from gpushare import ucx
 
     print(f"\n3. ucx-rma between CUDA buffers, UCX_TLS={tls} (MiB/s; median (min-max) of {runs};"
           " ratio to ucx_perftest -m cuda)")
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_rma_exporter, args=(child, tls, max(sizes)), daemon=True)
-    proc.start()
+    proc, conn, errfile, (address, key) = start_exporter(tls, max(sizes))
     local = gs.allocate(max(sizes), device=0)
     try:
-        address, key = parent.recv()
         with ucx.Agent(transports=tls) as agent:
             ep = agent.connect(address)
             rk = ep.unpack_remote_key(key)
@@ -160,8 +240,8 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
                     def once() -> None:
                         reqs = [op(local, rk.base_address, rk, nbytes=size) for _ in range(8)]
                         for r in reqs:
-                            r.wait(120)
-                        ep.flush().wait(120)
+                            r.wait(60)
+                        ep.flush().wait(60)
 
                     ours = [8 * size / MiB / _timed(once, iters) for _ in range(runs)]
                     try:
@@ -173,10 +253,7 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
                     print(f"   {test:10s} {size:>9} B  gpushare {_median(ours)}  perftest {ref_text}  ratio {ratio}")
             ep.close()
     finally:
-        parent.send("done")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop_exporter(proc, conn, errfile)
         local.close()
 
 
@@ -184,6 +261,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tls", default="tcp,cuda_copy,cuda_ipc", help="UCX_TLS of section 3 (ucx-rma)")
     args = parser.parse_args()
     from gpushare._paths import _cuda
 
@@ -194,7 +272,7 @@ def main() -> int:
     iters = 5 if args.quick else 20
     mapped_copies(64 * MiB if args.quick else 256 * MiB, args.runs, iters)
     import_latency(args.runs, 20 if args.quick else 100)
-    rma([64 * 1024, 4 * MiB] if args.quick else [64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters)
+    rma([64 * 1024, 4 * MiB] if args.quick else [64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls)
     return 0
 
 
