@@ -52,7 +52,11 @@ def test_kernel_free_gpu_tests_pass_against_the_stand_in(standin_lib):
     counts = _counts(lines[-1] if lines else "")
     assert r.returncode == 0, f"the gpu tests failed against the stand-in (exit {r.returncode}, {took:.0f} s)\n{out}"
     assert counts.get("failed", 0) == 0 and counts.get("error", 0) == 0 and counts.get("errors", 0) == 0, out
-    assert counts.get("skipped", 0) == 0, f"kernel-free gpu tests skipped against the stand-in\n{out}"
+    # A module that needs an optional extra this Python lacks (torch) skips when it is collected,
+    # whatever the marker: that is no gpu test skipped.
+    optional = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] [^\n]*: [^\n]* is an optional extra", r.stdout,
+                                              re.MULTILINE))
+    assert counts.get("skipped", 0) == optional, f"kernel-free gpu tests skipped against the stand-in\n{out}"
     assert counts.get("passed", 0) >= KERNEL_FREE_GPU_TESTS, (
         f"{counts.get('passed', 0)} kernel-free gpu tests passed, expected {KERNEL_FREE_GPU_TESTS}\n{out}")
     with open("/proc/self/maps") as maps:
