@@ -331,12 +331,22 @@ try:
     from packaging.tags import sys_tags
     from packaging.utils import parse_wheel_filename
 except ImportError:
-    from pip._vendor.packaging.tags import sys_tags
-    from pip._vendor.packaging.utils import parse_wheel_filename
-here = set(sys_tags())
+    try:
+        from pip._vendor.packaging.tags import sys_tags
+        from pip._vendor.packaging.utils import parse_wheel_filename
+    except ImportError:  # neither packaging nor pip: judge by the Python tag alone (Linux x86_64)
+        sys_tags = None
+here = set(sys_tags()) if sys_tags else None
+mine = "cp%d%d" % sys.version_info[:2]
 for f in sorted(os.listdir(sys.argv[1])):
-    name, _, _, tags = parse_wheel_filename(f)
-    print("fits" if tags & here else "other", name, os.path.join(sys.argv[1], f))
+    if here is not None:
+        name, _, _, tags = parse_wheel_filename(f)
+        fits = bool(tags & here)
+    else:
+        parts = f[:-len(".whl")].split("-")
+        name, pytags = parts[0].replace("_", "-").lower(), parts[-3].split(".")
+        fits = mine in pytags or any(t.startswith("py3") for t in pytags)
+    print("fits" if fits else "other", name, os.path.join(sys.argv[1], f))
 EOF
 )" || return 1
   echo "$plan"
