@@ -51,6 +51,19 @@ def _run_in(ns: str, *args: str, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
+def _reap(*procs: subprocess.Popen | None) -> None:
+    """Kill those of ``procs`` still running, wait for them and close their pipes."""
+    for proc in procs:
+        if proc is None:
+            continue
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 def _cross(exporter_ns: str, importer_ns: str, export_args: tuple[str, ...], import_role: str,
            extra: dict | None = None) -> tuple[dict, dict, str]:
     """Run an exporter in one namespace and an importer in the other.
@@ -76,9 +89,7 @@ def _cross(exporter_ns: str, importer_ns: str, export_args: tuple[str, ...], imp
         assert exporter.wait(30) == 0
         return hello, result, err
     finally:
-        if exporter.poll() is None:
-            exporter.kill()
-            exporter.wait(10)
+        _reap(exporter)
 
 
 def test_put_and_get_across_namespaces(two_nodes):
@@ -128,9 +139,7 @@ def test_ucx_rma_isolation_revocation_and_read_only_hold_across_namespaces(two_n
         exporter.stdin.flush()
         assert importer.wait(60) == 0 and exporter.wait(60) == 0
     finally:
-        for p in (importer, exporter):
-            if p.poll() is None:
-                p.kill()
+        _reap(importer, exporter)
     assert result["paths"] == {"a": "ucx-rma", "b": "ucx-rma", "ro": "ucx-rma"}
     assert result["own"] == "allowed" and result["put_writable"] == "allowed"
     assert result["other_region_with_own_key"] == "AccessDeniedError"
@@ -186,10 +195,7 @@ def test_training_exchange_across_namespaces(two_nodes):
         assert producer.returncode == 0, err
         assert "producer: 30 steps of (64, 1024) float32 on 3 consumers" in out and out.strip().endswith("ok")
     finally:
-        for proc in [producer, *consumers]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        _reap(producer, *consumers)
 
 
 @pytest.mark.parametrize("who_dies", ["consumer", "producer"])
@@ -222,7 +228,4 @@ def test_a_process_that_dies_on_the_other_node_breaks_the_channel_within_seconds
         assert report["seconds"] < 5
         assert f"{'consumer 0' if who_dies == 'consumer' else 'producer'} (pid" in report["message"]
     finally:
-        for proc in (producer, consumer):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        _reap(producer, consumer)
