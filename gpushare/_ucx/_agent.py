@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _buffers
+from .. import _buffers, _types
 from .._errors import (
     ClosedError,
     GpuShareError,
@@ -34,8 +34,6 @@ from ._common import (
     U64,
     Connection,
     Request,
-    check_int,
-    check_timeout,
     default_transports,
     mt_config,
     pack,
@@ -382,7 +380,7 @@ class Endpoint(Connection):
         if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
             raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
         rkey._check_open()
-        check_int(remote_address, "remote_address")
+        _types.in_range(remote_address, "remote_address")
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
         consumer = _device.consumer_stream(stream)
@@ -391,7 +389,7 @@ class Endpoint(Connection):
             if nbytes is None:
                 nbytes = local.nbytes
             else:
-                check_int(nbytes, "nbytes")
+                _types.in_range(nbytes, "nbytes")
                 if nbytes > local.nbytes:
                     raise InvalidInputError(
                         f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}"
@@ -501,7 +499,7 @@ class Endpoint(Connection):
         Requests still in flight fail with :class:`UCXCanceledError` (or a
         connection error).  Waits at most ``timeout`` seconds.
         """
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         if self._closed:
             return
         if self._agent._usable():
@@ -654,7 +652,7 @@ class Agent:
             If the peer cannot be reached within ``timeout`` seconds.
         """
         self._check_usable()
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         _, raw = unpack(peer_address, ADDRESS_MAGIC, "agent address", MAX_ADDRESS)
         check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         nep = self._native.connect(raw)
@@ -694,7 +692,7 @@ class Agent:
             synonym of ``"host"``.
         """
         self._check_usable()
-        check_int(size, "size", minimum=1, maximum=1 << 48)
+        _types.in_range(size, "size", 1, 1 << 48)
         if memory_type == "cpu":
             memory_type = "host"
         if memory_type is not None and memory_type not in MEMORY_TYPE_CODES:

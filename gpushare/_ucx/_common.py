@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .. import _buffers
+from .. import _buffers, _types
 from .._errors import GpuShareError, InvalidInputError, WaitTimeoutError, translate
 from ._loader import infiniband_present
 
@@ -34,8 +34,6 @@ __all__ = [
     "wake_timeout_ms",
     "pack",
     "unpack",
-    "check_int",
-    "check_timeout",
     "user_callback",
     "report_callback_error",
     "Request",
@@ -140,22 +138,6 @@ def unpack(blob: Any, magic: bytes, what: str, limit: int) -> tuple[int, bytes]:
     return mtype, payload
 
 
-def check_int(value: Any, name: str, *, minimum: int = 0, maximum: int = U64) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{name} must be an int, not {type(value).__name__}")
-    if not minimum <= value <= maximum:
-        raise InvalidInputError(f"{name} is {value}; expected {minimum} <= {name} <= {maximum}")
-    return value
-
-
-def check_timeout(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise InvalidInputError(f"timeout must be None or a non-negative number, not {timeout!r}")
-    return float(timeout)
-
-
 def user_callback(callback: Callable, data: Any, holder: list, op: str) -> Callable[[], None]:
     """``callback(error, data)`` for the request that ``holder`` will hold."""
 
@@ -239,7 +221,7 @@ class Request:
         UCXError
             If the request failed.
         """
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         if not self._native.wait(-1.0 if t is None else t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         self._buffer = None
@@ -249,7 +231,7 @@ class Request:
 
     def exception(self, timeout: float | None = None) -> GpuShareError | None:
         """Wait like :meth:`wait` and return the request's error, or ``None``."""
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         if not self._native.wait(-1.0 if t is None else t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         return self._error()

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .. import _buffers
+from .. import _buffers, _types
 from .._errors import (
     ClosedError,
     GpuShareError,
@@ -37,8 +37,6 @@ from ._common import (
     U64,
     Connection,
     Request,
-    check_int,
-    check_timeout,
     default_transports,
     mt_config,
     pack,
@@ -248,7 +246,7 @@ class Region:
         """
         n = self._check_open()
         key = _check_key(key)
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
         if outcome == 2:
             raise WaitTimeoutError(f"key revoked, but transfers admitted before did not finish within {timeout} s")
@@ -267,7 +265,7 @@ class Region:
         registered and referenced until the process's node stops, and is
         never reused under the peer.
         """
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
@@ -396,7 +394,7 @@ def server() -> Server:
 
 
 def _check_region_id(region_id: Any) -> int:
-    return check_int(region_id, "region_id", minimum=1)
+    return _types.in_range(region_id, "region_id", 1)
 
 
 class Peer(Connection):
@@ -429,7 +427,7 @@ class Peer(Connection):
               nbytes: Any, locals_: list, stream: int | None = None) -> tuple:
         _check_region_id(region_id)
         key = _check_key(key)
-        check_int(offset, "offset")
+        _types.in_range(offset, "offset")
         local = None
         if _buffers.plain_host_nbytes(buffer) is not None:
             # NumPy arrays and Python's byte buffers: pinned natively, the
@@ -449,7 +447,7 @@ class Peer(Connection):
         if nbytes is None:
             nbytes = local.nbytes
         else:
-            check_int(nbytes, "nbytes")
+            _types.in_range(nbytes, "nbytes")
             if nbytes > local.nbytes:
                 raise InvalidInputError(f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}")
         if nbytes < 1:
@@ -567,12 +565,12 @@ class Peer(Connection):
         :class:`WaitTimeoutError` (the transfer stays in flight).  ``alive``
         (for the sharing API: the view's lease): asked every second of the
         wait whether the exporter still answers."""
-        self._one("get", region_id, key, offset, dst, nbytes, check_timeout(timeout), alive, stream)
+        self._one("get", region_id, key, offset, dst, nbytes, _types.timeout(timeout), alive, stream)
 
     def put(self, region_id: int, key: bytes, offset: int, src: Any, timeout: float | None = None, *,
             nbytes: int | None = None, alive: Any = None, stream: Any = None) -> None:
         """:meth:`put_async` and wait, as :meth:`get`."""
-        self._one("put", region_id, key, offset, src, nbytes, check_timeout(timeout), alive, stream)
+        self._one("put", region_id, key, offset, src, nbytes, _types.timeout(timeout), alive, stream)
 
     def get_batch(self, items: Iterable[tuple[int, bytes, int, Any]], *, stream: Any = None) -> Request:
         """Post one get per ``(region_id, key, offset, dst)``; one request completes when all have.
@@ -600,7 +598,7 @@ class Peer(Connection):
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect (idempotent); requests in flight fail.  The next
         :meth:`Client.connect` to this address makes a new peer."""
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         if self._closed:
             return
         if os.getpid() == self._node.pid and not self._node.native.closed:
@@ -647,7 +645,7 @@ class Client:
         """
         node = self._node
         n = node.check()
-        t = check_timeout(timeout)
+        t = _types.timeout(timeout)
         _, raw = unpack(address, ADDRESS_MAGIC, "worker address", MAX_ADDRESS)
         check_worker_address(raw)  # UCX reads it with no bounds: its structure first
         with node.lock:
