@@ -1,7 +1,8 @@
 """What the Agent (``_agent``) and the region server (``_server``) share:
 worker configuration (transports, progress, locking), the envelope of
-addresses and keys that cross processes (pack/unpack), argument checks,
-:class:`Request` and the :class:`Connection` base of their endpoints."""
+addresses and keys that cross processes (pack/unpack), the reporting of
+callback errors, :class:`Request` and the :class:`Connection` base of their
+endpoints.  Arguments are checked with :mod:`gpushare._types`."""
 
 from __future__ import annotations
 
