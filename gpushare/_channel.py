@@ -27,7 +27,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from . import _buffers, _types
+from . import _buffers, _paths, _types
 from ._export import export
 from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
@@ -877,7 +877,7 @@ def _release_consumer(held: list, views: list) -> None:
 
 def _consumer_array(view: Any, handle: ChannelHandle) -> Any:
     """A typed array over a mapped slot, or None when the slot is read by copy."""
-    if view.path in ("ucx-rma", "cma"):
+    if not _paths.by_name(view.path).mapped:
         return None
     if view.device == "host":
         return _array_of(view, handle.shape, handle.typestr, "host", readonly=True)

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ._paths import ucx_rma
+
 __all__ = ["run_demo"]
 
 
@@ -134,7 +136,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
     ok = True
     try:
         say(f"exporting {size >> 20} MiB of {where} from process {mp.current_process().pid}")
-        for prefer in (None, "ucx-rma"):
+        for prefer in (None, ucx_rma.PATH.name):
             tick(f"filling {size >> 20} MiB with random bytes")
             digest = _fill(buf, size)
             share = gs.export(buf, lifetime="revoked")
@@ -168,7 +170,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
             say(f"  get: {run['get_gbps']:6.2f} GB/s, bytes match the exporter's: {get_ok}")
             say(f"  put: {run['put_gbps']:6.2f} GB/s, the exporter sees the bytes: {put_ok}")
             ok = ok and get_ok and put_ok
-            if r["path"] == "ucx-rma":
+            if r["path"] == ucx_rma.PATH.name:
                 break  # nothing faster to compare with
     finally:
         buf.close()

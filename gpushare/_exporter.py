@@ -31,7 +31,12 @@ from typing import Any
 from . import _auth, _control, _paths, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._paths import cma
-from ._paths.broker import control_address, may_share, peer_credentials, release_registrations
+from ._paths.broker import (
+    control_address,
+    may_share,
+    peer_credentials,
+    release_registrations,
+)
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
 

@@ -25,13 +25,26 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _control
-from ._errors import AccessDeniedError, ClosedError, ExporterUnreachableError, GpuShareError, InvalidInputError
-from ._errors import OutOfBoundsError, WaitTimeoutError
-from ._process import QUIET, PerProcess, Stopped, await_alive, node_key, peer_timeout, state_of, wait_alive
+from ._errors import (
+    AccessDeniedError,
+    ClosedError,
+    ExporterUnreachableError,
+    GpuShareError,
+    InvalidInputError,
+)
+from ._process import (
+    QUIET,
+    PerProcess,
+    Stopped,
+    node_key,
+    peer_timeout,
+    state_of,
+    wait_alive,
+)
 from ._service import Connection, Protocol, Timer, get_service
 from ._types import close_all as _close_all
 
-__all__ = ["Lease", "Transfer", "get_importer"]
+__all__ = ["Lease", "get_importer"]
 
 #: Seconds a connection with no open view is kept for a reopen.
 IDLE_LINGER = 2.0
@@ -276,99 +289,27 @@ class Lease:
         if self._pid == os.getpid():
             self._link.end_lease(self.id, "failed")
 
-    def copy(self, direction: str, offset: int, local: Any) -> Transfer:
-        """Ask the exporter to copy between the share at ``offset`` and
-        ``local`` (a pinned buffer of this process, referenced until the
-        copy ends) over this cma lease."""
+    @property
+    def exporter_pid(self) -> int:
+        return self._link.exporter_pid
+
+    def submit(self, message: dict, keep: Any = None) -> Any:
+        """Send a request about this lease (``message`` with the lease's id);
+        the returned waiter gets its reply (``event``, ``reply``, ``then``), and
+        ``keep`` is referenced until it does (or the connection ends)."""
         if self._pid != os.getpid():
             raise ClosedError("this view was opened before a fork, by the parent process: open the share again "
                               "in this process")
-        message = {"op": "cma", "lease": self.id, "dir": direction, "offset": offset, "addr": local.address,
-                   "n": local.nbytes}
         try:
-            waiter = self._link.submit(message, keep=local)[1]
+            return self._link.submit({**message, "lease": self.id}, keep=keep)[1]
         except _Lost as exc:
             raise ClosedError(f"the exporter (pid {self._link.exporter_pid}) closed the connection ({exc}): "
                               "this view cannot be used any more") from None
-        return Transfer(self._link, waiter, direction)
 
     def check_alive(self) -> None:
         """See :meth:`_Link.check_alive` (nothing in a forked child)."""
         if self._pid == os.getpid():
             self._link.check_alive()
-
-
-class Transfer:
-    """One cma copy asked of an exporter: ``wait(timeout)``, ``done()``,
-    ``exception()`` and ``await``, as the other requests."""
-
-    __slots__ = ("_direction", "_link", "_pid", "_waiter")
-
-    def __init__(self, link: _Link, waiter: _Waiter, direction: str) -> None:
-        self._link = link
-        self._pid = link.exporter_pid
-        self._waiter = waiter
-        self._direction = direction
-
-    def done(self) -> bool:
-        return self._waiter.event.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The copy's error once it is done (``None`` if it succeeded or runs)."""
-        if not self.done():
-            return None
-        reply = self._waiter.reply
-        if reply is None:
-            return ClosedError(f"the exporter (pid {self._pid}) closed the connection before the {self._direction} "
-                               "finished: this view cannot be used any more")
-        if reply.get("ok") is True:
-            return None
-        code, message = reply.get("code"), str(reply.get("message", ""))[:300]
-        if code in ("revoked", "retired", "closed"):
-            return ClosedError(f"exporter refused the {self._direction}: {message}")
-        if code == "bounds":
-            return OutOfBoundsError(f"exporter refused the {self._direction}: {message}")
-        if code == "denied":
-            return AccessDeniedError(f"exporter refused the {self._direction}: {message}")
-        if code == "bad":
-            return InvalidInputError(f"exporter refused the {self._direction}: {message}")
-        return GpuShareError(f"the exporter's {self._direction} failed: {message}")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the bytes have moved; raise the copy's error.
-
-        Raises
-        ------
-        WaitTimeoutError
-            If ``timeout`` seconds pass first; the copy stays in flight and
-            its buffer in use until it ends.
-        ExporterUnreachableError
-            If the exporter stops answering (see :func:`peer_timeout`).
-        """
-        if not wait_alive(self._waiter.event.wait, self._link, timeout):
-            raise WaitTimeoutError(f"the exporter's {self._direction} did not finish within {timeout} s; it stays "
-                                   "in flight, and its buffer in use, until it ends")
-        exc = self.exception()
-        if exc is not None:
-            raise exc
-
-    def __await__(self) -> Any:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
-            except RuntimeError:
-                pass  # the event loop closed: nobody awaits this any more
-
-        self._waiter.then(wake)
-        yield from await_alive(future, self._link).__await__()
-        exc = self.exception()
-        if exc is not None:
-            raise exc
 
 
 class Importer:

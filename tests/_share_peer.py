@@ -334,7 +334,7 @@ def _forge_cma(state: dict, name: str, direction: str, offset: int, n: int, addr
         local.address = address
     local.nbytes = n
     try:
-        view._transport.lease.copy(direction, offset, local).wait(10)
+        view._transport.start(direction, offset, local).wait(10)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return f"{type(exc).__name__}: {exc}"
     return "copied"

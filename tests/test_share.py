@@ -608,3 +608,20 @@ def test_exporter_exits_cleanly_with_views_open(how, path):
             gs.open(share, timeout=5)
     finally:
         view.close()
+
+
+def test_a_host_share_registers_its_fds_with_the_broker_once_and_revoking_withdraws_them():
+    from gpushare._paths.broker import get_broker
+
+    broker = get_broker()
+    with gs.allocate(4096, device="host") as buf:
+        before = len(broker)
+        share = gs.export(buf, lifetime="revoked")
+        assert len(broker) == before + 1  # the share's own registration, not the buffer's as well
+        view = gs.open(share, exclude=["same-process"])
+        try:
+            assert view.path == "host-fd"
+        finally:
+            view.close()
+        share.revoke()
+        assert len(broker) == before  # nothing of the share is left served

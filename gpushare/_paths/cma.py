@@ -28,11 +28,20 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _buffers, _control
-from .._errors import AccessDeniedError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
+from .._errors import (
+    AccessDeniedError,
+    ClosedError,
+    GpuShareError,
+    InvalidInputError,
+    OutOfBoundsError,
+    UnsupportedError,
+    WaitTimeoutError,
+)
+from .._process import await_alive, wait_alive
 from .base import Grant, Here, Memory, Offer, Opened, Options, no_fds, same_node
 from .broker import peer_credentials
 
-__all__ = ["available", "check_access", "copy", "copier", "PATH", "serve_copy", "CmaTransport"]
+__all__ = ["available", "check_access", "copy", "copier", "PATH", "serve_copy", "CmaTransport", "Transfer"]
 
 log = logging.getLogger("gpushare")
 
@@ -373,7 +382,8 @@ class CmaTransport:
         if local.nbytes == 0:
             local.release()
             return None
-        return self.lease.copy(direction, offset, local)
+        message = {"op": OP, "dir": direction, "offset": offset, "addr": local.address, "n": local.nbytes}
+        return Transfer(self.lease, self.lease.submit(message, keep=local), direction)
 
     def _move(self, direction: str, offset: int, buf: Any, timeout: float | None, span: Any) -> None:
         request = self.start(direction, offset, span(buf, offset, direction == "get")[0])
@@ -408,3 +418,76 @@ class CmaTransport:
 
     def close(self) -> None:
         pass  # the view's lease ends the exporter's side
+
+
+class Transfer:
+    """One cma copy asked of an exporter: ``wait(timeout)``, ``done()``,
+    ``exception()`` and ``await``, as the other requests."""
+
+    __slots__ = ("_direction", "_lease", "_pid", "_waiter")
+
+    def __init__(self, lease: Any, waiter: Any, direction: str) -> None:
+        self._lease = lease
+        self._pid = lease.exporter_pid
+        self._waiter = waiter
+        self._direction = direction
+
+    def done(self) -> bool:
+        return self._waiter.event.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The copy's error once it is done (``None`` if it succeeded or runs)."""
+        if not self.done():
+            return None
+        reply = self._waiter.reply
+        if reply is None:
+            return ClosedError(f"the exporter (pid {self._pid}) closed the connection before the {self._direction} "
+                               "finished: this view cannot be used any more")
+        if reply.get("ok") is True:
+            return None
+        code, message = reply.get("code"), str(reply.get("message", ""))[:300]
+        if code in ("revoked", "retired", "closed"):
+            return ClosedError(f"exporter refused the {self._direction}: {message}")
+        if code == "bounds":
+            return OutOfBoundsError(f"exporter refused the {self._direction}: {message}")
+        if code == "denied":
+            return AccessDeniedError(f"exporter refused the {self._direction}: {message}")
+        if code == "bad":
+            return InvalidInputError(f"exporter refused the {self._direction}: {message}")
+        return GpuShareError(f"the exporter's {self._direction} failed: {message}")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the bytes have moved; raise the copy's error.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` seconds pass first; the copy stays in flight and
+            its buffer in use until it ends.
+        ExporterUnreachableError
+            If the exporter stops answering (see :func:`gpushare._process.peer_timeout`).
+        """
+        if not wait_alive(self._waiter.event.wait, self._lease, timeout):
+            raise WaitTimeoutError(f"the exporter's {self._direction} did not finish within {timeout} s; it stays "
+                                   "in flight, and its buffer in use, until it ends")
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+
+    def __await__(self) -> Any:
+        import asyncio  # the stdlib's event loop, only for an awaited copy
+
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            except RuntimeError:
+                pass  # the event loop closed: nobody awaits this any more
+
+        self._waiter.then(wake)
+        yield from await_alive(future, self._lease).__await__()
+        exc = self.exception()
+        if exc is not None:
+            raise exc

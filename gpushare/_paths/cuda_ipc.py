@@ -23,10 +23,27 @@ import warnings
 from typing import Any
 
 from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
-from .._errors import ClosedError, CUDAError, GpuShareError, InvalidInputError, UnsupportedError
+from .._errors import (
+    ClosedError,
+    CUDAError,
+    GpuShareError,
+    InvalidInputError,
+    UnsupportedError,
+)
 from . import _cuda, cuda_vmm
-from .base import Grant, Here, Memory, Offer, Opened, Options, cuda_unavailable, descriptor_of, descriptor_payload
-from .base import no_fds, same_node
+from .base import (
+    Grant,
+    Here,
+    Memory,
+    Offer,
+    Opened,
+    Options,
+    cuda_unavailable,
+    descriptor_of,
+    descriptor_payload,
+    no_fds,
+    same_node,
+)
 from .broker import node_identity
 from .host_fd import check_same_node
 

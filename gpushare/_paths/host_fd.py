@@ -31,8 +31,18 @@ from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from .._process import check_same_node
 from . import broker as _broker
-from .base import Grant, Here, Memory, Offer, Opened, Options, descriptor_of, descriptor_payload, own_registration
-from .base import same_node
+from .base import (
+    Grant,
+    Here,
+    Memory,
+    Offer,
+    Opened,
+    Options,
+    descriptor_of,
+    descriptor_payload,
+    own_registration,
+    same_node,
+)
 
 __all__ = ["HostBuffer", "allocate_host", "export_host", "import_host", "containing"]
 

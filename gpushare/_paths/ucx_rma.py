@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from .._errors import ClosedError, InvalidInputError, UCXConnectionError, WaitTimeoutError
+from .._errors import (
+    ClosedError,
+    InvalidInputError,
+    UCXConnectionError,
+    WaitTimeoutError,
+)
 from .._process import await_alive
 from .._ucx import _device, _server
 from . import _cuda
