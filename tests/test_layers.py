@@ -71,7 +71,7 @@ KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset({
 #: The most function-level imports of gpushare's own modules.  Own modules
 #: need no lazy import (none touches the GPU, starts a thread or loads UCX at
 #: import); lower this number as they move to the top of their files.
-MAX_FUNCTION_LEVEL = 37
+MAX_FUNCTION_LEVEL = 28
 
 
 @dataclasses.dataclass(frozen=True)
