@@ -9,6 +9,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from ._capabilities import capabilities
+from ._open import choose
+from ._share import SHARE_FORMAT, Share, node_key
+
 __all__ = ["run_doctor", "ucx_transports", "live_check"]
 
 
@@ -38,9 +42,6 @@ def ucx_transports() -> dict[str, Any]:
 
 
 def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
-    from ._open import choose
-    from ._share import SHARE_FORMAT, Share
-
     shape, typestr = (4096,), "|u1"
     share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
                         shape, typestr, offers, "closed", None, False)
@@ -108,9 +109,6 @@ def live_check(timeout: float = 60.0) -> dict[str, str]:
 def run_doctor(out: Any = print, as_json: bool = False) -> int:
     """Print capabilities, path decisions and a live check; return 1 if no path
     works between two processes on this node, else 0."""
-    from . import capabilities
-    from ._share import node_key
-
     caps = capabilities()
     caps["ucx"] = ucx_transports()
     here, elsewhere = node_key(), "another-node"

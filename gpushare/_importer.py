@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _control
+from . import _auth, _control
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -32,6 +32,7 @@ from ._errors import (
     GpuShareError,
     InvalidInputError,
 )
+from ._paths.broker import check_peer, control_address
 from ._process import (
     QUIET,
     PerProcess,
@@ -415,8 +416,6 @@ def _connect_local(share: Any, deadline: float) -> socket.socket | None:
     """A control connection over the exporter's Unix socket, when it is on
     this node and answers as the exporter, of this user or root; else None
     (and the caller uses TCP)."""
-    from ._paths.broker import check_peer, control_address
-
     if share.node != node_key():
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -438,8 +437,6 @@ def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = 
     """Say hello on a new control connection, and prove with the exporter,
     each to the other, that both hold the key (:mod:`gpushare._auth`); nothing
     else is sent, and nothing the exporter says is used, before that."""
-    from . import _auth
-
     mine = _auth.new_nonce()
     _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key(),
                          "nonce": mine})

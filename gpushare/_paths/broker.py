@@ -39,6 +39,7 @@ from typing import Any
 from .._descriptors import POSIX_FD_FORMAT, PosixFdBufferDescriptor
 from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputError
 from .._process import PerProcess, node_identity
+from .._service import get_service
 
 __all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish",
            "release_registrations"]
@@ -73,8 +74,6 @@ class Broker:
     """Serves the exports of this process.  Use :func:`get_broker`."""
 
     def __init__(self) -> None:
-        from .._service import get_service
-
         self.pid = os.getpid()
         self.address = f"\0gpushare-{self.pid}-{secrets.token_hex(8)}"
         self._lock = threading.Lock()

@@ -44,7 +44,8 @@ from .base import (
     no_fds,
     same_node,
 )
-from .broker import node_identity
+from . import broker
+from .broker import fetch_fds, node_identity
 from .host_fd import check_same_node
 
 __all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count"]
@@ -134,8 +135,6 @@ _pools: dict[int, Any] = {}
 
 def _export_pool(drv: Any, pool: Any, ptr: int, size: int, ordinal: int) -> CudaPoolBufferDescriptor:
     """Describe pool memory through the pool's own export (context pushed)."""
-    from . import broker
-
     t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     with _lock:
         entry = _pools.get(int(pool))
@@ -281,8 +280,6 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
         raise UnsupportedError("pool memory cannot be imported by the process that exported it; use the original")
     drv = _cuda.driver()
     from cuda.core import Buffer
-
-    from .broker import fetch_fds
 
     ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
     pool_key = (desc.pid, desc.export_id)
