@@ -160,7 +160,7 @@ class View:
         self.nbytes = share.nbytes
         self.device = share.device
         if mapped is not None and share.device != "host":
-            self.device = int(mapped.memory_resource.device_id)  # this process's ordinal
+            self.device = mapped.device  # this process's ordinal
         self.shape = share.shape
         self.typestr = share.typestr
         self.strides = share.strides
@@ -234,11 +234,7 @@ class View:
             raise UnsupportedError(f"a {self.path} view is not mapped in this process: use view.get() and view.put()")
         if self._target is not None:
             return _buffers.resolve(_arrays.span_of(self._target)[0], writable=False)
-        mapped = self._mapped
-        if self.device == "host":
-            return _buffers.LocalBuffer(mapped.ptr + self.share.offset, self.nbytes, "host", False, mapped)
-        return _buffers.LocalBuffer(int(mapped.handle) + self.share.offset, self.nbytes, "cuda", False, mapped,
-                                    device=self.device)
+        return self._mapped.local(self.share.offset, self.nbytes)
 
     def memoryview(self) -> memoryview:
         """A writable byte view of mapped host memory."""
@@ -374,7 +370,7 @@ class View:
             return False
         shared = self._fast
         if shared is None:
-            raw = (ctypes.c_uint8 * self.nbytes).from_address(self._mapped.ptr + self.share.offset)
+            raw = (ctypes.c_uint8 * self.nbytes).from_address(self._mapped.address + self.share.offset)
             shared = self._fast = np_.ctypeslib.as_array(raw)
         mine = buf if buf.dtype == np_.uint8 and buf.ndim == 1 else buf.reshape(-1).view(np_.uint8)
         if get:
@@ -415,9 +411,8 @@ class View:
             ordinal = local.device if local.memory_type == "cuda" and local.device is not None else shared.device
         if ordinal is None:
             ordinal = _cuda.pointer_ordinal(local.address)
-        grant = getattr(getattr(self._mapped, "memory_resource", None), "grant", None)
-        if grant is not None and ordinal != self.device:
-            grant(ordinal)  # the copy runs on another device: it needs access too
+        if self._mapped is not None and ordinal != self.device:
+            self._mapped.grant(ordinal)  # the copy runs on another device: it needs access too
         what = f"copy {'from' if direction == 'get' else 'to'} the shared CUDA memory"
         return _cuda.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
                                 producer=local.stream, keep=local, what=what)

@@ -355,7 +355,7 @@ def access_flags(state: dict, name: str, ordinal: int) -> str:
     loc = d.CUmemLocation()
     loc.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     loc.id = ordinal
-    flags = ok(d.cuMemGetAccess(loc, int(view._mapped.handle)), "cuMemGetAccess")
+    flags = ok(d.cuMemGetAccess(loc, view._mapped.address), "cuMemGetAccess")
     return d.CUmemAccess_flags(int(flags)).name
 
 

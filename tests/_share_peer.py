@@ -368,7 +368,7 @@ def _try_writing(state: dict, name: str) -> dict:
     import gpushare as gs
 
     view = state["views"][name]
-    address = view._mapped.ptr
+    address = view._mapped.address
     perms = ""
     with open("/proc/self/maps") as f:
         for line in f:

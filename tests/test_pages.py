@@ -90,7 +90,7 @@ def test_large_buffers_start_on_a_huge_page_boundary_on_both_sides():
     assert small.huge_pages is None  # "auto" leaves small buffers alone
     share = gs.export(src)
     with gs.open(share, exclude=["same-process"]) as view:
-        assert view.path == "host-fd" and view._mapped.ptr % host_fd.HUGE == 0
+        assert view.path == "host-fd" and view._mapped.address % host_fd.HUGE == 0
         assert (np.asarray(view) == 7).all()
     small.close()
 

@@ -23,15 +23,15 @@ from .. import _buffers
 from .._errors import InvalidInputError
 from .._types import PATH_NAMES, PathName
 from . import cma, cuda_ipc, fabric, host_fd, posix_fd, same_process, ucx_rma
-from .base import Grant, Here, Memory, Offer, Opened, Options
+from .base import Grant, Here, Mapped, Memory, Offer, Opened, Options
 from .broker import release_registrations
 
 if TYPE_CHECKING:
     from .._buffers import LocalBuffer
     from .._share import Share
 
-__all__ = ["Path", "Mapping", "Transport", "Here", "Grant", "Memory", "Offer", "Opened", "Options", "offers", "PATHS", "by_name", "candidates",
-           "explain", "path_list"]
+__all__ = ["Path", "Mapping", "Transport", "Here", "Grant", "Mapped", "Memory", "Offer", "Opened", "Options",
+           "offers", "PATHS", "by_name", "candidates", "explain", "path_list"]
 
 
 class Path(Protocol):

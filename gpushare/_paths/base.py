@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._buffers import LocalBuffer
 from .._descriptors import _rebuild
 from .._errors import InvalidInputError
 from .._process import node_key, process_state
@@ -77,6 +78,49 @@ class Opened:
     mapping: Any = None
     transport: Any = None
     target: Any = None
+
+
+class Mapped:
+    """Shared memory mapped into this process (the :class:`Mapping` a mapped
+    view holds): host memory (a HostBuffer) or CUDA memory (a cuda.core
+    Buffer on this process's device ``device``)."""
+
+    __slots__ = ("address", "buffer", "device")
+
+    def __init__(self, buffer: Any, device: Any, address: int) -> None:
+        self.buffer = buffer
+        self.device = device
+        self.address = address
+
+    @classmethod
+    def host(cls, buf: Any) -> Mapped:
+        return cls(buf, "host", buf.ptr)
+
+    @classmethod
+    def cuda(cls, buf: Any) -> Mapped:
+        return cls(buf, int(buf.memory_resource.device_id), int(buf.handle))  # this process's ordinal
+
+    @property
+    def readonly(self) -> bool:
+        """Mapped read-only (a sealed host buffer, a read-only CUDA mapping)."""
+        return bool(getattr(self.buffer, "readonly", False))
+
+    def local(self, offset: int, nbytes: int) -> LocalBuffer:
+        if self.device == "host":
+            return LocalBuffer(self.address + offset, nbytes, "host", False, self.buffer)
+        return LocalBuffer(self.address + offset, nbytes, "cuda", False, self.buffer, device=self.device)
+
+    def memoryview(self) -> memoryview:
+        return self.buffer.memoryview()
+
+    def grant(self, ordinal: int) -> None:
+        """Let device ``ordinal`` of this process reach the memory too (a copy runs there)."""
+        grant = getattr(getattr(self.buffer, "memory_resource", None), "grant", None)
+        if grant is not None:
+            grant(ordinal)
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from . import _cuda, cuda_vmm
 from .base import (
     Grant,
     Here,
+    Mapped,
     Memory,
     Offer,
     Opened,
@@ -454,8 +455,9 @@ class CudaIpc:
         no_fds(self.name, fds)
         desc = descriptor_of(share, grant, (CudaIpcBufferDescriptor, CudaPoolBufferDescriptor))
         if isinstance(desc, CudaIpcBufferDescriptor):
-            return Opened(mapping=import_ipc(desc, how.device, readonly=share.readonly))
-        return Opened(mapping=import_pool(desc, how.device, readonly=share.readonly, timeout=how.timeout))
+            return Opened(mapping=Mapped.cuda(import_ipc(desc, how.device, readonly=share.readonly)))
+        return Opened(mapping=Mapped.cuda(import_pool(desc, how.device, readonly=share.readonly,
+                                                      timeout=how.timeout)))
 
 
 PATH = CudaIpc()

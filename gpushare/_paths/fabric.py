@@ -11,6 +11,7 @@ from . import cuda_vmm
 from .base import (
     Grant,
     Here,
+    Mapped,
     Memory,
     Offer,
     Opened,
@@ -58,7 +59,7 @@ class Fabric:
     def open(self, share: Share, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)
         desc = descriptor_of(share, grant, (VirtualMemoryFabricBufferDescriptor,))
-        return Opened(mapping=cuda_vmm.import_device(desc, how.device, readonly=share.readonly))
+        return Opened(mapping=Mapped.cuda(cuda_vmm.import_device(desc, how.device, readonly=share.readonly)))
 
 
 PATH = Fabric()

@@ -34,6 +34,7 @@ from . import broker as _broker
 from .base import (
     Grant,
     Here,
+    Mapped,
     Memory,
     Offer,
     Opened,
@@ -655,7 +656,7 @@ class HostFd:
             except BaseException:
                 mapped.close()
                 raise
-        return Opened(mapping=mapped)
+        return Opened(mapping=Mapped.host(mapped))
 
 
 PATH = HostFd()

@@ -11,6 +11,7 @@ from . import _cuda, cuda_vmm
 from .base import (
     Grant,
     Here,
+    Mapped,
     Memory,
     Offer,
     Opened,
@@ -64,8 +65,8 @@ class PosixFd:
         desc = descriptor_of(share, grant, (PosixFdBufferDescriptor,))
         if desc.device == "host":
             raise InvalidInputError("exporter sent a descriptor of host memory with a posix-fd offer")
-        return Opened(mapping=cuda_vmm.import_device(desc, how.device, readonly=share.readonly,
-                                                     timeout=how.timeout))
+        return Opened(mapping=Mapped.cuda(cuda_vmm.import_device(desc, how.device, readonly=share.readonly,
+                                                                 timeout=how.timeout)))
 
 
 PATH = PosixFd()
