@@ -36,19 +36,9 @@ def choose_hook_mode() -> None:
     devices gpushare asks for ``reloc``; with them it keeps UCX's default.
     ``UCX_MEM_MMAP_HOOK_MODE`` in the environment wins.  Set in the
     environment, the choice is inherited by child processes on this node,
-    which would make the same one.
-
-    With ``reloc``, UCX would also install its malloc hooks by relocation
-    (``UCX_MEM_MALLOC_RELOC``): each library loaded later gets UCX's
-    ``malloc`` or glibc's ``free`` depending on which of its relocations
-    were patched, and a block one allocates and the other frees aborts the
-    process (``import torch`` after UCX loaded: ``munmap_chunk(): invalid
-    pointer`` in a static initialiser).  Those hooks feed the same host
-    registration cache, so gpushare turns them off with ``reloc``
-    (``UCX_MEM_MALLOC_RELOC=n``, unless that is set too)."""
+    which would make the same one."""
     if "UCX_MEM_MMAP_HOOK_MODE" not in os.environ and not infiniband_present():
         os.environ["UCX_MEM_MMAP_HOOK_MODE"] = "reloc"
-        os.environ.setdefault("UCX_MEM_MALLOC_RELOC", "n")
 
 
 _TERNARY = {"y": "y", "yes": "y", "on": "y", "1": "y", "true": "y",
