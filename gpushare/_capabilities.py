@@ -121,6 +121,7 @@ def _devices(device: int | None, imex: dict[str, Any]) -> tuple[list[dict[str, A
         devices.append(
             {
                 "ordinal": i,
+                "name": _cuda.device_name(i),
                 "uuid": uuids[i],
                 "handle_types": public_handle_types(types) + ["cuda-ipc"],
                 "fabric_reason": why_not,
@@ -150,7 +151,7 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
         ``node`` (identity), ``host`` (``handle_types``: ``["posix-fd"]``
         where memfd and fd passing work), ``cuda`` (``available``, ``reason``,
         ``driver_version``, ``devices``: one entry per device with
-        ``ordinal`` (this process's), ``uuid`` (as cuda.core's
+        ``ordinal`` (this process's), ``name`` (the driver's), ``uuid`` (as cuda.core's
         ``Device.uuid`` writes it), ``handle_types`` (of ``"posix-fd"``,
         ``"fabric"``, ``"cuda-ipc"``), ``fabric_reason`` and ``fabric``
         (NVML cluster UUID and clique id once the fabric is ready on the

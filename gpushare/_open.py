@@ -121,8 +121,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     """
     if not isinstance(share, Share):
         raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidInputError("timeout must be a positive number of seconds")
+    timeout = _types.positive_timeout(timeout)
     if not isinstance(prefault, bool):
         raise InvalidInputError("prefault must be a bool")
     if _types.is_host(device):

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 from ._errors import InvalidInputError
 
 __all__ = [
+    "round_up",
     "PathName",
     "HandleType",
     "LifetimeName",
@@ -170,6 +171,11 @@ def positive_timeout(value: object) -> float:
     if not _seconds(value) or not value > 0:  # type: ignore[operator]
         raise InvalidInputError("timeout must be a positive number of seconds")
     return float(value)  # type: ignore[arg-type]
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
 
 
 def close_all(fds: Iterable[int]) -> None:

@@ -301,6 +301,7 @@ def test_capabilities_finds_devices_in_nvml_by_uuid(spawn):
     caps = p.call("capabilities")
     devices = caps["cuda"]["devices"]
     assert [d["uuid"] for d in devices] == [p.call("uuid_of", 0), p.call("uuid_of", 1)]
+    assert [d["name"] for d in devices] == ["gpushare CUDA driver stand-in"] * 2  # gpushare doctor prints it
     assert all(not d["uuid"].startswith("GPU-") for d in devices)
     assert [d["fabric"]["clique_id"] for d in devices] == [11, 10]
     assert all(d["fabric"]["cluster_uuid"] and d["fabric"]["reason"] is None for d in devices)

@@ -41,6 +41,7 @@ __all__ = [
     "copy_async",
     "current_ordinal",
     "device_count",
+    "device_name",
     "device_uuid",
     "driver",
     "import_ordinal",
@@ -153,6 +154,14 @@ def device_uuid(ordinal: int) -> str:
     uuid = check(drv.cuDeviceGetUuid(dev), f"cuDeviceGetUuid({ordinal})")
     raw = bytes_of(uuid, 16).hex()
     return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+
+
+def device_name(ordinal: int) -> str:
+    """The driver's name of a device ordinal of this process ("NVIDIA H200")."""
+    drv = driver()
+    dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    name = check(drv.cuDeviceGetName(256, dev), f"cuDeviceGetName({ordinal})")
+    return bytes(name).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)

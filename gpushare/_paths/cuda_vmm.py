@@ -28,6 +28,7 @@ from .._descriptors import (
     VirtualMemoryFabricBufferDescriptor,
 )
 from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
+from .._types import round_up
 from . import _cuda
 from . import broker as _broker
 from .host_fd import check_same_node
@@ -42,10 +43,6 @@ def mapping_count() -> int:
     """How many VMM mappings (allocated or imported) this process holds."""
     with _live_lock:
         return len(_live)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def _prop(drv: Any, ordinal: int, handle_types: Sequence[str], rdma: bool = False) -> Any:
@@ -283,9 +280,9 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     prop = _prop(drv, ordinal, types, rdma)
     gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
-    chunk = _round_up(chunk_size or size, gran)
+    chunk = round_up(chunk_size or size, gran)
     count = -(-size // chunk)
-    sizes = tuple([chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), gran)])
+    sizes = tuple([chunk] * (count - 1) + [round_up(size - chunk * (count - 1), gran)])
     handles: list[Any] = []
     with _cuda.on_device(ordinal):
         try:

@@ -30,6 +30,7 @@ from typing import Any
 from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from .._process import check_same_node
+from .._types import round_up
 from . import broker as _broker
 from .base import (
     Grant,
@@ -120,7 +121,7 @@ def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mm
     )
     try:
         anchor = ctypes.c_char.from_buffer(region)
-        base = _round_up(ctypes.addressof(anchor), align)
+        base = round_up(ctypes.addressof(anchor), align)
         del anchor  # releases the buffer export again
         fixed = _mmap_fixed()
         offset = 0
@@ -355,10 +356,6 @@ class HostBuffer:
         return f"<HostBuffer size={self._size} allocations={len(self._sizes)} {state}>"
 
 
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
 #: ``huge_pages=`` values of :func:`allocate_host`.
 HUGE_PAGES = ("auto", "hugetlb", "thp", False)
 _MFD_HUGETLB = 0x0004  # Linux; os does not export it
@@ -391,7 +388,7 @@ def allocate_host(size: int, *, chunk_size: int | None = None, huge_pages: Any =
         raise InvalidInputError(f"size is {size}; expected 1 to 2**63 - 1")
     unit = HUGE if huge_pages == "hugetlb" else PAGE
     if chunk_size is None:
-        chunk = _round_up(size, unit)
+        chunk = round_up(size, unit)
     else:
         if chunk_size <= 0 or chunk_size % unit:
             raise InvalidInputError(
@@ -404,7 +401,7 @@ def allocate_host(size: int, *, chunk_size: int | None = None, huge_pages: Any =
         raise InvalidInputError(
             f"size {size} in chunks of {chunk} makes {count} allocations; at most {MAX_ALLOCATIONS}"
         )
-    sizes = [chunk] * (count - 1) + [_round_up(size - chunk * (count - 1), unit)]
+    sizes = [chunk] * (count - 1) + [round_up(size - chunk * (count - 1), unit)]
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (_MFD_HUGETLB if huge_pages == "hugetlb" else 0)
     fds: list[int] = []
     try:
