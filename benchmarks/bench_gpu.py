@@ -53,7 +53,7 @@ def _importer_setup() -> dict:
 
 def mapped_copies(size: int, runs: int, iters: int) -> None:
     import gpushare as gs
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     drv = _cuda.driver()
     print(f"\n1. device-to-device copy of {size // MiB} MiB (MiB/s; median (min-max) of {runs})")
@@ -263,7 +263,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tls", default="tcp,cuda_copy,cuda_ipc", help="UCX_TLS of section 3 (ucx-rma)")
     args = parser.parse_args()
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     reason = _cuda.unavailable_reason()
     if reason is not None:

@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from . import _dlpack, _types
+from ._cuda import _driver
 from ._errors import InvalidInputError
-from ._paths import _cuda
 from ._same_node import allocate
 
 __all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
@@ -292,10 +292,10 @@ def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     """
     arr = empty(shape, dtype, device=device, huge_pages=huge_pages)
     if isinstance(arr, CudaArray):
-        drv = _cuda.driver()
+        drv = _driver.driver()
         # Zeros when this returns, without waiting for the caller's other work on the device.
-        with _cuda.on_device(arr.device), _cuda.own_stream() as stream:
-            _cuda.check(drv.cuMemsetD8Async(arr.ptr, 0, max(arr.nbytes, 1), stream), "cuMemsetD8Async")
+        with _driver.on_device(arr.device), _driver.own_stream() as stream:
+            _driver.check(drv.cuMemsetD8Async(arr.ptr, 0, max(arr.nbytes, 1), stream), "cuMemsetD8Async")
     else:
         arr.fill(0)  # fresh memfd pages are zero already; this says so for every dtype
     return arr

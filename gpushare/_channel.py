@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from . import _buffers, _paths, _types
+from ._cuda import _driver
 from ._export import export
 from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
@@ -57,7 +58,6 @@ from ._channel_wire import (
 from ._channel_wire import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
 from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from ._errors import WaitTimeoutError
-from ._paths import _cuda
 from ._process import node_key
 from ._same_node import allocate
 
@@ -520,12 +520,12 @@ def _array_of(buf: Any, shape: tuple[int, ...], typestr: str, device: Any, *, re
 
 def _fill(arr: Any, data: Any) -> None:
     if isinstance(arr, CudaArray):
-        local = _buffers.resolve(data, writable=False, stream=_cuda.LEGACY_STREAM)
+        local = _buffers.resolve(data, writable=False, stream=_driver.LEGACY_STREAM)
         try:
             if local.nbytes != arr.nbytes:
                 raise InvalidInputError(f"data is {local.nbytes} bytes; a step is {arr.nbytes}")
-            _cuda.copy_async(arr.ptr, local.address, arr.nbytes, ordinal=arr.device, stream=None,
-                             producer=local.stream, keep=local, what="copy into a channel slot").wait(60.0)
+            _driver.copy_async(arr.ptr, local.address, arr.nbytes, ordinal=arr.device, stream=None,
+                               producer=local.stream, keep=local, what="copy into a channel slot").wait(60.0)
         except BaseException:
             local.release()
             raise

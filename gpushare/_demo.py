@@ -9,6 +9,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+from . import _export, _open, _same_node
+from ._cuda import _driver
+from ._errors import GpuShareError
 from ._paths import ucx_rma
 
 __all__ = ["run_demo"]
@@ -24,10 +27,8 @@ def _importer(conn: Any, share: Any, prefer: str | None, repeat: int) -> None:
     """The second process: opens the share, copies out and in, reports."""
     import numpy as np
 
-    import gpushare as gs
-
     try:
-        with gs.open(share, prefer=prefer) as view:
+        with _open.open(share, prefer=prefer) as view:
             conn.send({"progress": f"importer: opened over {view.path}"})
             dst = np.empty(view.nbytes, np.uint8)
             times = []
@@ -52,16 +53,13 @@ def _importer(conn: Any, share: Any, prefer: str | None, repeat: int) -> None:
 
 def _allocate(size: int) -> tuple[Any, str]:
     """Device memory where a CUDA device is usable, else host memory."""
-    import gpushare as gs
-    from gpushare._paths import _cuda
-
-    reason = _cuda.unavailable_reason()
+    reason = _driver.unavailable_reason()
     if reason is None:
         try:
-            return gs.allocate(size, device=0), "CUDA device 0"
-        except gs.GpuShareError as exc:
+            return _same_node.allocate(size, device=0), "CUDA device 0"
+        except GpuShareError as exc:
             reason = str(exc)
-    return gs.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
+    return _same_node.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
 
 
 def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> None:
@@ -69,11 +67,9 @@ def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> 
     device context, and wait until the bytes have landed: a blocking copy
     from pageable memory returns once the bytes are staged, before they are
     in device memory where the importer reads them."""
-    from gpushare._paths import _cuda
-
     dev, hst = int(buf.handle), host.ctypes.data
     dst, src = (dev, hst) if to_device else (hst, dev)
-    _cuda.copy_async(dst, src, size, ordinal=int(buf.device_id), stream=None, producer=None, keep=host,
+    _driver.copy_async(dst, src, size, ordinal=int(buf.device_id), stream=None, producer=None, keep=host,
                      what=what).wait()
 
 
@@ -125,8 +121,6 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
     taken ``progress_after`` seconds, then at most one every ``progress_after``
     seconds.
     """
-    import gpushare as gs
-
     tick = _Progress(progress, progress_after)
     report: dict[str, Any] = {"size": size, "repeat": repeat, "runs": []}
     say = (lambda *_: None) if as_json else out
@@ -139,7 +133,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
         for prefer in (None, ucx_rma.PATH.name):
             tick(f"filling {size >> 20} MiB with random bytes")
             digest = _fill(buf, size)
-            share = gs.export(buf, lifetime="revoked")
+            share = _export.export(buf, lifetime="revoked")
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_importer, args=(child, share, prefer, repeat), daemon=True)
             tick("starting the importing process" + (f" (path {prefer})" if prefer else ""))

@@ -151,10 +151,10 @@ def cuda_core_fabric_descriptor_class() -> type | None:
     """cuda.core's own ``VirtualMemoryFabricBufferDescriptor`` where the
     installed cuda.core has one, else ``None``.  Imports cuda.core lazily."""
     try:
-        from cuda.core._memory import _ipc
+        import cuda.core
     except ImportError:
         return None
-    return getattr(_ipc, "VirtualMemoryFabricBufferDescriptor", None)
+    return getattr(cuda.core, "VirtualMemoryFabricBufferDescriptor", None)
 
 
 class VirtualMemoryFabricBufferDescriptor(_Frozen):

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from . import _export, _open, _same_node
 from ._capabilities import capabilities
 from ._open import choose
 from ._share import SHARE_FORMAT, Share, node_key
@@ -53,13 +54,11 @@ def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
 
 def _probe(conn: Any, tries: list[tuple[str, bytes]], expected: bytes) -> None:
     """The second process of :func:`live_check`: open each share over its path."""
-    import gpushare as gs
-
     results = {}
     for path, data in tries:
-        share = gs.Share.from_bytes(data)
+        share = Share.from_bytes(data)
         try:
-            with gs.open(share, prefer=[path], timeout=20) as view:
+            with _open.open(share, prefer=[path], timeout=20) as view:
                 if view.path != path:
                     results[path] = f"not taken (got {view.path})"
                     continue
@@ -74,14 +73,12 @@ def _probe(conn: Any, tries: list[tuple[str, bytes]], expected: bytes) -> None:
 def live_check(timeout: float = 60.0) -> dict[str, str]:
     """Share 4 KiB of host memory with a second process on this node over each
     path host memory can take; return what happened on each ("works" or why not)."""
-    import gpushare as gs
-
     paths = ["host-fd", "cma", "ucx-rma"]
-    buf = gs.allocate(4096, device="host")
+    buf = _same_node.allocate(4096, device="host")
     expected = bytes(range(256)) * 16
     buf.memoryview()[:] = expected
     plain = bytearray(expected)  # memory gpushare did not allocate
-    share, plain_share = gs.export(buf, lifetime="revoked"), gs.export(plain, lifetime="revoked")
+    share, plain_share = _export.export(buf, lifetime="revoked"), _export.export(plain, lifetime="revoked")
     tries = [("host-fd", share.to_bytes()), ("cma", plain_share.to_bytes()), ("ucx-rma", share.to_bytes())]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

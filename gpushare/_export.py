@@ -8,9 +8,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import _arrays, _buffers, _paths
+from ._cuda import _driver, vmm
+from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
-from ._paths import _cuda, cuda_vmm, host_fd
+from ._paths import host_fd
 from ._paths.broker import release_registrations
 from ._share import LIFETIMES, SHARE_FORMAT, Share, node_key
 from ._types import Lifetime, PathName
@@ -42,10 +44,10 @@ def _memory(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool, s
     offset = 0
     if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
         obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
-    if memory_type == "cuda" and span[1] and not cuda_vmm.is_vmm_buffer(obj):
+    if memory_type == "cuda" and span[1] and not vmm.is_vmm_buffer(obj):
         # A CuPy or torch array (a slice, a typed view) over gpushare.allocate
         # memory: the importer maps the whole buffer and views its part.
-        found = cuda_vmm.containing(*span)
+        found = vmm.containing(*span)
         if found is not None:
             obj, offset = found
     if memory_type == "host" and not isinstance(obj, host_fd.HostBuffer):
@@ -137,7 +139,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     exporter.add(record)
     fabric = None
     if _paths.fabric.PATH.name in offers:
-        fabric = _fabric_clique(device)
+        fabric = fabric_cliques()[0].get(device)
     log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
              "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
@@ -151,26 +153,4 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
 
 def _device_ordinal(address: int, hint: Any) -> int:
     """The CUDA device that owns ``address`` (asked of the driver)."""
-    return _cuda.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)
-
-
-def fabric_cliques() -> tuple[dict[int, str], str | None]:
-    """This node's fabric clique per device ("cluster:clique"), or why there is none."""
-    # capabilities() is built on the sharing API (a layer above): imported where used.
-    from ._capabilities import capabilities
-
-    caps = capabilities()
-    if not caps["cuda"]["available"]:
-        return {}, f"no CUDA here ({caps['cuda']['reason']})"
-    if not caps["imex"]["present"]:
-        return {}, f"no IMEX channel ({caps['imex']['reason']})"
-    cliques = {}
-    for dev in caps["cuda"]["devices"]:
-        fab = dev.get("fabric") or {}
-        if fab.get("cluster_uuid"):
-            cliques[dev["ordinal"]] = f"{fab['cluster_uuid']}:{fab['clique_id']}"
-    return cliques, None if cliques else "no device reports an NVLink fabric clique"
-
-
-def _fabric_clique(device: Any) -> str | None:
-    return fabric_cliques()[0].get(device)
+    return _driver.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)

@@ -14,6 +14,8 @@ import warnings
 from typing import Any
 
 from . import _paths, _types
+from ._cuda import _driver
+from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -23,10 +25,10 @@ from ._errors import (
     SlowPathWarning,
     UnsupportedError,
 )
-from ._export import PathList, fabric_cliques
+from ._export import PathList
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
-from ._paths import _cuda, cma, same_process, ucx_rma
+from ._paths import cma, same_process, ucx_rma
 from ._paths.base import exporter_exited
 from ._share import Share, node_key
 from ._view import View
@@ -43,7 +45,7 @@ def here_for(share: Share) -> _paths.Here:
     fabric = _paths.fabric.PATH.name in share.offers
     cuda_reason = None
     if share.device != "host" and (near or fabric):
-        cuda_reason = _cuda.unavailable_reason()
+        cuda_reason = _driver.unavailable_reason()
     cliques: tuple[str, ...] = ()
     fabric_reason = None
     if fabric and share.fabric is not None:
@@ -136,8 +138,8 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0) or 'host', not {device!r}")
         if share.device == "host":
             raise InvalidInputError(f"device={device} given for a share of host memory")
-        if _cuda.unavailable_reason() is None:
-            _cuda.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
+        if _driver.unavailable_reason() is None:
+            _driver.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
     order, left_out, natural = choose(share, prefer, exclude)
     log.debug("opening share %s: candidates %s; %s", share.share_id[:8], order or "none",
               "; ".join(left_out) or "nothing left out")

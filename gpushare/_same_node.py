@@ -2,7 +2,7 @@
 
 Host memory goes through memfds and the exporter's broker (the host-fd path),
 CUDA virtual memory through POSIX-fd or fabric handles, other CUDA memory
-through legacy CUDA IPC.  The CUDA modules load on first use.
+through legacy CUDA IPC.  CUDA itself loads on first use.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _types
+from ._cuda import vmm
 from ._descriptors import (
     CudaIpcBufferDescriptor,
     CudaPoolBufferDescriptor,
@@ -18,7 +19,7 @@ from ._descriptors import (
     _integer,
 )
 from ._errors import InvalidInputError, UnsupportedError
-from ._paths import host_fd
+from ._paths import cuda_ipc, host_fd, posix_fd
 
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
@@ -81,9 +82,7 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
         raise InvalidInputError(f"size is {size}; expected a positive integer")
     if chunk_size is not None and chunk_size <= 0:
         raise InvalidInputError(f"chunk_size is {chunk_size}; expected a positive integer")
-    from ._paths import cuda_vmm
-
-    return cuda_vmm.allocate_device(size, ordinal, chunk_size=chunk_size)
+    return vmm.allocate_device(size, ordinal, chunk_size=chunk_size)
 
 
 def export_buffer(buffer: Any, *, handle_type: _types.HandleType | None = None) -> Any:
@@ -125,13 +124,11 @@ def export_buffer(buffer: Any, *, handle_type: _types.HandleType | None = None) 
         if handle_type not in (None, "posix-fd"):
             raise UnsupportedError(f"host buffers are exported with 'posix-fd', not {handle_type!r}")
         return host_fd.export_host(buffer)
-    from ._paths import cuda_vmm
-
-    if cuda_vmm.is_vmm_buffer(buffer) and handle_type != "cuda-ipc":
-        return cuda_vmm.export_device(buffer, _types.internal_handle_type(handle_type))
+    if vmm.is_vmm_buffer(buffer) and handle_type != "cuda-ipc":
+        if vmm.export_handle_type(buffer, _types.internal_handle_type(handle_type)) == "fabric":
+            return vmm.export_fabric(buffer)
+        return posix_fd.export_device(buffer)
     if handle_type in (None, "cuda-ipc"):
-        from ._paths import cuda_ipc
-
         return cuda_ipc.export_ipc(buffer)
     raise UnsupportedError(
         f"handle_type={handle_type!r} needs a buffer from gpushare.allocate(); "
@@ -197,16 +194,10 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
             if device is not None:
                 raise InvalidInputError(f"device={device} given for a descriptor of host memory")
             return host_fd.import_host(descriptor, **_timeout(timeout))
-        from ._paths import cuda_vmm
-
-        return cuda_vmm.import_device(descriptor, device, readonly=readonly, **_timeout(timeout))
+        return posix_fd.import_device(descriptor, device, readonly=readonly, **_timeout(timeout))
     if isinstance(descriptor, CudaIpcBufferDescriptor):
-        from ._paths import cuda_ipc
-
         return cuda_ipc.import_ipc(descriptor, device, readonly=readonly)
     if isinstance(descriptor, CudaPoolBufferDescriptor):
-        from ._paths import cuda_ipc
-
         return cuda_ipc.import_pool(descriptor, device, readonly=readonly, **_timeout(timeout))
     try:
         fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
@@ -214,9 +205,7 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         raise InvalidInputError(
             f"import_buffer expects a descriptor from gpushare.export_buffer, got {type(descriptor).__name__}"
         ) from None
-    from ._paths import cuda_vmm
-
-    return cuda_vmm.import_device(fabric, device, readonly=readonly)
+    return vmm.import_device(fabric, device, readonly=readonly)
 
 
 def _timeout(timeout: float | None) -> dict:

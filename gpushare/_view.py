@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Literal
 
 from . import _arrays, _buffers, _dlpack
+from ._cuda import _driver
 from ._errors import (
     ClosedError,
     GpuShareError,
@@ -26,7 +27,6 @@ from ._errors import (
     UnsupportedError,
     WaitTimeoutError,
 )
-from ._paths import _cuda
 from ._share import Share
 from ._types import PathName
 
@@ -382,9 +382,9 @@ class View:
     def _copy(self, buf: Any, offset: int, direction: str, stream: Any) -> Any:
         """Start a copy between ``buf`` and the mapped memory; a request for
         CUDA copies, ``None`` when the copy is already done."""
-        handle = _cuda.stream_handle(stream)
+        handle = _driver.stream_handle(stream)
         # A DLPack producer orders its pending work before the copy's stream.
-        consumer = handle if handle is not None else _cuda.LEGACY_STREAM
+        consumer = handle if handle is not None else _driver.LEGACY_STREAM
         local, offset = self._span(buf, offset, direction == "get", consumer)
         try:
             shared = self._local()
@@ -406,16 +406,16 @@ class View:
 
     def _cuda_copy(self, local: _buffers.LocalBuffer, shared: _buffers.LocalBuffer, src: int, dst: int,
                    stream: int | None, direction: str) -> Any:
-        ordinal = _cuda.stream_ordinal(stream) if stream is not None else None
+        ordinal = _driver.stream_ordinal(stream) if stream is not None else None
         if ordinal is None:
             ordinal = local.device if local.memory_type == "cuda" and local.device is not None else shared.device
         if ordinal is None:
-            ordinal = _cuda.pointer_ordinal(local.address)
+            ordinal = _driver.pointer_ordinal(local.address)
         if self._mapped is not None and ordinal != self.device:
             self._mapped.grant(ordinal)  # the copy runs on another device: it needs access too
         what = f"copy {'from' if direction == 'get' else 'to'} the shared CUDA memory"
-        return _cuda.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
-                                producer=local.stream, keep=local, what=what)
+        return _driver.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
+                                  producer=local.stream, keep=local, what=what)
 
     def get(self, dst: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
         """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``.

@@ -25,6 +25,7 @@ UCX is loaded when the first :class:`Agent`, server or client is made.  See
 ``docs/ucx.md``.
 """
 
+from ._ucx import _loader
 from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, MemoryHandle, RemoteKey, Request
 from ._ucx._server import KEY_BYTES, Client, Peer, Region, Server, client, server
 
@@ -38,6 +39,4 @@ del _cls
 
 def ucx_version() -> tuple[int, int, int]:
     """The version of the UCX library in use, as (major, minor, release)."""
-    from ._ucx._loader import native
-
-    return tuple(native().ucx_version())
+    return tuple(_loader.native().ucx_version())

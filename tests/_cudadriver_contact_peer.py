@@ -201,13 +201,13 @@ def capabilities_with(state: dict, directory: str, entries: list[str]) -> dict:
     """gs.capabilities() with the IMEX channel directory at ``directory``
     holding ``entries`` (empty files; none: the directory does not exist)."""
     import gpushare as gs
-    import gpushare._capabilities as caps
+    from gpushare._cuda import fabric
 
     if entries:
         os.makedirs(directory, exist_ok=True)
         for e in entries:
             open(os.path.join(directory, e), "a").close()  # noqa: SIM115 - just the file
-    caps.IMEX_CHANNELS = directory
+    fabric.IMEX_CHANNELS = directory
     return gs.capabilities()
 
 

@@ -209,7 +209,7 @@ def ipc_handles(state: dict) -> int:
 
 
 def vmm_mappings(state: dict) -> int:
-    from gpushare._paths.cuda_vmm import mapping_count
+    from gpushare._cuda.vmm import mapping_count
 
     return mapping_count()
 
@@ -379,11 +379,11 @@ def view_closed(state: dict, name: str) -> bool:
 def imex_channel(state: dict, directory: str) -> None:
     """An IMEX channel this process can open, as a node with IMEX has one
     (the stand-in's fabric handles need no more than that)."""
-    import gpushare._capabilities as caps
+    from gpushare._cuda import fabric
 
     os.makedirs(directory, exist_ok=True)
     open(os.path.join(directory, "channel0"), "a").close()  # noqa: SIM115 - just the file
-    caps.IMEX_CHANNELS = directory
+    fabric.IMEX_CHANNELS = directory
 
 
 def capabilities(state: dict) -> dict:

@@ -21,7 +21,7 @@ import _share_peer
 
 def htod(address: int, data: Any, device: int = 0) -> None:
     """Copy host bytes to device memory of ``device``; landed on return."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     src = np.frombuffer(bytes(data), np.uint8) if not isinstance(data, np.ndarray) else data
     drv = _cuda.driver()
@@ -33,7 +33,7 @@ def htod(address: int, data: Any, device: int = 0) -> None:
 
 def dtoh(address: int, n: int, device: int = 0) -> bytes:
     """The ``n`` bytes at a device pointer of ``device``, after the device's earlier work."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     out = np.empty(n, np.uint8)
     drv = _cuda.driver()
@@ -45,7 +45,7 @@ def dtoh(address: int, n: int, device: int = 0) -> bytes:
 
 def memset(address: int, value: int, n: int, device: int = 0) -> None:
     """Set ``n`` bytes of device memory to ``value``; landed on return."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     drv = _cuda.driver()
     with _cuda.on_device(device):
@@ -55,7 +55,7 @@ def memset(address: int, value: int, n: int, device: int = 0) -> None:
 
 def current_context() -> int | None:
     """The calling thread's current context handle, or None."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     drv = _cuda.driver()
     ctx = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -81,7 +81,7 @@ def legacy_alloc(n: int, device: int = 0) -> DeviceArray:
     when the returned array is collected."""
     import weakref
 
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     drv = _cuda.driver()
     with _cuda.on_device(device):
@@ -112,7 +112,7 @@ def _context(state: dict) -> int | None:
 
 def _visible(state: dict) -> dict:
     """What this process sees: its devices' UUIDs, in ordinal order."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     return {"uuids": [_cuda.device_uuid(i) for i in range(_cuda.device_count())],
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -161,7 +161,7 @@ def _async_in_thread(view: Any, n: int, seed: int) -> dict:
     from cuda.core import Device, StreamOptions
 
     import gpushare as gs
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     data = np.frombuffer(pattern(n, seed), np.uint8).copy()
     back = np.zeros(n, np.uint8)
@@ -218,7 +218,7 @@ def _ucx_cuda_alloc(state: dict, n: int) -> dict:
     from cuda.bindings import driver as drv
 
     from gpushare import ucx
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     before = current_context()
     agent = ucx.Agent()

@@ -147,7 +147,7 @@ def test_a_child_that_sees_the_device_by_uuid_opens_a_share(fresh_gpu_peer):
     device (as its device 0) and opens a share of it from this process over
     posix-fd, both ways.  The last device is used, so that where there are
     several the child's ordinal differs from ours."""
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     ordinal = _cuda.device_count() - 1
     uuid = _cuda.device_uuid(ordinal)
@@ -180,7 +180,7 @@ def test_fabric_allocation_without_imex_is_not_permitted_and_gpushare_falls_back
     no fabric, and a share of its memory opens over posix-fd."""
     from cuda.bindings import driver as drv
 
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     _cuda.driver()
     dev = _cuda.check(drv.cuDeviceGet(0), "cuDeviceGet")

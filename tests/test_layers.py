@@ -47,31 +47,22 @@ LAYERS: dict[str, int] = {
 #: Imports that go up a layer today, as (importer, imported).  The list may
 #: only shrink: a new upward import fails the test, and so does an entry here
 #: that no longer happens (remove it then).
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
-    # the doctor and the demo call the public API through the package
-    ("gpushare._demo", "gpushare"),
-    ("gpushare._doctor", "gpushare"),
-    # export probes fabric cliques through capabilities(); the probe belongs in the CUDA engine
-    ("gpushare._export", "gpushare._capabilities"),
-    # the UCX engine uses the CUDA driver module, which lives under _paths/ until it moves to _cuda/
-    ("gpushare._ucx._agent", "gpushare._paths._cuda"),
-    ("gpushare._ucx._device", "gpushare._paths._cuda"),
-})
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
 
 #: Import cycles today, each as the sorted modules of one strongly connected
 #: component.  Same rule: it may only shrink.
-KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset({
-    # _paths/__init__ imports ucx_rma, which imports _ucx; _ucx._device imports
-    # _paths._cuda (in a function), which runs _paths/__init__: gone once the
-    # driver module is _cuda/, below both
-    ("gpushare._paths", "gpushare._paths.ucx_rma", "gpushare._ucx", "gpushare._ucx._device",
-     "gpushare._ucx._server"),
-})
+KNOWN_CYCLES: frozenset[tuple[str, ...]] = frozenset()
 
 #: The most function-level imports of gpushare's own modules.  Own modules
 #: need no lazy import (none touches the GPU, starts a thread or loads UCX at
-#: import); lower this number as they move to the top of their files.
-MAX_FUNCTION_LEVEL = 28
+#: import); one that must stay says why in a ``# lazy: ...`` comment on its
+#: line or the line above (:data:`LAZY_REASON`).  The number may only go down.
+MAX_FUNCTION_LEVEL = 0
+
+#: The comment a function-level import of an own module carries: ``# lazy:``
+#: and its reason (it loads the native module or UCX, the CUDA bindings, or
+#: breaks a cycle that cannot be broken otherwise).
+LAZY_REASON = "# lazy:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +236,20 @@ def check(root: pathlib.Path, layers: Mapping[str, int], native: Iterable[str] =
     )
 
 
+def without_reason(imps: Iterable[Import], root: pathlib.Path) -> list[Import]:
+    """The function-level imports in ``imps`` with no :data:`LAZY_REASON`
+    comment, followed by a reason, on their line or the line above."""
+    out = []
+    for imp in imps:
+        if not imp.in_function:
+            continue
+        lines = (root.parent / imp.path).read_text().splitlines()
+        near = [lines[imp.line - 1]] + ([lines[imp.line - 2]] if imp.line > 1 else [])
+        if not any(LAZY_REASON in line and line.split(LAZY_REASON, 1)[1].strip() for line in near):
+            out.append(imp)
+    return out
+
+
 def _describe(imps: Iterable[Import], layers: Mapping[str, int]) -> str:
     return "\n".join(
         f"  {i.where()}: {i.source} (L{layer_of(i.source, layers)}) imports {i.target} "
@@ -291,6 +296,15 @@ def test_function_level_imports_of_own_modules_only_decrease(report):
     assert count <= MAX_FUNCTION_LEVEL, (
         f"{count} function-level imports of gpushare's own modules (at most {MAX_FUNCTION_LEVEL}); "
         "import own modules at the top of the file:\n" + _describe(report.function_level, LAYERS)
+    )
+
+
+def test_each_function_level_import_of_an_own_module_says_why(report):
+    missing = without_reason(report.function_level, PACKAGE)
+    assert not missing, (
+        f"function-level imports of gpushare's own modules without a '{LAZY_REASON} <reason>' comment on "
+        "their line or the line above (import at the top of the file, or say why not):\n"
+        + _describe(missing, LAYERS)
     )
 
 
@@ -373,3 +387,21 @@ def test_checker_counts_a_subpackage_init_that_a_submodule_import_runs(tmp_path)
     report = check(root, {**TABLE, "_sub/": 2}, native={"pkg._sub._native"})
     assert report.cycles == [("pkg._high", "pkg._sub")]
     assert [(i.source, i.target) for i in report.function_level] == [("pkg._sub", "pkg._high")]
+
+
+def test_checker_finds_function_level_imports_without_a_reason(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_base.py": "",
+        "_low.py": (
+            "def a():\n    from . import _base\n\n"  # no reason
+            "def b():\n    # lazy: loads the native module\n    from . import _base\n\n"
+            "def c():\n    from . import _base  # lazy: cuda bindings\n\n"
+            "def d():\n    from . import _base  # lazy:\n\n"  # a bare marker is no reason
+            "def e():\n    from . import _base  # noqa\n"
+        ),
+        "_high.py": "",
+    })
+    report = check(root, TABLE)
+    assert [i.line for i in report.function_level] == [2, 6, 9, 12, 15]
+    assert [i.line for i in without_reason(report.function_level, root)] == [2, 12, 15]

@@ -140,7 +140,7 @@ def test_several_handle_types_are_requested_as_one_mask():
     driver = pytest.importorskip("cuda.bindings.driver")
     import ctypes
 
-    from gpushare._paths.cuda_vmm import _prop
+    from gpushare._cuda.vmm import _prop
 
     t = driver.CUmemAllocationHandleType
     both = _prop(driver, 3, ["posix_fd", "fabric"])

@@ -578,7 +578,7 @@ def test_control_channel_survives_garbage(payload):
 
 def test_cuda_paths_are_chosen_only_where_cuda_can_map():
     from gpushare._open import choose
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
     from gpushare._share import SHARE_FORMAT, Share, node_key
 
     share = Share._make(SHARE_FORMAT, "1" * 32, b"\0" * 32, 1, node_key(), (("127.0.0.1", 9),), 4096, 0,

@@ -159,7 +159,7 @@ def test_get_from_another_thread(peer):
 
 
 def test_visible_devices_remapped_between_processes():
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver as _cuda
 
     if _cuda.device_count() < 2:
         pytest.skip("needs two GPUs: this machine has one")

@@ -451,14 +451,14 @@ def one_share(device):
 
 if __name__ == "__main__":
     import gpushare.ucx  # noqa: F401 - the native module and UCX load
-    from gpushare._paths import _cuda
+    from gpushare._cuda import _driver
 
     target = os.path.realpath(sys.argv[1])
     where = os.path.realpath(gs.__file__)
     print("gpushare", importlib.metadata.version("gpushare"), "from", where)
     if not where.startswith(target + os.sep):
         sys.exit(f"gpushare was imported from {where}, not from the installed bundle in {target}")
-    reason = _cuda.unavailable_reason()
+    reason = _driver.unavailable_reason()
     print("CUDA:", "usable" if reason is None else f"not usable: {reason}")
     one_share("host")
     if reason is None:

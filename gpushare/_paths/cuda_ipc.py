@@ -22,6 +22,7 @@ import threading
 import warnings
 from typing import Any
 
+from .._cuda import _driver, vmm
 from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
 from .._errors import (
     ClosedError,
@@ -30,7 +31,8 @@ from .._errors import (
     InvalidInputError,
     UnsupportedError,
 )
-from . import _cuda, cuda_vmm
+from .._process import check_same_node
+from . import broker
 from .base import (
     Grant,
     Here,
@@ -45,9 +47,7 @@ from .base import (
     no_fds,
     same_node,
 )
-from . import broker
 from .broker import fetch_fds, node_identity
-from .host_fd import check_same_node
 
 __all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count"]
 
@@ -98,16 +98,16 @@ def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
         expandable segments) or CUDA virtual memory not from
         :func:`gpushare.allocate`.
     """
-    drv = _cuda.driver()
+    drv = _driver.driver()
     ptr, size = _pointer_and_size(obj)
     hint = getattr(obj, "device_id", None)
-    ordinal = _cuda.pointer_ordinal(ptr, hint if isinstance(hint, int) and hint >= 0 else None)
+    ordinal = _driver.pointer_ordinal(ptr, hint if isinstance(hint, int) and hint >= 0 else None)
     attrs = drv.CUpointer_attribute
-    with _cuda.on_device(ordinal):
-        capable = _cuda.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+    with _driver.on_device(ordinal):
+        capable = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
                               "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
         if not int(capable):
-            pool = _cuda.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
+            pool = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
                                "cuPointerGetAttribute(MEMPOOL_HANDLE)")
             if pool is not None and int(pool):
                 return _export_pool(drv, pool, ptr, size, ordinal)
@@ -116,15 +116,15 @@ def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
                 "gpushare.allocate; allocate it with gpushare.allocate(size, device=N) to share it on "
                 "this node, or share it over ucx-rma"
             )
-        base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-        handle = _cuda.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        base, base_size = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        handle = _driver.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
     return CudaIpcBufferDescriptor._from_fields(
-        _cuda.bytes_of(handle, 64),
+        _driver.bytes_of(handle, 64),
         int(base_size),
         ptr - int(base),
         size,
         ordinal,
-        _cuda.device_uuid(ordinal),
+        _driver.device_uuid(ordinal),
         os.getpid(),
         node_identity(),
     )
@@ -152,18 +152,18 @@ def _export_pool(drv: Any, pool: Any, ptr: int, size: int, ordinal: int) -> Cuda
             fd = int(res[1])
             try:
                 _, desc = broker.publish([fd], device=ordinal, sizes=(1,), size=1,
-                                         owner_uuid=_cuda.device_uuid(ordinal))
+                                         owner_uuid=_driver.device_uuid(ordinal))
             except BaseException:
                 os.close(fd)
                 raise
             entry = (desc, fd)  # served, and the fd kept, for the life of this process
             _pools[int(pool)] = entry
     desc = entry[0]
-    base, base_size = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    data = _cuda.check(drv.cuMemPoolExportPointer(base), "cuMemPoolExportPointer")
+    base, base_size = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    data = _driver.check(drv.cuMemPoolExportPointer(base), "cuMemPoolExportPointer")
     return CudaPoolBufferDescriptor._from_fields(
         desc.address, desc.export_id, desc.token, desc.pid, desc.node, ordinal, desc.owner_uuid,
-        _cuda.bytes_of(data, 64), int(base_size), ptr - int(base), size,
+        _driver.bytes_of(data, 64), int(base_size), ptr - int(base), size,
     )
 
 
@@ -171,7 +171,7 @@ def _ref_class() -> type:
     global _Ref
     if _Ref is not None:
         return _Ref
-    from cuda.core._memory._buffer import MemoryResource
+    from cuda.core import MemoryResource
 
     class IpcRef(MemoryResource):  # type: ignore[misc]
         """One importer's use of an opened base allocation."""
@@ -200,7 +200,7 @@ def _ref_class() -> type:
 
 
 def _unuse(ref: Any) -> None:
-    drv = _cuda.driver()
+    drv = _driver.driver()
     with _lock:
         if ref.done:
             return
@@ -214,9 +214,9 @@ def _unuse(ref: Any) -> None:
             # gpushare's own copies on the memory land first.  Any thread may
             # get here (close, finalizers, the garbage collector): the handle
             # belongs to the device's context.
-            _cuda.wait_for_copies(entry[0], entry[1])
-            with _cuda.on_device(ref.ordinal):
-                _cuda.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
+            _driver.wait_for_copies(entry[0], entry[1])
+            with _driver.on_device(ref.ordinal):
+                _driver.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
 
 
 def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
@@ -231,19 +231,19 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: b
         raise UnsupportedError(
             "a CUDA IPC handle cannot be opened in the process that exported it; use the original buffer"
         )
-    drv = _cuda.driver()
+    drv = _driver.driver()
     from cuda.core import Buffer
 
-    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
+    ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     key = (desc.pid, desc.handle, ordinal)
-    with _cuda.on_device(ordinal), _lock:
+    with _driver.on_device(ordinal), _lock:
         entry = _opened.get(key)
         if entry is None:
-            handle = _cuda.set_bytes(drv.CUipcMemHandle(), desc.handle)
+            handle = _driver.set_bytes(drv.CUipcMemHandle(), desc.handle)
             flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            base = int(_cuda.check(drv.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle"))
+            base = int(_driver.check(drv.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle"))
             try:
-                _, real = _cuda.check(drv.cuMemGetAddressRange(base), "cuMemGetAddressRange")
+                _, real = _driver.check(drv.cuMemGetAddressRange(base), "cuMemGetAddressRange")
             except BaseException:
                 drv.cuIpcCloseMemHandle(base)
                 raise
@@ -279,24 +279,24 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
         raise UnsupportedError("imported pool memory is mapped writable only; a read-only share cannot use it")
     if desc.pid == os.getpid():
         raise UnsupportedError("pool memory cannot be imported by the process that exported it; use the original")
-    drv = _cuda.driver()
+    drv = _driver.driver()
     from cuda.core import Buffer
 
-    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
+    ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     pool_key = (desc.pid, desc.export_id)
     ptr_key = (desc.pid, desc.export_id, desc.export_data)
     t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    with _cuda.on_device(ordinal), _lock:
+    with _driver.on_device(ordinal), _lock:
         pool_entry = _imported_pools.get(pool_key)
         if pool_entry is None:
             (fd,) = fetch_fds(desc.address, desc.export_id, desc.token, 1, pid=desc.pid,
                               **({} if timeout is None else {"timeout": timeout}))
             try:
-                pool = _cuda.check(drv.cuMemPoolImportFromShareableHandle(fd, t, 0),
+                pool = _driver.check(drv.cuMemPoolImportFromShareableHandle(fd, t, 0),
                                    "cuMemPoolImportFromShareableHandle")
             finally:
                 os.close(fd)
-            pool_entry = [pool, 0, _cuda.ordinal_of_uuid(desc.owner_uuid), set()]
+            pool_entry = [pool, 0, _driver.ordinal_of_uuid(desc.owner_uuid), set()]
             _imported_pools[pool_key] = pool_entry
         try:
             _grant_pool(drv, pool_entry, ordinal)
@@ -307,10 +307,10 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
             raise
         entry = _imported_ptrs.get(ptr_key)
         if entry is None:
-            data = _cuda.set_bytes(drv.CUmemPoolPtrExportData(), desc.export_data)
+            data = _driver.set_bytes(drv.CUmemPoolPtrExportData(), desc.export_data)
             try:
-                ptr = int(_cuda.check(drv.cuMemPoolImportPointer(pool_entry[0], data), "cuMemPoolImportPointer"))
-                _, real = _cuda.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+                ptr = int(_driver.check(drv.cuMemPoolImportPointer(pool_entry[0], data), "cuMemPoolImportPointer"))
+                _, real = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
                 if desc.offset + desc.size > int(real):
                     drv.cuMemFree(ptr)
                     raise InvalidInputError(
@@ -343,12 +343,12 @@ def _grant_pool(drv: Any, pool_entry: list[Any], ordinal: int) -> None:
     desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = ordinal
     desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    _cuda.check(drv.cuMemPoolSetAccess(pool, [desc], 1), f"cuMemPoolSetAccess(device {ordinal})")
+    _driver.check(drv.cuMemPoolSetAccess(pool, [desc], 1), f"cuMemPoolSetAccess(device {ordinal})")
     granted.add(ordinal)
 
 
 def _unuse_pool(ref: Any) -> None:
-    drv = _cuda.driver()
+    drv = _driver.driver()
     with _lock:
         if ref.done:
             return
@@ -363,14 +363,14 @@ def _unuse_pool(ref: Any) -> None:
         pool_entry = _imported_pools.get(entry[2])
         # gpushare's own copies on the memory land before it is freed; the
         # user's other work is not waited for.
-        _cuda.wait_for_copies(entry[0], entry[4])
-        with _cuda.on_device(entry[3]):
+        _driver.wait_for_copies(entry[0], entry[4])
+        with _driver.on_device(entry[3]):
             _free_imported(drv, entry[0])
             if pool_entry is not None:
                 pool_entry[1] -= 1
                 if pool_entry[1] == 0:
                     del _imported_pools[entry[2]]
-                    _cuda.check(drv.cuMemPoolDestroy(pool_entry[0]), "cuMemPoolDestroy(imported pool)")
+                    _driver.check(drv.cuMemPoolDestroy(pool_entry[0]), "cuMemPoolDestroy(imported pool)")
 
 
 def _free_imported(drv: Any, ptr: int) -> None:
@@ -379,8 +379,8 @@ def _free_imported(drv: Any, ptr: int) -> None:
     work on every stream; a stream-ordered free on a stream of its own waits
     for nothing else, and is complete on return, as the exporter's own free
     of the allocation must come after every importer's."""
-    with _cuda.own_stream() as stream:
-        _cuda.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
+    with _driver.own_stream() as stream:
+        _driver.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
 
 
 _PoolRef: type | None = None
@@ -397,7 +397,7 @@ def _pool_ref_class() -> type:
 
         def grant(self, ordinal: int) -> None:
             """Give device ``ordinal`` access too, so a copy on it can touch the memory."""
-            drv = _cuda.driver()
+            drv = _driver.driver()
             with _lock:
                 if self.done:
                     raise ClosedError("the imported pool memory is closed")
@@ -428,7 +428,7 @@ class CudaIpc:
               "(a legacy handle, or its pool's export)")
 
     def offer(self, memory: Memory) -> Offer | None:
-        if memory.memory_type != "cuda" or cuda_vmm.is_vmm_buffer(memory.obj):
+        if memory.memory_type != "cuda" or vmm.is_vmm_buffer(memory.obj):
             return None
         try:
             return Offer(export_ipc(memory.obj))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._cuda import vmm
 from .._descriptors import VirtualMemoryFabricBufferDescriptor
 from .._errors import GpuShareError
-from . import cuda_vmm
 from .base import (
     Grant,
     Here,
@@ -34,10 +34,10 @@ class Fabric:
     reason = "same fabric clique with an IMEX channel"
 
     def offer(self, memory: Memory) -> Offer | None:
-        if memory.memory_type != "cuda" or not cuda_vmm.is_vmm_buffer(memory.obj):
+        if memory.memory_type != "cuda" or not vmm.is_vmm_buffer(memory.obj):
             return None
         try:
-            return Offer(cuda_vmm.export_device(memory.obj, "fabric"))
+            return Offer(vmm.export_fabric(memory.obj))
         except GpuShareError:
             return None  # not supported here (no fabric): not offered
 
@@ -59,7 +59,7 @@ class Fabric:
     def open(self, share: Share, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)
         desc = descriptor_of(share, grant, (VirtualMemoryFabricBufferDescriptor,))
-        return Opened(mapping=Mapped.cuda(cuda_vmm.import_device(desc, how.device, readonly=share.readonly)))
+        return Opened(mapping=Mapped.cuda(vmm.import_device(desc, how.device, readonly=share.readonly)))
 
 
 PATH = Fabric()

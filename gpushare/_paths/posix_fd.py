@@ -3,11 +3,14 @@ this node through POSIX file descriptors, handed over by the broker."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
+from .._cuda import _driver, vmm
 from .._descriptors import PosixFdBufferDescriptor
 from .._errors import GpuShareError, InvalidInputError
-from . import _cuda, cuda_vmm
+from .._process import check_same_node
+from . import broker as _broker
 from .base import (
     Grant,
     Here,
@@ -37,15 +40,15 @@ class PosixFd:
 
     def offer(self, memory: Memory) -> Offer | None:
         obj = memory.obj
-        if memory.memory_type != "cuda" or not cuda_vmm.is_vmm_buffer(obj):
+        if memory.memory_type != "cuda" or not vmm.is_vmm_buffer(obj):
             return None
         try:
-            fds = cuda_vmm.posix_fds(obj)
+            fds = vmm.posix_fds(obj)
         except GpuShareError:
             return None
         mr = obj.memory_resource
         return own_registration(fds, device=mr.ordinal, sizes=mr.sizes, size=obj.size,
-                                owner_uuid=_cuda.device_uuid(mr.ordinal))
+                                owner_uuid=_driver.device_uuid(mr.ordinal))
 
     def serve(self, export: Any, session: Any) -> Grant:
         return Grant(descriptor_payload(export, self.name))
@@ -65,8 +68,42 @@ class PosixFd:
         desc = descriptor_of(share, grant, (PosixFdBufferDescriptor,))
         if desc.device == "host":
             raise InvalidInputError("exporter sent a descriptor of host memory with a posix-fd offer")
-        return Opened(mapping=Mapped.cuda(cuda_vmm.import_device(desc, how.device, readonly=share.readonly,
-                                                                 timeout=how.timeout)))
+        return Opened(mapping=Mapped.cuda(import_device(desc, how.device, readonly=share.readonly,
+                                                        timeout=how.timeout)))
 
 
 PATH = PosixFd()
+
+
+def export_device(buf: Any) -> PosixFdBufferDescriptor:
+    """The posix-fd descriptor of a buffer from gpushare.allocate(device=N):
+    its allocations' fds, published by this process's broker once (the
+    same descriptor each time after that)."""
+    vmm.export_handle_type(buf, "posix_fd")
+    mr = buf.memory_resource
+    uuid = _driver.device_uuid(mr.ordinal)
+    with mr.lock:
+        if mr.posix_export is not None and mr.posix_export[0].pid == os.getpid():
+            return mr.posix_export[1]
+        fds = vmm.export_posix_fds(buf)
+        try:
+            broker, desc = _broker.publish(fds, device=mr.ordinal, sizes=mr.sizes, size=buf.size, owner_uuid=uuid)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        mr.posix_export = (broker, desc, fds)  # the mapping's release revokes it and closes the fds
+        return desc
+
+
+def import_device(desc: PosixFdBufferDescriptor, device: int | None, *, readonly: bool = False,
+                  timeout: float = _broker.TIMEOUT) -> Any:
+    """Map the CUDA virtual memory a posix-fd descriptor names, its fds
+    fetched from the exporter's broker (within ``timeout`` seconds)."""
+
+    def fetch_fds() -> list[int]:
+        check_same_node(desc)
+        return _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid,
+                                 timeout=timeout)
+
+    return vmm.import_device(desc, device, readonly=readonly, fetch_fds=fetch_fds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from .._cuda import _driver
 from .._errors import (
     ClosedError,
     InvalidInputError,
@@ -19,7 +20,6 @@ from .._errors import (
 )
 from .._process import await_alive
 from .._ucx import _device, _server
-from . import _cuda
 from .base import Grant, Here, Memory, Offer, Opened, Options, exporter_exited, no_fds
 
 __all__ = ["PATH", "RmaTransport", "raise_rma_error"]
@@ -119,7 +119,7 @@ class RmaTransport:
 
     async def _move_async(self, get: bool, offset: int, buf: Any, stream: Any, span: Any) -> None:
         handle = _device.consumer_stream(stream)
-        local, _ = span(buf, offset, get, _cuda.LEGACY_STREAM if handle is None else handle)
+        local, _ = span(buf, offset, get, _driver.LEGACY_STREAM if handle is None else handle)
         try:
             # CUDA memory: the producer's work drains first without
             # blocking the loop (the post below then waits for nothing).

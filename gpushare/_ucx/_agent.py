@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _buffers, _types
+from .._cuda import _driver as _cuda
 from .._errors import (
     ClosedError,
     GpuShareError,
@@ -99,8 +100,6 @@ def _free_allocated(nmh: Any, ordinal: int | None) -> None:
 def _alloc_ordinal() -> int:
     """The device UCX allocates CUDA memory on: the calling thread's current
     one, else device 0."""
-    from .._paths import _cuda
-
     current = _cuda.current_ordinal()
     return 0 if current is None else current
 

@@ -17,7 +17,7 @@ on the memory's device for everything it does with CUDA memory:
   otherwise.
 
 So gpushare retains the device's primary context once per process
-(:func:`gpushare._paths._cuda.on_device`, kept until exit, as the CUDA
+(:func:`gpushare._cuda._driver.on_device`, kept until exit, as the CUDA
 runtime does) before any of these, and pushes it around the calls made in
 the calling thread; the caller's current context is left as it was.
 
@@ -36,10 +36,12 @@ sees the bytes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
 from .. import _buffers
+from .._cuda import _driver
 
 __all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "order_before_async", "resolve"]
 
@@ -48,27 +50,21 @@ def consumer_stream(stream: Any) -> int | None:
     """The raw handle of a ``stream=`` argument (``None`` stays ``None``)."""
     if stream is None:
         return None
-    from .._paths import _cuda
-
-    return _cuda.stream_handle(stream)
+    return _driver.stream_handle(stream)
 
 
 def resolve(obj: Any, *, writable: bool, stream: int | None) -> _buffers.LocalBuffer:
     """:func:`gpushare._buffers.resolve` for a transfer: a CUDA DLPack
     producer orders its pending work before ``stream`` (the legacy default
     stream when ``None``), which :func:`order_before` then waits for."""
-    from .._paths import _cuda
-
-    return _buffers.resolve(obj, writable=writable, stream=_cuda.LEGACY_STREAM if stream is None else stream)
+    return _buffers.resolve(obj, writable=writable, stream=_driver.LEGACY_STREAM if stream is None else stream)
 
 
 def ordinal_of(local: _buffers.LocalBuffer) -> int:
     """The device of a CUDA buffer of this process (asked of the driver
     once, then kept in ``local.device``)."""
     if local.device is None:
-        from .._paths import _cuda
-
-        local.device = _cuda.pointer_ordinal(local.address)
+        local.device = _driver.pointer_ordinal(local.address)
     return int(local.device)
 
 
@@ -81,17 +77,13 @@ def on_memory_device(local: _buffers.LocalBuffer | None,
     device ``ordinal``) for a ``with`` block; nothing for host memory."""
     if ordinal is None and (local is None or local.memory_type != "cuda"):
         return _NOTHING
-    from .._paths import _cuda
-
-    return _cuda.on_device(ordinal_of(local) if ordinal is None else ordinal)
+    return _driver.on_device(ordinal_of(local) if ordinal is None else ordinal)
 
 
 def _streams(local: _buffers.LocalBuffer, stream: int | None) -> list[int]:
     """The streams whose queued work a transfer of ``local`` follows: the
     caller's and the producer's, else the legacy default stream."""
-    from .._paths import _cuda
-
-    return [s for s in dict.fromkeys((stream, local.stream)) if s is not None] or [_cuda.LEGACY_STREAM]
+    return [s for s in dict.fromkeys((stream, local.stream)) if s is not None] or [_driver.LEGACY_STREAM]
 
 
 def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
@@ -102,12 +94,10 @@ def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
     for host memory."""
     if local.memory_type != "cuda":
         return
-    from .._paths import _cuda
-
-    drv = _cuda.driver()
-    with _cuda.on_device(ordinal_of(local)):
+    drv = _driver.driver()
+    with _driver.on_device(ordinal_of(local)):
         for s in _streams(local, stream):
-            _cuda.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize (the work before a ucx-rma transfer)")
+            _driver.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize (the work before a ucx-rma transfer)")
 
 
 async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) -> None:
@@ -115,34 +105,30 @@ async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) ->
     polled between sleeps, so the event loop runs on while the work drains."""
     if local.memory_type != "cuda":
         return
-    import asyncio
-
-    from .._paths import _cuda
-
-    drv = _cuda.driver()
+    drv = _driver.driver()
     ordinal = ordinal_of(local)
     no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
     events: list[Any] = []
     try:
-        with _cuda.on_device(ordinal):
+        with _driver.on_device(ordinal):
             for s in _streams(local, stream):
-                events.append(_cuda.check(drv.cuEventCreate(no_timing), "cuEventCreate"))
-                _cuda.check(drv.cuEventRecord(events[-1], s), "cuEventRecord (the work before a ucx-rma transfer)")
+                events.append(_driver.check(drv.cuEventCreate(no_timing), "cuEventCreate"))
+                _driver.check(drv.cuEventRecord(events[-1], s), "cuEventRecord (the work before a ucx-rma transfer)")
         await asyncio.sleep(0)  # the loop runs its other tasks while the work drains
         delay = 1e-5
         while events:
-            with _cuda.on_device(ordinal):
+            with _driver.on_device(ordinal):
                 (err,) = drv.cuEventQuery(events[0])
                 if err == drv.CUresult.CUDA_ERROR_NOT_READY:
                     pass
                 else:
-                    _cuda.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
+                    _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
                     drv.cuEventDestroy(events.pop(0))
                     continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)
     finally:
         if events:
-            with _cuda.on_device(ordinal):
+            with _driver.on_device(ordinal):
                 for event in events:
                     drv.cuEventDestroy(event)

@@ -8,6 +8,8 @@ import os
 import types
 from typing import Any
 
+from .._errors import InvalidInputError
+
 __all__ = ["native", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
            "native_memtype_cache", "check_memtype_config"]
 
@@ -77,8 +79,6 @@ def check_memtype_config(cfg: dict[str, str]) -> None:
         return
     process = native_memtype_cache()
     if _ternary(value) != process:
-        from .._errors import InvalidInputError
-
         raise InvalidInputError(
             f"config asks for MEMTYPE_CACHE={value!r}, but this process's UCX memory-type cache is "
             f"{process!r}: UCX has one such setting per process, shared by every worker (gpushare's own "

@@ -21,19 +21,22 @@ writes ``Device.uuid`` (``"xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"``, no
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import CUDAError, UnsupportedError
+from .._errors import CUDAError, InvalidInputError, UnsupportedError, WaitTimeoutError
 
 __all__ = [
     "LEGACY_STREAM",
+    "NO_DEVICE",
     "PER_THREAD_STREAM",
     "CopyRequest",
     "bytes_of",
@@ -178,6 +181,10 @@ def normalize_uuid(uuid: str | None) -> str | None:
     return text if _UUID.fullmatch(text) else None
 
 
+#: Why there is no CUDA where the driver loads but sees no device.
+NO_DEVICE = "the CUDA driver sees no device"
+
+
 def device_count() -> int:
     drv = driver()
     return int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
@@ -186,8 +193,6 @@ def device_count() -> int:
 def valid_ordinal(ordinal: int) -> int:
     """``ordinal`` if this process sees such a device, else
     :class:`InvalidInputError` saying how many it sees."""
-    from .._errors import InvalidInputError
-
     count = device_count()
     if not 0 <= ordinal < count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -267,8 +272,6 @@ def stream_handle(stream: Any) -> int | None:
     with ``__cuda_stream__``, a CuPy stream (``.ptr``), a torch stream
     (``.cuda_stream``), or an ``int`` handle (0 and 1 name the legacy default
     stream, 2 the per-thread one).  ``None`` stays ``None``."""
-    from .._errors import InvalidInputError
-
     if stream is None:
         return None
     if isinstance(stream, bool):
@@ -528,10 +531,6 @@ class CopyRequest:
         CUDAError
             If the copy failed.
         """
-        import time
-
-        from .._errors import WaitTimeoutError
-
         if not self._finished:
             if timeout is None:
                 self._pending.sync()
@@ -551,8 +550,6 @@ class CopyRequest:
             raise self._error
 
     def __await__(self) -> Any:
-        import asyncio
-
         delay = 1e-5
         while not self.done():
             yield from asyncio.sleep(delay).__await__()

@@ -1,15 +1,16 @@
-"""The posix-fd and fabric paths for CUDA virtual memory (VMM).
+"""CUDA virtual memory (VMM): what the posix-fd and fabric paths share.
 
 :func:`allocate_device` creates physical allocations exportable with every
 handle type the device supports (POSIX fd; fabric too where the device and an
 IMEX channel allow it), maps them back to back into one reservation, and
 returns a cuda.core ``Buffer``.  Export turns each physical allocation into a
-shareable handle (a POSIX fd served by the broker, or a 64-byte fabric
-handle); import does ``cuMemImportFromShareableHandle`` + ``cuMemAddressReserve``
-+ ``cuMemMap`` + ``cuMemSetAccess`` and returns a ``Buffer`` whose close unmaps,
-frees the reservation and releases the handles once.
+shareable handle (POSIX fds, which the posix-fd path hands over through its
+broker, or 64-byte fabric handles); import does
+``cuMemImportFromShareableHandle`` + ``cuMemAddressReserve`` + ``cuMemMap`` +
+``cuMemSetAccess`` and returns a ``Buffer`` whose close unmaps, frees the
+reservation and releases the handles once.
 
-Thin on purpose: every driver call goes through :func:`._cuda.check`.
+Thin on purpose: every driver call goes through :func:`._driver.check`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._descriptors import (
@@ -29,11 +30,10 @@ from .._descriptors import (
 )
 from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
 from .._types import round_up
-from . import _cuda
-from . import broker as _broker
-from .host_fd import check_same_node
+from . import _driver
 
-__all__ = ["allocate_device", "export_device", "import_device", "is_vmm_buffer", "mapping_count"]
+__all__ = ["allocate_device", "export_fabric", "export_handle_type", "export_posix_fds", "import_device",
+           "is_vmm_buffer", "mapping_count", "posix_fds"]
 
 _live_lock = threading.Lock()
 _live: set[int] = set()  # ids of mappings not yet released
@@ -85,14 +85,14 @@ def _attribute(drv: Any, ordinal: int, name: str) -> int:
     attr = getattr(drv.CUdevice_attribute, name, None)
     if attr is None:
         return 0
-    dev = _cuda.check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-    return int(_cuda.check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
+    dev = _driver.check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    return int(_driver.check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
 
 
 def device_handle_types(ordinal: int) -> tuple[list[str], str | None]:
     """Handle types the device's VMM allocations can be exported with, and
     why fabric is missing (``None`` when it is there)."""
-    drv = _cuda.driver()
+    drv = _driver.driver()
     types = []
     if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
         if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
@@ -120,15 +120,15 @@ def _map(drv: Any, ordinal: int, handles: Sequence[Any], sizes: Sequence[int], g
     access for device ``ordinal`` (read-only when asked); on failure nothing
     stays mapped or reserved (the handles stay the caller's)."""
     total = sum(sizes)
-    ptr = _cuda.check(drv.cuMemAddressReserve(total, gran, 0, 0), f"cuMemAddressReserve({total})")
+    ptr = _driver.check(drv.cuMemAddressReserve(total, gran, 0, 0), f"cuMemAddressReserve({total})")
     mapped: list[tuple[int, int]] = []
     try:
         offset = 0
         for i, (h, n) in enumerate(zip(handles, sizes, strict=True)):
-            _cuda.check(drv.cuMemMap(int(ptr) + offset, n, 0, h, 0), f"cuMemMap(allocation {i}, {n} bytes)")
+            _driver.check(drv.cuMemMap(int(ptr) + offset, n, 0, h, 0), f"cuMemMap(allocation {i}, {n} bytes)")
             mapped.append((int(ptr) + offset, n))
             offset += n
-        _cuda.check(drv.cuMemSetAccess(ptr, total, [_access(drv, ordinal, readonly)], 1), "cuMemSetAccess")
+        _driver.check(drv.cuMemSetAccess(ptr, total, [_access(drv, ordinal, readonly)], 1), "cuMemSetAccess")
     except BaseException:
         for at, n in mapped:
             drv.cuMemUnmap(at, n)
@@ -148,7 +148,7 @@ def _mapping_class() -> type:
     global _Mapping
     if _Mapping is not None:
         return _Mapping
-    from cuda.core._memory._buffer import MemoryResource
+    from cuda.core import MemoryResource
 
     class VmmMapping(MemoryResource):  # type: ignore[misc]
         """Owns one contiguous VMM mapping: the reservation and the physical
@@ -176,6 +176,8 @@ def _mapping_class() -> type:
             self.devices = {ordinal}  # devices with access to the mapping
             self.lock = threading.Lock()
             self.closed = False
+            #: The broker's export of the allocations' POSIX fds, made once by
+            #: the posix-fd path: (broker, descriptor, the fds it serves).
             self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
             #: The POSIX fds of the allocations, exported once, for shares' own registrations.
             self.posix_fds: list[int] | None = None
@@ -185,14 +187,14 @@ def _mapping_class() -> type:
         def grant(self, ordinal: int) -> None:
             """Give device ``ordinal`` access too (read-only for a read-only
             mapping), so a copy or kernel on it can touch the memory."""
-            drv = _cuda.driver()
+            drv = _driver.driver()
             with self.lock:
                 if ordinal in self.devices:
                     return
                 if self.closed:
                     raise ClosedError("the mapping is closed")
                 total = sum(self.sizes)
-                _cuda.check(drv.cuMemSetAccess(self.ptr, total, [_access(drv, ordinal, self.readonly)], 1),
+                _driver.check(drv.cuMemSetAccess(self.ptr, total, [_access(drv, ordinal, self.readonly)], 1),
                             f"cuMemSetAccess(device {ordinal})")
                 self.devices.add(ordinal)
 
@@ -209,7 +211,7 @@ def _mapping_class() -> type:
                 warnings.warn(f"releasing a VMM mapping failed; leaking the rest: {exc}", ResourceWarning, 2)
 
         def release(self) -> None:
-            drv = _cuda.driver()
+            drv = _driver.driver()
             with self.lock:
                 if self.closed:
                     return
@@ -228,12 +230,12 @@ def _mapping_class() -> type:
                 # included) is not waited for, as cuda.core's own VMM resource
                 # does not.  Any thread, the garbage collector's included,
                 # pushes the device's context for the duration.
-                _cuda.wait_for_copies(self.ptr, sum(self.sizes))
-                with _cuda.on_device(self.ordinal):
-                    _cuda.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
-                    _cuda.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
+                _driver.wait_for_copies(self.ptr, sum(self.sizes))
+                with _driver.on_device(self.ordinal):
+                    _driver.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
+                    _driver.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
                     for h in self.handles:
-                        _cuda.check(drv.cuMemRelease(h), "cuMemRelease")
+                        _driver.check(drv.cuMemRelease(h), "cuMemRelease")
                 with _live_lock:
                     _live.discard(id(self))
 
@@ -269,26 +271,26 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
     exportable with every handle type the device supports, registrable for
     GPUDirect RDMA where the device supports it.  The calling thread's
     current context is left as it was."""
-    drv = _cuda.driver()
+    drv = _driver.driver()
     from cuda.core import Buffer
 
-    ordinal = _cuda.valid_ordinal(device)
+    ordinal = _driver.valid_ordinal(device)
     types, fabric_reason = device_handle_types(ordinal)
     if not types:
         raise UnsupportedError(fabric_reason or f"device {ordinal} cannot export VMM memory")
     rdma = _rdma_capable(drv, ordinal)
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     prop = _prop(drv, ordinal, types, rdma)
-    gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
+    gran = int(_driver.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
     chunk = round_up(chunk_size or size, gran)
     count = -(-size // chunk)
     sizes = tuple([chunk] * (count - 1) + [round_up(size - chunk * (count - 1), gran)])
     handles: list[Any] = []
-    with _cuda.on_device(ordinal):
+    with _driver.on_device(ordinal):
         try:
             for n in sizes:
                 try:
-                    handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+                    handles.append(_driver.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
                 except CUDAError as exc:
                     if "fabric" not in types or handles:
                         raise
@@ -299,7 +301,7 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
                     )
                     types = [t for t in types if t != "fabric"]
                     prop = _prop(drv, ordinal, types, rdma)
-                    handles.append(_cuda.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
+                    handles.append(_driver.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
             ptr = _map(drv, ordinal, handles, sizes, gran)
         except BaseException:
             _release_handles(drv, handles)
@@ -344,9 +346,10 @@ def _exportable(buf: Any) -> Any:
     return mr
 
 
-def export_device(buf: Any, handle_type: str | None) -> Any:
-    """The descriptor of a buffer from :func:`allocate_device`."""
-    drv = _cuda.driver()
+def export_handle_type(buf: Any, handle_type: str | None) -> str:
+    """The handle type a buffer from :func:`allocate_device` is exported
+    with: ``handle_type`` if it supports it (``None``: fabric where it can,
+    else posix_fd); else :class:`UnsupportedError` saying why not."""
     mr = _exportable(buf)
     if handle_type is None:
         handle_type = "fabric" if "fabric" in mr.handle_types else "posix_fd"
@@ -356,95 +359,95 @@ def export_device(buf: Any, handle_type: str | None) -> Any:
             f"this buffer cannot be exported with handle_type={handle_type!r}"
             + (f": {why}" if why else f"; it supports {mr.handle_types}")
         )
-    uuid = _cuda.device_uuid(mr.ordinal)
-    t = drv.CUmemAllocationHandleType
-    if handle_type == "fabric":
-        handles = [
-            _cuda.bytes_of(
-                _cuda.check(
-                    drv.cuMemExportToShareableHandle(h, t.CU_MEM_HANDLE_TYPE_FABRIC, 0), "export fabric"
-                ),
-                FABRIC_HANDLE_BYTES,
-            )
-            for h in mr.handles
-        ]
-        return VirtualMemoryFabricBufferDescriptor.from_handles(
-            handles, mr.sizes, size=buf.size, owner_uuid=uuid
-        )
-    with mr.lock:
-        if mr.posix_export is not None and mr.posix_export[0].pid == os.getpid():
-            return mr.posix_export[1]
-        fds: list[int] = []
-        try:
-            for h in mr.handles:
-                fd = _cuda.check(
-                    drv.cuMemExportToShareableHandle(h, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                    "export posix fd",
-                )
-                fds.append(int(fd))
-            broker, desc = _broker.publish(
-                fds, device=mr.ordinal, sizes=mr.sizes, size=buf.size, owner_uuid=uuid
-            )
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        mr.posix_export = (broker, desc, fds)
-        return desc
+    return handle_type
+
+
+def export_fabric(buf: Any) -> VirtualMemoryFabricBufferDescriptor:
+    """The fabric descriptor of a buffer from :func:`allocate_device`."""
+    drv = _driver.driver()
+    export_handle_type(buf, "fabric")
+    mr = buf.memory_resource
+    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    handles = [
+        _driver.bytes_of(_driver.check(drv.cuMemExportToShareableHandle(h, t, 0), "export fabric"),
+                         FABRIC_HANDLE_BYTES)
+        for h in mr.handles
+    ]
+    return VirtualMemoryFabricBufferDescriptor.from_handles(
+        handles, mr.sizes, size=buf.size, owner_uuid=_driver.device_uuid(mr.ordinal)
+    )
+
+
+def _export_fds(drv: Any, mr: Any) -> list[int]:
+    """New POSIX fds of the allocations of ``mr``, the caller's to close."""
+    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    fds: list[int] = []
+    try:
+        for h in mr.handles:
+            fds.append(int(_driver.check(drv.cuMemExportToShareableHandle(h, t, 0), "export posix fd")))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def export_posix_fds(buf: Any) -> list[int]:
+    """New POSIX fds of the allocations of a buffer from
+    :func:`allocate_device`, the caller's to close (or to hand to
+    ``memory_resource.posix_export``, whose release closes them)."""
+    drv = _driver.driver()
+    export_handle_type(buf, "posix_fd")
+    return _export_fds(drv, buf.memory_resource)
 
 
 def posix_fds(buf: Any) -> list[int]:
     """The POSIX fds of a buffer from :func:`allocate_device` (borrowed: the
     buffer keeps them), exported once and registered with no broker."""
-    drv = _cuda.driver()
+    drv = _driver.driver()
     mr = _exportable(buf)
     if "posix_fd" not in mr.handle_types:
         raise UnsupportedError(f"this buffer cannot be exported with handle_type='posix-fd'; it supports "
                                f"{mr.handle_types}")
-    t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     with mr.lock:
         if mr.posix_fds is None:
-            fds: list[int] = []
-            try:
-                for h in mr.handles:
-                    fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(h, t, 0), "export posix fd")))
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-            mr.posix_fds = fds
+            mr.posix_fds = _export_fds(drv, mr)
         return list(mr.posix_fds)
 
 
 def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,
-                  *, readonly: bool = False, timeout: float = _broker.TIMEOUT) -> Any:
+                  *, readonly: bool = False, fetch_fds: Callable[[], Sequence[int]] | None = None) -> Any:
     """Map the allocations ``desc`` names into one reservation; a cuda.core
     ``Buffer`` whose close unmaps and releases them.  The mapping is
-    accessible to the chosen device only, read-only when ``readonly``."""
-    drv = _cuda.driver()
+    accessible to the chosen device only, read-only when ``readonly``.
+
+    A posix-fd descriptor's fds come from ``fetch_fds`` (the posix-fd path
+    asks the exporter's broker), called once the sizes are checked; they are
+    closed here once imported."""
+    drv = _driver.driver()
     from cuda.core import Buffer
 
-    ordinal = _cuda.import_ordinal(desc.owner_uuid, device)
+    ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     t = drv.CUmemAllocationHandleType
     prop = _prop(drv, ordinal, ())
     gran_flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    gran = int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
+    gran = int(_driver.check(drv.cuMemGetAllocationGranularity(prop, gran_flag), "granularity"))
     for i, n in enumerate(desc.sizes):
         if n % gran:
             raise InvalidInputError(
                 f"allocation size {i} is {n}; device {ordinal} maps multiples of {gran} bytes"
             )
     handles: list[Any] = []
-    with _cuda.on_device(ordinal):
+    with _driver.on_device(ordinal):
         try:
             if isinstance(desc, PosixFdBufferDescriptor):
-                check_same_node(desc)
-                fds = _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid,
-                                        timeout=timeout)
+                if fetch_fds is None:
+                    raise InvalidInputError("a posix-fd descriptor is imported through the posix-fd path")
+                fds = fetch_fds()
                 try:
                     for i, fd in enumerate(fds):
                         handles.append(
-                            _cuda.check(
+                            _driver.check(
                                 drv.cuMemImportFromShareableHandle(
                                     fd, t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
                                 ),
@@ -456,9 +459,9 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
                         os.close(fd)
             else:
                 for i, raw in enumerate(desc.handles):
-                    fh = _cuda.set_bytes(drv.CUmemFabricHandle(), raw)
+                    fh = _driver.set_bytes(drv.CUmemFabricHandle(), raw)
                     handles.append(
-                        _cuda.check(
+                        _driver.check(
                             drv.cuMemImportFromShareableHandle(fh.getPtr(), t.CU_MEM_HANDLE_TYPE_FABRIC),
                             f"importing fabric handle {i}",
                         )
