@@ -183,21 +183,6 @@ def test_any_offer_payload_is_a_view_or_an_error(host_share, path, payload):
     assert _fds() == before
 
 
-def test_forged_ucx_addresses_without_a_valid_envelope_are_refused_in_a_child():
-    from gpushare._ucx import _server
-
-    real = _server.server().address
-    blobs = [b"", b"\0" * 64, os.urandom(300), real[:-1], real + b"x", real[:8] + os.urandom(len(real) - 8),
-             bytes([real[0] ^ 1]) + real[1:]]
-    child = Child(_share_peer.setup)
-    try:
-        share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
-        got = child.call("forged_offers", share, blobs, timeout=120)
-    finally:
-        child.close()
-    assert got == ["InvalidInputError"] * len(blobs), got
-
-
 # ------------------------------------------------------------------ cma requests, read by the exporter
 
 
@@ -240,9 +225,11 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
     code = (
         "from gpushare._ucx import _common, _server\n"
         "raw = bytearray(_common.unpack(_server.server().address, _common.ADDRESS_MAGIC, 'a', 1 << 16)[1])\n"
-        "pos = 1 + 8 + 1\n"  # a v1 address: header, worker uuid, the first device's memory domain
-        "dev = raw[pos]; pos += 1 + bool(dev & 0x40) + bool(dev & 0x20) + (dev & 0x1f) + 2\n"
-        "raw[pos + 4:pos + 8] = bytes(4)\n"  # its first transport's bandwidth: 0, which UCX refuses
+        "pos = 1 + 8\n"  # a v1 address: header, worker uuid; then each device
+        "while not raw[pos] & 0x80:\n"
+        "    dev = raw[pos + 1]; pos += 2 + bool(dev & 0x40) + bool(dev & 0x20) + (dev & 0x1f) + 2 + 16\n"
+        "    n = raw[pos] & 0x3f\n"  # one transport per device; a tcp one's port: 1, where nothing listens
+        "    raw[pos + 1:pos + 1 + n] = (1).to_bytes(2, 'big') if n == 2 else raw[pos + 1:pos + 1 + n]; pos += 1 + n\n"
         "try:\n"
         "    _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
         "except Exception as e:\n"
@@ -250,127 +237,8 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.stdout == "refused UCXInvalidError\n"  # a program's stdout carries nothing of UCX's
+    assert r.stdout == "refused UCXConnectionError\n"  # a program's stdout carries nothing of UCX's
     assert "[UCX ERROR]" in r.stderr
 
 
-def _in_own_namespace(code: str, seed: int, **env: str) -> list[int]:
-    """Run ``code`` (with ``seed`` as its argument) in a process with a network
-    namespace of its own; the numbers it prints.  A crash fails the test."""
-    import shutil
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("needs root, unshare and ip for a network namespace of its own")
-    r = subprocess.run(["unshare", "--net", sys.executable, "-c", code, str(seed)], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **env))
-    assert r.returncode == 0, f"the importer died ({r.returncode}): {r.stderr[-2000:]}"
-    return [int(v) for v in r.stdout.split()]
-
-
-_ADDRESS_FUZZ = r"""
-import random, subprocess, sys
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own: nothing leaves it
-import gpushare as gs
-from gpushare._ucx import _common, _server
-from gpushare._ucx._address import check_worker_address
-
-raw = _common.unpack(_server.server().address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
-rng = random.Random(int(sys.argv[1]))
-blobs = []
-for pos in range(len(raw)):
-    for value in (0x00, 0xFF, raw[pos] ^ 0x80, raw[pos] ^ 0x01, raw[pos] ^ 0x20):
-        b = bytearray(raw); b[pos] = value; blobs.append(bytes(b))
-for _ in range(150):
-    b = bytearray(raw)
-    for _ in range(rng.choice([2, 3, 5, 8])):
-        b[rng.randrange(len(b))] = rng.randrange(256)
-    blobs.append(bytes(b))
-blobs += [raw[:n] for n in range(len(raw))] + [raw + bytes([n]) for n in (0, 0x80, 0xFF)]
-seen = {"refused": 0, "ucx error": 0, "connected": 0}
-for blob in blobs:
-    try:
-        check_worker_address(blob)
-    except gs.InvalidInputError:
-        seen["refused"] += 1
-        continue
-    try:
-        _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, blob), timeout=1)
-        seen["connected"] += 1
-    except gs.GpuShareError:
-        seen["ucx error"] += 1
-print(len(blobs), seen["refused"], seen["ucx error"], seen["connected"])
-"""
-
-
-@pytest.mark.netns
-@pytest.mark.parametrize("seed, version", [(1, "v1"), (2, "v2"), (3, "v2")])
-def test_forged_ucx_addresses_with_valid_envelopes_are_refused_or_fail_never_crash(seed, version):
-    """Every one-byte change of a real worker address, random multi-byte
-    changes and truncations, in a process with a network namespace of its
-    own (only loopback: a forged IP address reaches nobody): each is
-    refused by the structure check, or fails or connects in UCX; none
-    crashes the process."""
-    total, refused, failed, connected = _in_own_namespace(_ADDRESS_FUZZ, seed, UCX_ADDRESS_VERSION=version)
-    assert total == refused + failed + connected and refused > 0
-
-
-def test_the_address_check_takes_real_addresses_and_refuses_broken_ones():
-    from gpushare._ucx import _common, _server
-    from gpushare._ucx._address import check_worker_address
-    import gpushare.ucx as gu
-
-    raw = _common.unpack(_server.server().address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
-    check_worker_address(raw)
-    check_worker_address(_common.unpack(gu.Agent(error_handling=False, transports="all").address,
-                                        _common.ADDRESS_MAGIC, "a", 1 << 16)[1])
-    for broken, why in [(raw[:-1], "ends at byte"), (raw + b"\0", "after its last device"),
-                        (bytes([raw[0] | 0x0F]) + raw[1:], "format version 15"),
-                        (raw[:9] + b"\xff" + raw[10:], "names no transport")]:
-        with pytest.raises(gs.InvalidInputError, match=why):
-            check_worker_address(broken)
-
-
-_KEY_FUZZ = r"""
-import random, subprocess, sys
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own
-import gpushare as gs
-import gpushare.ucx as gu
-from gpushare._ucx import _common
-
-exporter, importer = gu.Agent(), gu.Agent()
-memory = bytearray(4096)
-handle = exporter.create_memory_handle(len(memory), memory)
-mtype, payload = _common.unpack(handle.create_remote_key().serialize(), _common.KEY_MAGIC, "k", 1 << 16)
-ep = importer.connect(exporter.address)
-rng = random.Random(int(sys.argv[1]))
-forged = []
-for pos in range(len(payload)):
-    for value in (0x00, 0xFF, payload[pos] ^ 0x80, payload[pos] ^ 0x01):
-        b = bytearray(payload); b[pos] = value; forged.append(bytes(b))
-for _ in range(200):
-    b = bytearray(payload)
-    for _ in range(rng.choice([2, 4, 8])):
-        b[rng.randrange(len(b))] = rng.randrange(256)
-    forged.append(bytes(b))
-forged += [payload[:n] for n in range(len(payload))] + [payload + bytes(n) for n in (1, 8)]
-refused = unpacked = 0
-for blob in forged:
-    try:
-        ep.unpack_remote_key(_common.pack(_common.KEY_MAGIC, mtype, blob)).close()
-        unpacked += 1
-    except gs.GpuShareError:
-        refused += 1
-print(len(forged), refused, unpacked)
-"""
-
-
-@pytest.mark.netns
-@pytest.mark.parametrize("seed", [1, 2])
-def test_forged_remote_keys_with_valid_envelopes_are_refused_or_unpacked_never_crash(seed):
-    """Every one-byte change of a real remote key, random changes and
-    truncations, each in a valid envelope (its checksum recomputed), unpacked
-    on a connected endpoint: refused or unpacked, never a crash."""
-    total, refused, unpacked = _in_own_namespace(_KEY_FUZZ, seed)
-    assert total == refused + unpacked and refused > 0
+# Worker addresses and remote keys fed to UCX: tests/test_fuzz_ucx.py.

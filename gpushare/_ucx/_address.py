@@ -1,31 +1,59 @@
-"""Check the structure of a packed UCX worker address before UCX reads it.
+"""Check a packed UCX worker address from another process before UCX reads it.
 
 UCX reads a peer's worker address (``ucp_ep_create``) with no length and no
-bounds: a forged one makes it read past the end of the buffer (SIGSEGV), or
-trips an assertion on an unknown format version (SIGABRT).  gpushare takes
-worker addresses from other processes (an exporter's offer, an agent's
-peer), so it walks the address first, as UCX 1.21 packs it (formats v1 and
-v2, ``src/ucp/wireup/address.c``; the native module is built against UCX
-1.21 and no other), and refuses anything that does not end exactly where
-the address ends or that names a count or index out of UCX's ranges.
+bounds, and its transports then read their own parts of it (device and
+interface addresses) at the sizes of their own structs, again with no
+length: a forged address makes UCX read past the end of the buffer or
+dereference a missing field (SIGSEGV), or trips an assertion on an unknown
+format version (SIGABRT).  gpushare takes worker addresses from other
+processes (an exporter's offer, an agent's peer), so it validates them
+first, as UCX 1.21 packs them (formats v1 and v2,
+``src/ucp/wireup/address.c``; the native module is built against UCX 1.21
+and no other).  The address is validated, not rebuilt: once it passes,
+the bytes UCX reads are the peer's.
 
-What is checked: the header (version, flags), the worker uuid, client id
-and name; for each device its memory-domain index, flags, path count,
-system device and address length; for each transport on it the name
-checksum, its attributes, its interface address and each endpoint address
-with its lane.  The bytes inside those addresses (IP addresses, ports,
-names) are the transports' own and are not interpreted here.
+Checked, in full:
+
+- the structure: header (version 0 or 1, known flags, the worker uuid),
+  client id and name; for each device its memory-domain index (< 64),
+  flags, path count (>= 1), system device (unknown, or < 64) and address;
+  for each transport on it the name checksum, its attributes, its interface
+  address and each endpoint address with its lane; the address ends
+  exactly where its last device does;
+- the transports: only ``tcp``, ``self`` and ``cuda_copy`` entries are
+  accepted, at their exact sizes (tcp: a 6-byte IPv4 or 18-byte IPv6 or
+  loopback device address whose flags and family agree with its size, a
+  2-byte port, no endpoint address; self and cuda_copy: no device address,
+  an 8-byte interface address).  Shared memory (posix, sysv), CMA and
+  cuda_ipc addresses name files, segments and process ids that the importer
+  would open or write with its own rights, so they are refused whatever
+  the local configuration;
+- against this process's own address (``local``, the same UCX build): the
+  format version, the header flags, and for every transport this process
+  also runs, the shape (device and interface address lengths, endpoint
+  addresses) and capability flags of one of its own entries;
+- v1 attributes: finite, non-negative overheads and a positive bandwidth;
+  v2 attributes: a message transport's segment holds a remote key.
+
+UCX's unified mode (``UCX_UNIFIED_MODE=y``) packs a different format that
+cannot be validated: with it every peer address is refused.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import struct
+from typing import NamedTuple
+
 from .._errors import InvalidInputError
 
-__all__ = ["check_worker_address"]
+__all__ = ["check_worker_address", "TL_CSUMS"]
 
 _V1, _V2 = 0, 1
 # Header flags (UCP_ADDRESS_HEADER_FLAG_*): debug info, worker uuid, client id, AM only.
-_DEBUG_INFO, _CLIENT_ID = 0x1, 0x4
+_DEBUG_INFO, _WORKER_UUID, _CLIENT_ID = 0x1, 0x2, 0x4
 _KNOWN_FLAGS = 0xF
 # Device byte: address length in the low 5 bits, then system device, path count, last.
 _DEV_LEN_MASK, _DEV_SYS_DEVICE, _DEV_NUM_PATHS, _LAST = 0x1F, 0x20, 0x40, 0x80
@@ -36,7 +64,31 @@ _IFACE_LEN_MASK, _HAS_EP_ADDR = 0x3F, 0x40
 _NULL_RESOURCE = 0xFF
 # Packed interface attributes without the resource index (not in worker addresses).
 _ATTR_LEN = {_V1: 16, _V2: 8}
-_MAX_MDS, _MAX_RESOURCES, _MAX_LANES = 64, 128, 64
+_MAX_MDS, _MAX_RESOURCES, _MAX_LANES, _MAX_SYS_DEVICES = 64, 128, 64, 64
+_UNKNOWN_SYS_DEVICE = 0xFF
+
+
+def _crc16(name: str) -> int:
+    """``ucs_crc16_string``: CRC-16-CCITT (reflected), the transport name checksum."""
+    crc = 0xFFFF
+    for byte in name.encode():
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x8408 if crc & 1 else 0)
+    return ~crc & 0xFFFF
+
+
+#: Transport name checksums (``tl_name_csum``) of the transports UCX 1.21 builds here.
+TL_CSUMS = {name: _crc16(name) for name in ("tcp", "self", "cuda_copy", "posix", "sysv", "cma", "cuda_ipc")}
+_NAMES = {csum: name for name, csum in TL_CSUMS.items()}
+_REFUSED = {"posix", "sysv", "cma", "cuda_ipc"}
+# Accepted transports: (device address lengths, interface address length), none with endpoint addresses.
+# tcp: uct_tcp_device_addr_t {u8 flags, u8 sa_family} + in_addr / in6_addr / uct_iface_local_addr_ns_t
+# (tcp.h:305-312), port (tcp.h:318-320); self, cuda_copy: an 8-byte id (self.h:14, cuda_copy_iface.h:20).
+_SHAPES = {"tcp": ({6, 18}, 2), "self": ({0}, 8), "cuda_copy": ({0}, 8)}
+_AF_INET, _AF_INET6, _TCP_LOOPBACK = 2, 10, 1
+_TCP_DEVICES = {(6, 0, _AF_INET), (18, 0, _AF_INET6), (18, _TCP_LOOPBACK, _AF_INET)}
+_V1_ATTRS = struct.Struct("<fffI")  # overhead, bandwidth, latency overhead, priority | capability flags
 
 
 class _Reader:
@@ -54,9 +106,10 @@ class _Reader:
         self.pos += 1
         return value
 
-    def skip(self, n: int, what: str) -> None:
+    def take(self, n: int, what: str) -> bytes:
         self.need(n, what)
         self.pos += n
+        return self.data[self.pos - n:self.pos]
 
     def need(self, n: int, what: str = "the next field") -> None:
         if self.pos + n > len(self.data):
@@ -68,25 +121,53 @@ class _Reader:
         return self.u8() if version == _V2 and value == mask else value
 
 
+class _Transport(NamedTuple):
+    csum: int
+    dev_addr: bytes
+    iface_len: int
+    endpoints: tuple[int, ...]  # the length of each endpoint address
+    caps: int  # capability flags from the attributes
+
+    @property
+    def shape(self) -> tuple[int, int, int, tuple[int, ...]]:
+        return (self.csum, len(self.dev_addr), self.iface_len, self.endpoints)
+
+
+class _Address(NamedTuple):
+    version: int
+    flags: int
+    release: int | None  # v2: UCX's release version (mod 16) from the header
+    transports: tuple[_Transport, ...]
+    empty_devices: tuple[int, ...]  # v1: their memory-domain bytes; the last one carries UCX's release version
+
+
 # v2 attributes: overhead, bandwidth, latency (fp8), priority, segment size
 # (units of 64 bytes, little-endian u16), flags (u16: bit 1 "active messages",
 # bit 2 "callbacks from any thread").
 _SEG_SIZE_FACTOR, _AM_FLAGS, _MIN_AM_SEGMENT = 64, 0x6, 1024
 
 
-def _check_v2_attributes(attr: bytes) -> None:
-    seg_size = int.from_bytes(attr[4:6], "little") * _SEG_SIZE_FACTOR
-    flags = int.from_bytes(attr[6:8], "little")
-    if flags & _AM_FLAGS and seg_size < _MIN_AM_SEGMENT:
-        # UCX asserts (and aborts) when a message transport's segment cannot hold a remote key.
-        raise InvalidInputError(f"UCX worker address names a message transport with {seg_size}-byte segments")
+def _attributes(attr: bytes, version: int) -> int:
+    """Check a transport's packed attributes; its capability flags."""
+    if version == _V2:
+        seg_size = int.from_bytes(attr[4:6], "little") * _SEG_SIZE_FACTOR
+        flags = int.from_bytes(attr[6:8], "little")
+        if flags & _AM_FLAGS and seg_size < _MIN_AM_SEGMENT:
+            # UCX asserts (and aborts) when a message transport's segment cannot hold a remote key.
+            raise InvalidInputError(f"UCX worker address names a message transport with {seg_size}-byte segments")
+        return flags
+    overhead, bandwidth, latency, prio_cap = _V1_ATTRS.unpack(attr)
+    if not (math.isfinite(overhead) and math.isfinite(latency) and math.isfinite(bandwidth)) \
+            or overhead < 0 or latency < 0 or bandwidth <= 0:
+        raise InvalidInputError(f"UCX worker address names a transport with overhead {overhead}, "
+                                f"latency {latency} and bandwidth {bandwidth}")
+    return prio_cap >> 8  # the low byte is the priority, which differs between devices
 
 
-def check_worker_address(raw: bytes) -> None:
-    """Raise :class:`InvalidInputError` unless ``raw`` is a well-formed UCX
-    1.21 worker address (v1 or v2) that UCX can read without running past
-    its end."""
-    r = _Reader(bytes(raw))
+def _parse(raw: bytes) -> _Address:
+    """Walk an address as UCX 1.21 unpacks it (``ucp_address_unpack``) and
+    check every field UCX reads or trusts whatever the transport."""
+    r = _Reader(raw)
     header = r.u8()
     version = header & 0x0F
     if version == _V1:
@@ -97,14 +178,17 @@ def check_worker_address(raw: bytes) -> None:
         raise InvalidInputError(f"UCX worker address of format version {version}; UCX 1.21 reads 0 and 1")
     if flags & ~_KNOWN_FLAGS:
         raise InvalidInputError(f"UCX worker address with unknown header flags {flags:#x}")
-    r.skip(8, "the worker uuid")  # always packed in a worker address
+    if not flags & _WORKER_UUID:
+        raise InvalidInputError("UCX worker address without a worker uuid")
+    r.take(8, "the worker uuid")
     if flags & _CLIENT_ID:
-        r.skip(8, "the client id")
+        r.take(8, "the client id")
     if flags & _DEBUG_INFO:
-        r.skip(r.u8(), "the worker name")
+        r.take(r.u8(), "the worker name")
     if r.peek() == _NULL_RESOURCE:
         raise InvalidInputError("UCX worker address names no transport")
-    entries = 0
+    transports: list[_Transport] = []
+    empty_devices: list[int] = []
     while True:
         md = r.u8()
         empty = md & _MD_EMPTY_DEV
@@ -116,31 +200,106 @@ def check_worker_address(raw: bytes) -> None:
         if dev & _DEV_NUM_PATHS and r.u8() == 0:
             raise InvalidInputError("UCX worker address names a device with no path")
         if dev & _DEV_SYS_DEVICE:
-            r.u8()
-        r.skip(dev_len, "a device address")
+            sys_dev = r.u8()
+            if sys_dev != _UNKNOWN_SYS_DEVICE and sys_dev >= _MAX_SYS_DEVICES:
+                raise InvalidInputError(f"UCX worker address names system device {sys_dev}")
+        dev_addr = r.take(dev_len, "a device address")
+        if empty:
+            # A device without transports: UCX packs one, the last, to carry its release version.
+            if not dev & _LAST or dev_len or dev & (_DEV_NUM_PATHS | _DEV_SYS_DEVICE):
+                raise InvalidInputError("UCX worker address has a device without transports that UCX does not pack")
+            empty_devices.append(md)
         last_tl = bool(empty)
         while not last_tl:
-            entries += 1
-            if entries > _MAX_RESOURCES:
+            if len(transports) >= _MAX_RESOURCES:
                 raise InvalidInputError(f"UCX worker address names more than {_MAX_RESOURCES} transports")
-            r.skip(2, "a transport's name checksum")
-            r.need(_ATTR_LEN[version], "a transport's attributes")
-            if version == _V2:
-                _check_v2_attributes(r.data[r.pos:r.pos + _ATTR_LEN[_V2]])
-            r.skip(_ATTR_LEN[version], "a transport's attributes")
-            length_byte = r.peek()
+            csum = int.from_bytes(r.take(2, "a transport's name checksum"), "little")
+            caps = _attributes(r.take(_ATTR_LEN[version], "a transport's attributes"), version)
+            length_byte = r.u8()
             last_tl = bool(length_byte & _LAST)
             has_ep = bool(length_byte & _HAS_EP_ADDR)
-            r.u8()
-            r.skip(r.extended(_IFACE_LEN_MASK, length_byte & _IFACE_LEN_MASK, version), "an interface address")
-            endpoints = 0
+            iface_len = r.extended(_IFACE_LEN_MASK, length_byte & _IFACE_LEN_MASK, version)
+            r.take(iface_len, "an interface address")
+            endpoints: list[int] = []
             while has_ep:
-                endpoints += 1
-                if endpoints > _MAX_LANES:
+                if len(endpoints) >= _MAX_LANES:
                     raise InvalidInputError(f"UCX worker address names more than {_MAX_LANES} endpoint addresses")
-                r.skip(r.u8(), "an endpoint address")
+                endpoints.append(len(r.take(r.u8(), "an endpoint address")))
                 has_ep = not r.u8() & _LAST
+            transports.append(_Transport(csum, dev_addr, iface_len, tuple(endpoints), caps))
         if dev & _LAST:
             break
     if r.pos != len(r.data):
         raise InvalidInputError(f"UCX worker address has {len(r.data) - r.pos} bytes after its last device")
+    return _Address(version, flags, header >> 4 if version == _V2 else None, tuple(transports), tuple(empty_devices))
+
+
+def _check_transport(t: _Transport) -> str:
+    """Refuse a transport gpushare does not accept from a peer, or one whose
+    addresses do not have its exact size; its name."""
+    name = _NAMES.get(t.csum)
+    if name is None:
+        raise InvalidInputError(f"UCX worker address names an unknown transport (name checksum {t.csum:#06x})")
+    if name in _REFUSED:
+        raise InvalidInputError(f"UCX worker address names a {name} transport, which gpushare does not accept "
+                                "from a peer: its addresses name files, segments or processes of this host")
+    dev_lens, iface_len = _SHAPES[name]
+    if len(t.dev_addr) not in dev_lens or t.iface_len != iface_len or t.endpoints:
+        raise InvalidInputError(f"UCX worker address names a {name} transport with a {len(t.dev_addr)}-byte device "
+                                f"address, a {t.iface_len}-byte interface address and {len(t.endpoints)} endpoint "
+                                "addresses; UCX 1.21 packs "
+                                f"{' or '.join(map(str, sorted(dev_lens)))}, {iface_len} and none")
+    if name == "tcp" and (len(t.dev_addr), t.dev_addr[0], t.dev_addr[1]) not in _TCP_DEVICES:
+        raise InvalidInputError(f"UCX worker address names a tcp device of flags {t.dev_addr[0]} and address "
+                                f"family {t.dev_addr[1]} in {len(t.dev_addr)} bytes")
+    return name
+
+
+def _unified_mode() -> bool:
+    return os.environ.get("UCX_UNIFIED_MODE", "n").strip().lower() in ("y", "yes", "on", "1", "true")
+
+
+@functools.lru_cache(maxsize=8)
+def _own(local: bytes) -> _Address:
+    """This process's own worker address, parsed; it must read as UCX 1.21
+    packs it, or no peer address can be validated against it."""
+    try:
+        own = _parse(local)
+        for t in own.transports:
+            if _NAMES.get(t.csum) in _SHAPES:
+                _check_transport(t)
+    except InvalidInputError as exc:
+        raise InvalidInputError(
+            f"this process's own UCX worker address is not in the format gpushare validates ({exc}); a setting "
+            "such as UCX_UNIFIED_MODE or UCX_ADDRESS_DEBUG_INFO changes it, so peer addresses are refused"
+        ) from None
+    return own
+
+
+def check_worker_address(raw: bytes, local: bytes) -> None:
+    """Raise :class:`InvalidInputError` unless ``raw``, a peer's packed worker
+    address, is one UCX 1.21 reads safely and that fits this process's own
+    worker address ``local`` (see the module notes for what is checked)."""
+    if _unified_mode():
+        raise InvalidInputError("UCX_UNIFIED_MODE=y packs worker addresses that gpushare cannot validate: "
+                                "peer addresses are refused; unset UCX_UNIFIED_MODE")
+    own = _own(bytes(local))
+    peer = _parse(bytes(raw))
+    if peer.version != own.version:
+        raise InvalidInputError(f"UCX worker address of format version {peer.version}; this process packs "
+                                f"version {own.version} (UCX_ADDRESS_VERSION must agree)")
+    if peer.flags & _DEBUG_INFO and not own.flags & _DEBUG_INFO:
+        raise InvalidInputError("UCX worker address carries debug information, which this process does not pack")
+    if peer.release != own.release or peer.empty_devices != own.empty_devices:
+        raise InvalidInputError("UCX worker address is from another UCX release")
+    own_shapes: dict[int, set[tuple]] = {}
+    for t in own.transports:
+        own_shapes.setdefault(t.csum, set()).add((t.shape, t.caps))
+    own_loopback = any(t.csum == TL_CSUMS["tcp"] and t.dev_addr[0] == _TCP_LOOPBACK for t in own.transports)
+    for t in peer.transports:
+        name = _check_transport(t)
+        if t.csum in own_shapes and (t.shape, t.caps) not in own_shapes[t.csum]:
+            raise InvalidInputError(f"UCX worker address names a {name} transport unlike any of this process's "
+                                    "(address lengths or capabilities differ: the peer runs other UCX settings)")
+        if name == "tcp" and t.dev_addr[0] == _TCP_LOOPBACK and not own_loopback:
+            raise InvalidInputError("UCX worker address names a tcp loopback device, and this process has none")

@@ -44,6 +44,7 @@ from ._common import (
     wake_timeout_ms,
 )
 from ._loader import check_memtype_config, keep_forever, native
+from ._rkey import check_remote_key
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
 
@@ -366,6 +367,7 @@ class Endpoint(Connection):
         problem = native().remote_key_problem(payload)
         if problem:
             raise InvalidInputError(f"remote key is malformed: {problem}")
+        check_remote_key(payload, mtype, self._agent)  # UCX reads the packed key with no bounds
         base, size = native().serialized_remote_key_range(payload)
         if size == 0 or base + size > U64:
             raise InvalidInputError(f"remote key covers an impossible range: base 0x{base:x}, size {size}")
@@ -653,7 +655,7 @@ class Agent:
         self._check_usable()
         t = _types.timeout(timeout)
         _, raw = unpack(peer_address, ADDRESS_MAGIC, "agent address", MAX_ADDRESS)
-        check_worker_address(raw)  # UCX reads it with no bounds: its structure first
+        check_worker_address(raw, self._native.address())  # UCX reads it with no bounds
         nep = self._native.connect(raw)
         ep = Endpoint._make(self, nep)
         # Wire the connection up before handing it out: unpacking a remote key

@@ -647,7 +647,7 @@ class Client:
         n = node.check()
         t = _types.timeout(timeout)
         _, raw = unpack(address, ADDRESS_MAGIC, "worker address", MAX_ADDRESS)
-        check_worker_address(raw)  # UCX reads it with no bounds: its structure first
+        check_worker_address(raw, n.address())  # UCX reads it with no bounds
         with node.lock:
             cached = node.peers.get(raw)
         if cached is not None and cached.alive:
