@@ -42,9 +42,9 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._export import export
+from ._handles import allocate, export_buffer, import_buffer
 from ._open import open, open_async
 from ._paths.host_fd import HostBuffer
-from ._same_node import allocate, export_buffer, import_buffer
 from ._share import Share
 from ._version import __version__
 from ._view import View

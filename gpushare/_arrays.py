@@ -14,7 +14,7 @@ from typing import Any
 from . import _dlpack, _types
 from ._cuda import _driver
 from ._errors import InvalidInputError
-from ._same_node import allocate
+from ._handles import allocate
 
 __all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 

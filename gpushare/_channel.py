@@ -58,8 +58,8 @@ from ._channel_wire import (
 from ._channel_wire import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
 from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from ._errors import WaitTimeoutError
+from ._handles import allocate
 from ._process import node_key
-from ._same_node import allocate
 
 __all__ = ["ChannelHandle", "Producer", "Consumer", "Step", "channel", "subscribe"]
 

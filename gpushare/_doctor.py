@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from . import _export, _open, _same_node
+from . import _export, _handles, _open
 from ._capabilities import capabilities
 from ._open import choose
 from ._share import SHARE_FORMAT, Share, node_key
@@ -74,7 +74,7 @@ def live_check(timeout: float = 60.0) -> dict[str, str]:
     """Share 4 KiB of host memory with a second process on this node over each
     path host memory can take; return what happened on each ("works" or why not)."""
     paths = ["host-fd", "cma", "ucx-rma"]
-    buf = _same_node.allocate(4096, device="host")
+    buf = _handles.allocate(4096, device="host")
     expected = bytes(range(256)) * 16
     buf.memoryview()[:] = expected
     plain = bytearray(expected)  # memory gpushare did not allocate

@@ -22,9 +22,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpushare"
 
 #: Layer of each module, lowest first.  A name ending in "/" is a subpackage:
 #: every module in it has that layer.  Modules of the same layer may import
-#: each other (without a cycle).  Some names are the ones the layout moves
-#: towards (``_export``, ``_open``, ``_view``, ``_handles``, ``_cuda/``, ``_version``);
-#: both the old and the new names are listed so the table holds during the move.
+#: each other (without a cycle).  ``_api`` and ``_aio`` are names the layout
+#: may still take; they are listed before their modules exist.
 LAYERS: dict[str, int] = {
     # L0 base: stdlib only
     "_version": 0, "_errors": 0, "_types": 0, "_process": 0,
@@ -35,7 +34,7 @@ LAYERS: dict[str, int] = {
     # L3 paths
     "_paths/": 3,
     # L4 endpoints
-    "_exporter": 4, "_importer": 4, "_handles": 4, "_same_node": 4, "_arrays": 4,
+    "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4,
     # L5 sharing API
     "_view": 5, "_export": 5, "_open": 5, "_batch": 5, "_api": 5, "_aio": 5,
     # L6 built on the API
