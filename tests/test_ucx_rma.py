@@ -623,3 +623,43 @@ def test_repeated_agents_do_not_leak_fds_or_threads(peer):
         cycle()
     assert _fd_count() <= fds
     assert threading.active_count() <= threads
+
+
+def _native_threads() -> dict[int, str]:
+    """Every thread of this process, Python's or not: {tid: name}."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
+        except FileNotFoundError:
+            pass  # it ended meanwhile
+    return out
+
+
+def test_agents_run_on_the_progress_engine_not_on_libucxx_threads(link, peer):
+    # An agent's worker is progressed as the region server's is: by one
+    # progress thread of gpushare's engine, and by the thread waiting for a
+    # request; libucxx starts no progress thread of its own, and waiting
+    # starts none either.
+    ep0, rk0 = link  # UCX's threads of the whole process exist by now
+    at = rk0.base_address + REGION - 65536
+    ep0.mem_get(bytearray(4096), at, rk0).wait(30)
+    before = _native_threads()
+    agents = [ucx.Agent() for _ in range(3)]
+    try:
+        for i, a in enumerate(agents):
+            ep = a.connect(peer.hello["address"])
+            rk = ep.unpack_remote_key(peer.hello["key"])
+            data = _pattern(65536, 100 + i)
+            ep.mem_put(data, at, rk).wait(30)
+            ep.flush().wait(30)
+            out = bytearray(65536)
+            ep.mem_get(out, at, rk).wait(30)
+            assert bytes(out) == data.tobytes()
+        new = {tid: name for tid, name in _native_threads().items() if tid not in before}
+        assert sorted(new.values()) == ["gpushare-ucx"] * 3, new
+    finally:
+        for a in agents:
+            a.close()
+    assert not set(new) & set(_native_threads()), "an agent's progress thread outlived its close"

@@ -529,14 +529,20 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Agent:
-    """One UCX context and worker, with a progress thread.
+    """One UCX context and worker, progressed as the region server's is.
+
+    The worker has one progress thread of gpushare's progress engine (named
+    ``gpushare-ucx``), and a thread waiting on a request progresses the
+    worker itself meanwhile, so that its answer needs no hand-over between
+    threads; callbacks run in the progress thread, outside UCX's progress.
 
     Parameters
     ----------
     progress : {"blocking", "polling"}
-        How the progress thread drives UCX.  ``"blocking"`` (default) sleeps
-        in the kernel until there is work: no idle CPU use.  ``"polling"``
-        spins: lowest latency, one busy core per agent.
+        How the progress thread drives UCX when nobody waits.  ``"blocking"``
+        (default) polls briefly after activity, then sleeps in the kernel
+        until there is work: no idle CPU use.  ``"polling"`` spins: lowest
+        latency, one busy core per agent.
     error_handling : bool
         Detect peer failure (default).  Requests toward a dead peer fail with
         :class:`UCXConnectionError` instead of hanging.  UCX's cross-memory

@@ -216,12 +216,6 @@ void releaseNoGil(std::shared_ptr<T>& p)
   if (p) withoutGil([&] { p.reset(); });
 }
 
-// Stop a worker's progress thread, joining it without the GIL.
-inline void stopProgressNoGil(const std::shared_ptr<ucxx::Worker>& w)
-{
-  withoutGil([&] { w->stopProgressThread(); });
-}
-
 // Replace [addr, addr + length) with fresh zero pages, keeping the range
 // reserved: what a stale remote key writes afterwards lands nowhere useful and
 // what it reads is zeros.

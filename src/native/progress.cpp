@@ -207,3 +207,91 @@ nb::object Request::status()
 }
 
 }  // namespace gpushare::native
+
+namespace gpushare::native {
+
+void Engine::start(std::shared_ptr<ucxx::Worker> w, bool polling, int wakeTimeoutMs)
+{
+  worker       = std::move(w);
+  polling_     = polling;
+  wakeTimeout_ = wakeTimeoutMs;
+  prog         = std::make_shared<Progress>();
+  prog->worker  = worker;
+  prog->wh      = worker->getHandle();
+  prog->polling = polling;
+  // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
+  // transport wakes the worker's event fd; stopping signals it.
+  if (!polling) worker->initBlockingProgressMode();
+  thread_ = std::thread([this] { loop(); });
+  pthread_setname_np(thread_.native_handle(), kProgressThreadName);
+}
+
+void Engine::loop()
+{
+  Progress* p = prog.get();
+  deferTo     = p;
+  while (!stopping_.load(std::memory_order_acquire)) {
+    try {
+      p->runDeferred();
+      if (p->claimed.load(std::memory_order_acquire)) {
+        // A waiter progresses the worker: stand aside, running the
+        // callbacks it hands over.
+        std::unique_lock<std::mutex> lock(p->parkMutex);
+        p->parkCv.wait_for(lock, std::chrono::nanoseconds(kParkNanos), [this, p] {
+          return p->hasDeferred.load(std::memory_order_acquire) || !p->claimed.load(std::memory_order_acquire) ||
+                 stopping_.load(std::memory_order_acquire);
+        });
+        continue;
+      }
+      // (libucxx's progress: UCX's, then the cancellations it scheduled,
+      // such as those of a failed endpoint's requests.)
+      if (worker->progress()) {
+        touch();
+        continue;
+      }
+      if (polling_ || steadyNanos() - p->lastActive.load(std::memory_order_relaxed) < kLingerNanos) {
+        std::this_thread::yield();
+        continue;
+      }
+      // About to sleep: a request posted from now on wakes it (posted()
+      // stores lastActive, then reads asleep; this stores asleep, then
+      // reads lastActive: one of the two sees the other).
+      p->asleep.store(true, std::memory_order_seq_cst);
+      if (steadyNanos() - p->lastActive.load(std::memory_order_seq_cst) < kLingerNanos ||
+          p->claimed.load(std::memory_order_seq_cst) || p->hasDeferred.load(std::memory_order_seq_cst)) {
+        p->asleep.store(false, std::memory_order_relaxed);
+        continue;
+      }
+      worker->progressWorkerEvent(wakeTimeout_);
+      p->asleep.store(false, std::memory_order_relaxed);
+    } catch (const std::exception& e) {
+      p->asleep.store(false, std::memory_order_relaxed);
+      // UCX failed to arm or wait: say so once, and poll slowly rather than spin.
+      if (!failed_.exchange(true))
+        std::fprintf(stderr, "[gpushare] UCX progress failed, polling every millisecond: %s\n", e.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
+void Engine::stop()
+{
+  if (!prog) return;
+  if (!thread_.joinable()) {
+    prog->close();
+    return;
+  }
+  if (deferTo == prog.get())
+    throw NativeError("UCS_ERR_INVALID_PARAM", "a UCX worker cannot be closed from inside its own progress");
+  stopping_.store(true, std::memory_order_release);
+  withoutGil([this] {
+    prog->close();
+    prog->unpark();
+    if (!polling_) ucp_worker_signal(prog->wh);
+    thread_.join();
+    // Callbacks a waiter handed over after the thread's last look.
+    prog->runDeferred();
+  });
+}
+
+}  // namespace gpushare::native

@@ -157,6 +157,16 @@ struct Progress {
     claimed.store(false, std::memory_order_release);
   }
 
+  // A request was posted: keep the progress thread polling for its answer,
+  // and wake it if it sleeps and UCX queued the request (`queued`).
+  // Stores lastActive, then reads asleep; the thread stores asleep, then
+  // reads lastActive: one of the two sees the other.
+  void posted(bool queued)
+  {
+    lastActive.store(steadyNanos(), std::memory_order_seq_cst);
+    if (queued && !polling && asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(wh);
+  }
+
   // Wake the progress thread if it is parked (the worker is closing, or a
   // request needs it).
   void unpark()
@@ -206,6 +216,61 @@ struct DeferTo {
 // How long the progress thread stands aside while a waiter holds the
 // worker, before it looks again.
 constexpr int64_t kParkNanos = 200'000;
+
+// How long the progress thread keeps polling after the last thing it did
+// (serving a request, completing an answer, any UCX event) or the last
+// request this process posted, before it sleeps in the kernel again.  A
+// peer's next request usually follows its last answer within tens of
+// microseconds, and an answer within tens of microseconds of its request;
+// waking a sleeping thread costs about as much again (more on a virtual
+// machine).
+constexpr int64_t kLingerNanos = 150'000;
+
+// The name of every progress thread (what /proc/<pid>/task/<tid>/comm says).
+constexpr const char* kProgressThreadName = "gpushare-ucx";
+
+// The progress engine of one worker, under the Agent and the region
+// server's Node alike: its one progress thread, and the Progress its
+// requests' waiters share (a waiter progresses the worker itself while the
+// thread stands aside).  The thread runs the Python callbacks that waiters
+// and UCX's progress hand over, outside UCX's progress; unlike libucxx's
+// progress thread it keeps polling for kLingerNanos after it last did
+// something or this process last posted a request, so that a peer's next
+// request, or the answer to ours, finds it awake; it then sleeps in the
+// kernel until an event (blocking mode), or never sleeps (polling mode).
+// Idle, it costs nothing.
+class Engine {
+ public:
+  std::shared_ptr<ucxx::Worker> worker;
+  std::shared_ptr<Progress> prog;
+
+  // Take over `w` (made with UCP_FEATURE_WAKEUP), set it up for `polling`
+  // or blocking progress, and start the progress thread.  `wakeTimeoutMs`:
+  // -1 sleeps until an event; else the bound on how late an arrival no
+  // event announces (shared memory) is noticed.
+  void start(std::shared_ptr<ucxx::Worker> w, bool polling, int wakeTimeoutMs);
+
+  // Stop and join the progress thread, without the GIL (it may be waiting
+  // for the GIL to run a Python callback) unless Python is going away, then
+  // run the callbacks handed over after its last look.  From then on no
+  // waiter progresses the worker.  Refused from inside the engine's own
+  // progress (a callback).
+  void stop();
+
+  // Whether stop() has begun.
+  bool stopping() const { return stopping_.load(std::memory_order_acquire); }
+
+  // One pass of the thread's loop happened to do something (a handler ran).
+  void touch() const { prog->lastActive.store(steadyNanos(), std::memory_order_relaxed); }
+
+ private:
+  void loop();
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> failed_{false};
+  bool polling_{false};
+  int wakeTimeout_{-1};
+};
 // How often a thread sleeping on a node's request looks whether the
 // progress thread is held up in Python callbacks.
 constexpr std::chrono::milliseconds kWaitSlice{1};
@@ -260,6 +325,13 @@ class Request {
     return false;
   }
 };
+
+// Let `p`'s waiters drive `r`, spinning longer the more `bytes` it moves.
+inline void driveBy(Request& r, const std::shared_ptr<Progress>& p, uint64_t bytes)
+{
+  r.progress   = p;
+  r.spinMicros = std::min<int64_t>(kSpinMaxMicros, kSpinMicros + static_cast<int64_t>(bytes / kSpinBytesPerMicro));
+}
 
 inline ucxx::RequestCallbackUserFunction completer(const std::shared_ptr<Completion>& c)
 {

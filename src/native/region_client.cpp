@@ -190,10 +190,9 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
   b->completion = c;
   b->left       = items.size();
   Request r(c, kind);
-  r.progress = prog;
   uint64_t bytes = 0;
   for (auto& it : items) bytes += it.length;
-  r.spinMicros = std::min<int64_t>(kSpinMaxMicros, kSpinMicros + static_cast<int64_t>(bytes / kSpinBytesPerMicro));
+  driveBy(r, engine.prog, bytes);
   if (items.empty()) {
     c->complete(UCS_OK);
     return r;
@@ -271,7 +270,7 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
       uint64_t bytes = 0;
       while (i + k < items.size() && k < kMaxBatchItems) {
         const Item& it = items[i + k];
-        if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutEagerMax ||
+        if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutBatchMax ||
             parts[i + k].wholeLength != 0)
           break;
         bytes += it.length;
@@ -319,13 +318,12 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
   }
   // A request UCX queued is finished by the progress thread: keep it
   // polling for the answer (wake it if it sleeps).
-  prog->lastActive.store(steadyNanos(), std::memory_order_seq_cst);
-  if (signal && !polling && prog->asleep.load(std::memory_order_seq_cst)) ucp_worker_signal(wh);
+  engine.prog->posted(signal);
   return r;
 }
 
 Peer::Peer(Node* n, std::shared_ptr<ucxx::Endpoint> e, uint64_t id_)
-  : Endpoint(std::move(e)), node(n), id(id_), handle(ep->getHandle())
+  : Endpoint(std::move(e), n->engine.prog), node(n), id(id_), handle(ep->getHandle())
 {
 }
 
@@ -421,9 +419,6 @@ Request Peer::sendRaw(nb::bytes header, nb::bytes payload, bool keep)
 
 void Peer::closePeer(double timeout)
 {
-  // Closing progresses the worker in this thread: requests completed
-  // there hand their callbacks to the progress thread, as in a waiter.
-  DeferTo here(node->prog ? node->prog.get() : deferTo);
   Endpoint::close(timeout);
   node->failPeer(id, UCS_ERR_CANCELED);
 }

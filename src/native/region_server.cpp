@@ -1,4 +1,4 @@
-// The Node's worker and progress thread, and the exporter side of the region
+// The Node's worker, and the exporter side of the region
 // server: regions, grants, and the handlers that check every request on the
 // progress thread, without the GIL, before any byte moves.
 
@@ -6,9 +6,9 @@
 
 namespace gpushare::native {
 
-Node::Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+Node::Node(const std::unordered_map<std::string, std::string>& config, bool polling, bool errorHandling_,
      int wakeTimeoutMs, uint64_t putPart_)
-  : errorHandling(errorHandling_), polling(polling_), wakeTimeout(wakeTimeoutMs), putPart(putPart_)
+  : errorHandling(errorHandling_), putPart(putPart_)
 {
   beforeUcpInit();
   ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -16,80 +16,12 @@ Node::Node(const std::unordered_map<std::string, std::string>& config, bool poll
     context = ucxx::contextBuilder(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP).configMap(cfg).build();
     worker  = context->workerBuilder().build();
     wh      = worker->getHandle();
-    prog    = std::make_shared<Progress>();
-    prog->worker  = worker;
-    prog->wh      = wh;
-    prog->polling = polling;
     setHandler(kAmRequest, &Node::onRequest, false);
     setHandler(kAmReply, &Node::onReply, false);
     setHandler(kAmRequestKeep, &Node::onRequestKeep, true);
     setHandler(kAmReplyKeep, &Node::onReply, true);
-    // Blocking mode sleeps in epoll_wait, with no timeout (-1) when every
-    // transport wakes the worker's event fd; stopping signals it.
-    if (!polling) worker->initBlockingProgressMode();
-    progressThread = std::thread([this] { progressLoop(); });
+    engine.start(worker, polling, wakeTimeoutMs);
     return 0;
-  });
-}
-
-void Node::progressLoop()
-{
-  deferTo = prog.get();
-  while (!stopping.load(std::memory_order_acquire)) {
-    try {
-      prog->runDeferred();
-      if (prog->claimed.load(std::memory_order_acquire)) {
-        // A waiter progresses the worker: stand aside, running the
-        // callbacks it hands over.
-        std::unique_lock<std::mutex> lock(prog->parkMutex);
-        prog->parkCv.wait_for(lock, std::chrono::nanoseconds(kParkNanos), [this] {
-          return prog->hasDeferred.load(std::memory_order_acquire) ||
-                 !prog->claimed.load(std::memory_order_acquire) || stopping.load(std::memory_order_acquire);
-        });
-        continue;
-      }
-      if (worker->progress()) {
-        prog->lastActive.store(steadyNanos(), std::memory_order_relaxed);
-        continue;
-      }
-      if (polling || steadyNanos() - prog->lastActive.load(std::memory_order_relaxed) < kLingerNanos) {
-        std::this_thread::yield();
-        continue;
-      }
-      // About to sleep: a request posted from now on wakes it (post()
-      // stores lastActive, then reads asleep; this stores asleep, then
-      // reads lastActive: one of the two sees the other).
-      prog->asleep.store(true, std::memory_order_seq_cst);
-      if (steadyNanos() - prog->lastActive.load(std::memory_order_seq_cst) < kLingerNanos ||
-          prog->claimed.load(std::memory_order_seq_cst) || prog->hasDeferred.load(std::memory_order_seq_cst)) {
-        prog->asleep.store(false, std::memory_order_relaxed);
-        continue;
-      }
-      worker->progressWorkerEvent(wakeTimeout);
-      prog->asleep.store(false, std::memory_order_relaxed);
-    } catch (const std::exception& e) {
-      prog->asleep.store(false, std::memory_order_relaxed);
-      // UCX failed to arm or wait: say so once, and poll slowly rather than spin.
-      if (!progressFailed.exchange(true))
-        std::fprintf(stderr, "[gpushare] UCX progress failed, polling every millisecond: %s\n", e.what());
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-}
-
-void Node::stopProgress()
-{
-  if (!progressThread.joinable()) return;
-  if (deferTo == prog.get())
-    throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node cannot be closed from inside its own progress");
-  stopping.store(true, std::memory_order_release);
-  withoutGil([this] {
-    prog->close();
-    prog->unpark();
-    if (!polling) ucp_worker_signal(wh);
-    progressThread.join();
-    // Callbacks a waiter handed over after the thread's last look.
-    prog->runDeferred();
   });
 }
 
@@ -108,7 +40,7 @@ void Node::setHandler(unsigned id, ucp_am_recv_callback_t cb, bool keep)
 
 void Node::checkOpen()
 {
-  if (!worker || stopping.load(std::memory_order_acquire))
+  if (!worker || engine.stopping())
     throw NativeError("UCS_ERR_INVALID_PARAM", "the UCX node is closed");
 }
 
@@ -434,7 +366,7 @@ ucs_status_t Node::onRequest(void* arg, const void* header, size_t headerLength,
                               size_t length, const ucp_am_recv_param_t* param)
 {
   Node* n = static_cast<Node*>(arg);
-  n->prog->lastActive.store(steadyNanos(), std::memory_order_relaxed);
+  n->engine.touch();
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == nullptr)
     return UCS_OK;  // nobody to answer: drop
   ucp_ep_h ep = param->reply_ep;
@@ -516,7 +448,7 @@ ucs_status_t Node::servePut(ucp_ep_h ep, const RequestHeader& h, uint64_t partOf
 void Node::shutdown()
 {
   if (!worker) return;
-  stopProgress();
+  engine.stop();
   {
     std::unique_lock<std::shared_mutex> lock(tableMutex);
     for (auto& [id, r] : regions) {
@@ -537,10 +469,8 @@ void Node::shutdown()
     }
   }
   if (!pyFinalizing()) runDone(done);
-  if (prog) {
-    prog->close();  // done by stopProgress() unless its thread never started
-    prog->worker.reset();
-  }
+  if (engine.prog) engine.prog->worker.reset();
+  engine.worker.reset();
   releaseNoGil(worker);
   releaseNoGil(context);
 }

@@ -105,6 +105,7 @@ Request Endpoint::memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress
         .build();
     return req;
   });
+  posted(r, length);
   return r;
 }
 
@@ -124,6 +125,7 @@ Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress
         .build();
     return req;
   });
+  posted(r, length);
   return r;
 }
 
@@ -137,12 +139,24 @@ Request Endpoint::flush(nb::object callback)
     std::shared_ptr<ucxx::Request> req = e->flushBuilder().callbackFunction(completer(c)).build();
     return req;
   });
+  posted(r, 0);
   return r;
+}
+
+void Endpoint::posted(Request& r, uint64_t bytes)
+{
+  if (!progress) return;
+  driveBy(r, progress, bytes);
+  progress->posted(!r.completion->doneFlag.load(std::memory_order_acquire));
 }
 
 void Endpoint::close(double timeout)
 {
   if (!ep) return;
+  // Closing progresses the worker in this thread (libucxx does, with no
+  // progress thread of its own): requests completed there, canceled ones
+  // among them, hand their callbacks to the progress thread, as in a waiter.
+  DeferTo here(progress && !progress->closed.load(std::memory_order_acquire) ? progress.get() : deferTo);
   auto e = ep;
   uint64_t periodNs = 100'000'000;  // 100 ms per attempt
   uint64_t attempts = std::max<uint64_t>(1, static_cast<uint64_t>(timeout * 10.0));
@@ -153,9 +167,9 @@ void Endpoint::close(double timeout)
   releaseNoGil(ep);
 }
 
-Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
+Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool polling, bool errorHandling_,
       int wakeTimeoutMs)
-  : errorHandling(errorHandling_), polling(polling_)
+  : errorHandling(errorHandling_)
 {
   beforeUcpInit();
   ucxx::ConfigMap cfg(config.begin(), config.end());
@@ -164,9 +178,7 @@ Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool po
                 .configMap(cfg)
                 .build();
     worker = context->workerBuilder().build();
-    // -1: sleep until an event (every transport wakes the worker); else
-    // the bound on how late a shared-memory arrival is noticed.
-    worker->startProgressThread(polling, wakeTimeoutMs);
+    engine.start(worker, polling, wakeTimeoutMs);
     return 0;
   });
 }
@@ -195,7 +207,7 @@ Endpoint Agent::connect(nb::bytes peer)
     std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(std::string_view(s)).build();
     return ucxx::endpointBuilder(w, a).endpointErrorHandling(errorHandling).build();
   });
-  return Endpoint(std::move(e));
+  return Endpoint(std::move(e), engine.prog);
 }
 
 MemoryHandle Agent::createMemoryHandle(size_t size, uintptr_t buffer, int memoryType)
@@ -214,7 +226,10 @@ MemoryHandle Agent::createMemoryHandle(size_t size, uintptr_t buffer, int memory
 void Agent::shutdown()
 {
   if (!worker) return;
-  stopProgressNoGil(worker);
+  engine.stop();
+  // The worker goes once the last endpoint holding it does.
+  if (engine.prog) engine.prog->worker.reset();
+  engine.worker.reset();
   releaseNoGil(worker);
   releaseNoGil(context);
 }

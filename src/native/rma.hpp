@@ -57,7 +57,11 @@ std::tuple<uint64_t, uint64_t> serializedRemoteKeyRange(nb::bytes blob);
 class Endpoint {
  public:
   std::shared_ptr<ucxx::Endpoint> ep;
-  explicit Endpoint(std::shared_ptr<ucxx::Endpoint> e) : ep(std::move(e)) {}
+  // The worker's engine: its waiters drive this endpoint's requests.
+  std::shared_ptr<Progress> progress;
+  Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p) : ep(std::move(e)), progress(std::move(p))
+  {
+  }
   ~Endpoint() { releaseNoGil(ep); }
 
   std::shared_ptr<ucxx::Endpoint> get()
@@ -87,16 +91,23 @@ class Endpoint {
 
   Request flush(nb::object callback);
 
+  // `r` was submitted: the engine's waiters drive it, and the progress
+  // thread finishes it if nobody waits (woken if it sleeps and UCX holds
+  // the request).
+  void posted(Request& r, uint64_t bytes);
+
   // Cancel what is in flight and disconnect; waits at most `timeout` seconds.
   void close(double timeout);
 };
 
+// One context and worker, progressed by an Engine (as the region server's
+// Node is): no libucxx progress thread.
 class Agent {
  public:
   std::shared_ptr<ucxx::Context> context;
   std::shared_ptr<ucxx::Worker> worker;
+  Engine engine;
   bool errorHandling;
-  bool polling;
 
   Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
         int wakeTimeoutMs);
@@ -104,7 +115,7 @@ class Agent {
 
   std::shared_ptr<ucxx::Worker> getWorker()
   {
-    if (!worker) throw NativeError("UCS_ERR_INVALID_PARAM", "agent is closed");
+    if (!worker || engine.stopping()) throw NativeError("UCS_ERR_INVALID_PARAM", "agent is closed");
     return worker;
   }
 
