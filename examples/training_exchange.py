@@ -9,10 +9,14 @@ Run: python examples/training_exchange.py [--steps N] [--consumers N]
          [--start-method spawn|forkserver|fork] [--shape 256,1024]
 
 Across nodes, run the producer on one node and each consumer on another; the
-producer prints the channel's handle (validated bytes, hex) for them:
+producer prints the channel's handle (validated bytes, hex) for them.  They
+are separate programs, so their control connections need one key
+(docs/security.md): make a fresh one once, where only the job's user reads it
+(a home directory the nodes share), and set it on every node:
 
-    python examples/training_exchange.py --role producer --consumers 2 > handle.txt
-    python examples/training_exchange.py --role consumer < handle.txt    # on each other node
+    (umask 077; python -c "import secrets; print(secrets.token_hex(32))" > ~/.gpushare-key)
+    GPUSHARE_AUTHKEY=$(cat ~/.gpushare-key) python examples/training_exchange.py --role producer --consumers 2 > handle.txt
+    GPUSHARE_AUTHKEY=$(cat ~/.gpushare-key) python examples/training_exchange.py --role consumer < handle.txt   # on each other node
 """
 
 from __future__ import annotations

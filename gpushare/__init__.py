@@ -43,6 +43,7 @@ from ._errors import (
 )
 from ._export import export
 from ._handles import allocate, export_buffer, import_buffer
+from ._launch import set_authkey_from_process_group
 from ._open import open, open_async
 from ._paths.host_fd import HostBuffer
 from ._share import Share
@@ -107,6 +108,7 @@ __all__ = [
     "get_batch",
     "put_batch",
     "set_authkey",
+    "set_authkey_from_process_group",
     "export",
 ]
 # ``open`` is public (``gpushare.open``) but left out of ``__all__`` so that
@@ -120,7 +122,8 @@ for _name in __all__:
     if isinstance(_obj, type) and _obj.__module__.startswith("gpushare."):
         _obj.__module__ = __name__
 for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
-             open_async, empty, zeros, empty_like, get_batch, put_batch, set_authkey):
+             open_async, empty, zeros, empty_like, get_batch, put_batch, set_authkey,
+             set_authkey_from_process_group):
     _obj.__module__ = __name__
 del _name, _obj, annotations
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +70,45 @@ def test_training_exchange_one_producer_three_consumers():
     assert "producer: 100 steps of (256, 1024) float32 on 3 consumers, start method spawn" in out
     for k in range(3):
         assert f"consumer {k}: 100 steps, 0 wrong, via host-fd, zero-copy True" in out
+
+
+def test_training_exchange_cross_node_commands_set_a_key():
+    # The producer and the consumers are separate programs: without one key
+    # in GPUSHARE_AUTHKEY their opens are refused.
+    doc = (EXAMPLES / "training_exchange.py").read_text().split('"""')[1]
+    commands = [line.strip() for line in doc.splitlines() if "training_exchange.py --role" in line]
+    assert len(commands) == 2
+    assert all(c.startswith("GPUSHARE_AUTHKEY=$(cat ~/.gpushare-key) python ") for c in commands), commands
+
+
+def _producer_and_consumer(env: dict[str, str]) -> tuple[str, str]:
+    """The two roles of training_exchange.py as separate programs, the
+    handle passed on as the docstring's handle.txt passes it; returns what
+    each printed."""
+    script = str(EXAMPLES / "training_exchange.py")
+    with subprocess.Popen([sys.executable, script, "--role", "producer", "--consumers", "1", "--steps", "5"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as producer:
+        assert producer.stdout is not None
+        handle = producer.stdout.readline()
+        consumer = subprocess.run([sys.executable, script, "--role", "consumer", "--steps", "5"], input=handle,
+                                  capture_output=True, text=True, env=env, timeout=120, check=False)
+        if consumer.returncode != 0:
+            producer.kill()  # it would wait for a consumer that is not coming
+        out, err = producer.communicate(timeout=120)
+    return consumer.stdout + consumer.stderr, out + err
+
+
+def test_training_exchange_separate_programs_with_a_common_key():
+    env = {k: v for k, v in os.environ.items() if k != "GPUSHARE_AUTHKEY"}
+    consumer, producer = _producer_and_consumer({**env, "GPUSHARE_AUTHKEY": secrets.token_hex(32)})
+    assert "consumer 0: 5 steps, 0 wrong, via host-fd, zero-copy True" in consumer
+    assert consumer.strip().endswith("ok"), consumer
+    assert "producer: 5 steps of (256, 1024) float32 on 1 consumers" in producer
+    assert producer.strip().endswith("ok"), producer
+
+
+def test_training_exchange_separate_programs_without_a_key_are_refused():
+    env = {k: v for k, v in os.environ.items() if k != "GPUSHARE_AUTHKEY"}
+    consumer, _ = _producer_and_consumer(env)
+    assert "AccessDeniedError" in consumer
+    assert "GPUSHARE_AUTHKEY" in consumer
