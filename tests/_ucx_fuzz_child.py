@@ -148,15 +148,20 @@ def key_cases(packed: bytes, base: int, size: int, rng: random.Random, count: in
     cases = [(f"packed:{label}", serialized_key(b, base, size)) for label, b in edits(packed, None)]
     cases += [(f"packed:{label}", serialized_key(b, base, size)) for label, b in random_changes(packed, rng, count)]
     # Structured forgeries: memory-domain maps with empty keys (accepted), posix/sysv/cuda_ipc-shaped keys
-    # (refused), system devices and their distances, other memory types.
+    # (refused), system devices with distances (as CUDA keys carry) or without a terminator, other memory types.
     mem_type = packed[8]
     for i in range(count // 4 + 8):
         md_map = rng.getrandbits(rng.choice([1, 3, 8, 64])) or 1
         bits = bin(md_map).count("1")
         sizes = [0] * bits if i % 2 == 0 else [rng.choice([0, 0, 12, 24, 40, 255]) for _ in range(bits)]
         body = b"".join(bytes([s]) + bytes(rng.randrange(256) for _ in range(s)) for s in sizes)
-        sys_dev = 0xFF if i % 3 else rng.randrange(256)
-        tail = b"" if sys_dev == 0xFF or i % 5 else bytes([1, 2, 3, 0xFF])
+        sys_dev = 0xFF if i % 3 else rng.choice([rng.randrange(64), rng.randrange(64) | 0x80, rng.randrange(256)])
+        tail = b""
+        if sys_dev != 0xFF:  # distances to system devices, as for CUDA memory, mostly with a terminator
+            for _ in range(rng.randrange(4)):
+                tail += bytes([rng.choice([rng.randrange(64), rng.randrange(256)]), rng.randrange(256),
+                               rng.randrange(256)])
+            tail += b"\xff" if rng.random() < 0.75 else b""
         mt = mem_type if i % 7 else rng.randrange(16)
         b = md_map.to_bytes(8, "little") + bytes([mt]) + body + bytes([sys_dev]) + tail
         cases.append((f"forged-map#{i}", serialized_key(b, base, size)))

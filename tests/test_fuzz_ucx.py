@@ -149,8 +149,11 @@ def test_real_keys_pass_and_keys_with_transport_bytes_are_refused():
     sysv = (1 << 2).to_bytes(8, "little") + b"\x00" + b"\x0c" + bytes(12) + b"\xff"  # a sysv-shaped key
     for forged, why in [
         (sysv, "carries 12 key bytes for memory domain 2"),
-        ((1).to_bytes(8, "little") + b"\x00\x00\x05", "names a system device"),
-        ((1).to_bytes(8, "little") + b"\x00\x00", "names a system device"),
+        ((1).to_bytes(8, "little") + b"\x00\x00\x05", "ends before the end of its system distances"),
+        ((1).to_bytes(8, "little") + b"\x00\x00\x05\x00\x0f", "distance to system device 0 in 2 bytes"),
+        ((1).to_bytes(8, "little") + b"\x00\x00\x05\x40\x0f\x01\xff", "distance to system device 64"),
+        ((1).to_bytes(8, "little") + b"\x00\x00\x45\xff", "names system device 69"),
+        ((1).to_bytes(8, "little") + b"\x00\x00", "ends before its system device"),
         (bytes(8) + b"\x01", "UCX memory type 1; the key says host"),
         (bytes(8) + b"\x0a", "UCX memory type 10"),
         (bytes(8) + b"\x00\xff", "1 bytes after its end"),
@@ -161,6 +164,8 @@ def test_real_keys_pass_and_keys_with_transport_bytes_are_refused():
             _rkey.check_packed_key(forged, 0)
     _rkey.check_packed_key((0b1011).to_bytes(8, "little") + b"\x00" + bytes(3) + b"\xff", 0)
     _rkey.check_packed_key(bytes(8) + b"\x01", 1)
+    # A CUDA key as UCX 1.21 packs it over cuda_copy: GPU 0 (flush bit set), distances to two devices.
+    _rkey.check_packed_key((2).to_bytes(8, "little") + b"\x01\x00\x80\x00\x00\x0f\x01\x00\x0f\xff", 1)
 
 
 def test_a_forged_key_is_refused_by_unpack_remote_key_before_ucx_reads_it():

@@ -8,8 +8,9 @@ files, fds and segments that the importer opens and maps with its own
 rights (``mm_posix.c:406-450, 718-745``, ``mm_sysv.c:55-69``); cuda_ipc
 keys name IPC handles.  gpushare's transports (tcp, cuda_copy, self; also
 cma) carry no key bytes at all: their packed key is the memory-domain map,
-the memory type, an empty key per memory domain and an unknown system
-device.  So that is the only key accepted from a peer.
+the memory type, an empty key per memory domain and the memory's system
+device (unknown for host memory; for CUDA memory the GPU's, with its
+distances).  So that is the only key accepted from a peer.
 
 The key arrives as libucxx serializes it (``ucxx::RemoteKey::serialize``):
 ``size_t hash | size_t packed_size | packed | u64 base | u64 size``; the
@@ -18,9 +19,12 @@ packed key inside it, in full, as UCX 1.21 packs it
 (``ucp_rkey_pack_memh``, ucp_rkey.c:187-276)::
 
     u64 md_map | u8 mem_type | per set bit of md_map: u8 tl_size (= 0)
-    | u8 sys_dev (= 0xFF, only when md_map != 0)
+    | when md_map != 0: u8 sys_dev (0xFF unknown: host memory; else the
+      device, < 64, with bit 7 "flush needed", then per system device
+      {u8 device < 64, u8 latency, u8 bandwidth} and a 0xFF terminator)
 
-and nothing after it.
+and nothing after it (ucp_rkey.c:241-270; UCX reads the distances up to
+the terminator, however far it is: ucp_rkey.c:816-832, 894-900).
 
 Once per agent, before the first peer key, the agent packs a key of its
 own and checks it the same way: an agent whose own transports make keys
@@ -44,6 +48,7 @@ _SIZE_T = 8
 _HOST, _CUDA, _CUDA_MANAGED = 0, 1, 2
 _MEMORY_TYPES = {0: (_HOST,), 1: (_CUDA, _CUDA_MANAGED), 2: (_CUDA, _CUDA_MANAGED)}
 _UNKNOWN_SYS_DEVICE = 0xFF
+_FLUSH_BIT, _MAX_SYS_DEVICES, _DISTANCE = 0x80, 64, 3  # ucp_rkey.h:80; a u64 map of devices; 3 bytes each
 
 
 def packed_key(serialized: bytes) -> bytes:
@@ -81,9 +86,26 @@ def check_packed_key(packed: bytes, memory_type: int) -> None:
                 "which have none)")
         pos += 1
     if md_map:
-        if pos >= len(packed) or packed[pos] != _UNKNOWN_SYS_DEVICE:
-            raise InvalidInputError("packed remote key names a system device; gpushare's transports pack none")
+        if pos >= len(packed):
+            raise InvalidInputError("packed remote key ends before its system device")
+        sys_dev = packed[pos]
         pos += 1
+        if sys_dev != _UNKNOWN_SYS_DEVICE:
+            # CUDA memory: the device (bit 7: "flush needed"), then the distance to each system
+            # device {u8 device, u8 latency, u8 bandwidth} and an unknown device as terminator;
+            # UCX reads distances up to that terminator, however far it is.
+            if sys_dev & ~_FLUSH_BIT >= _MAX_SYS_DEVICES:
+                raise InvalidInputError(f"packed remote key names system device {sys_dev & ~_FLUSH_BIT}")
+            while True:
+                if pos >= len(packed):
+                    raise InvalidInputError("packed remote key ends before the end of its system distances")
+                if packed[pos] == _UNKNOWN_SYS_DEVICE:
+                    pos += 1
+                    break
+                if packed[pos] >= _MAX_SYS_DEVICES or pos + _DISTANCE > len(packed):
+                    raise InvalidInputError(f"packed remote key has a distance to system device {packed[pos]} "
+                                            f"in {len(packed) - pos} bytes")
+                pos += _DISTANCE
     if pos != len(packed):
         raise InvalidInputError(f"packed remote key has {len(packed) - pos} bytes after its end")
 
