@@ -352,13 +352,19 @@ class Endpoint(Connection):
     def unpack_remote_key(self, blob: bytes) -> RemoteKey:
         """Turn a peer's serialized key into a key usable on this endpoint.
 
-        The blob is untrusted: its envelope, length, checksum and layout are
+        The blob is untrusted: its envelope, length, checksum and layout, and
+        the packed UCX key inside it (see ``gpushare._ucx._rkey``), are
         checked before UCX parses it.
 
         Raises
         ------
         InvalidInputError
-            If the blob is truncated, corrupted, foreign or from another version.
+            If the blob is truncated, corrupted, foreign or from another
+            version, or its packed key is not one gpushare accepts (keys
+            of shared-memory or cuda_ipc transports, for one).
+        UnsupportedError
+            If this agent's own transports make keys gpushare would refuse
+            from a peer (``UCX_TLS``).
         """
         n = self._check_open()
         mtype, payload = unpack(blob, KEY_MAGIC, "remote key", MAX_KEY)
