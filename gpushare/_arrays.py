@@ -9,12 +9,15 @@ without a copy, through ``__cuda_array_interface__`` and DLPack.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-from . import _dlpack, _types
+from . import _dlpack, _memory, _types
 from ._cuda import _driver
-from ._errors import InvalidInputError
+from ._errors import CUDAOutOfMemoryError, InvalidInputError
 from ._handles import allocate
+
+if TYPE_CHECKING:
+    import numpy
 
 __all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 
@@ -237,7 +240,16 @@ class _HostOwner:
         self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (buffer.ptr, False), "version": 3}
 
 
-def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_pages: Any = "auto") -> Any:
+@overload
+def empty(shape: Any, dtype: Any = ..., *, device: Literal["host", "cpu"] = ...,
+          huge_pages: Any = ...) -> numpy.ndarray: ...
+@overload
+def empty(shape: Any, dtype: Any = ..., *, device: int, huge_pages: Any = ...) -> CudaArray: ...
+@overload
+def empty(shape: Any, dtype: Any = ..., *, device: str | int,
+          huge_pages: Any = ...) -> numpy.ndarray | CudaArray: ...
+def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host",
+          huge_pages: Any = "auto") -> numpy.ndarray | CudaArray:
     """A new array in memory other processes can map: uninitialised.
 
     Parameters
@@ -263,6 +275,10 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     ------
     InvalidInputError
         A shape, dtype or device out of range.
+    OutOfMemoryError
+        More host memory than this machine's RAM and swap together, at once
+        (nothing is allocated); or a CUDA device out of memory
+        (:class:`CUDAOutOfMemoryError`).  The message names the size.
     """
     dims = check_shape(shape)
     typestr = portable_typestr(dtype)
@@ -270,16 +286,34 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     if _types.is_host(device):
         import numpy as np
 
+        _memory.check_host(nbytes)
         buf = allocate(max(nbytes, 1), device="host", huge_pages=huge_pages)
         return np.asarray(_HostOwner(buf, dims, typestr))
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a CUDA device ordinal")
-    buf = allocate(max(nbytes, 1), device=device, huge_pages=huge_pages)
+    try:
+        buf = allocate(max(nbytes, 1), device=device, huge_pages=huge_pages)
+    except CUDAOutOfMemoryError as exc:
+        raise CUDAOutOfMemoryError(exc.status, f"{nbytes} bytes ({_memory.human(nbytes)}) on CUDA device "
+                                               f"{device}: {exc.message}") from None
     return CudaArray._make(buf, int(buf.handle), dims, typestr, device)
 
 
-def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_pages: Any = "auto") -> Any:
+@overload
+def zeros(shape: Any, dtype: Any = ..., *, device: Literal["host", "cpu"] = ...,
+          huge_pages: Any = ...) -> numpy.ndarray: ...
+@overload
+def zeros(shape: Any, dtype: Any = ..., *, device: int, huge_pages: Any = ...) -> CudaArray: ...
+@overload
+def zeros(shape: Any, dtype: Any = ..., *, device: str | int,
+          huge_pages: Any = ...) -> numpy.ndarray | CudaArray: ...
+def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host",
+          huge_pages: Any = "auto") -> numpy.ndarray | CudaArray:
     """:func:`empty`, filled with zeros.
+
+    Host memory is new memfd memory, which the kernel gives zeroed: nothing
+    is written, and a page takes memory only when it is first used (as with
+    ``numpy.zeros``).  CUDA memory is set to zero on the device.
 
     Parameters
     ----------
@@ -289,6 +323,11 @@ def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
     Returns
     -------
     numpy.ndarray or CudaArray
+
+    Raises
+    ------
+    InvalidInputError, OutOfMemoryError
+        As for :func:`empty`.
     """
     arr = empty(shape, dtype, device=device, huge_pages=huge_pages)
     if isinstance(arr, CudaArray):
@@ -296,8 +335,8 @@ def zeros(shape: Any, dtype: Any = "float64", *, device: Any = "host", huge_page
         # Zeros when this returns, without waiting for the caller's other work on the device.
         with _driver.on_device(arr.device), _driver.own_stream() as stream:
             _driver.check(drv.cuMemsetD8Async(arr.ptr, 0, max(arr.nbytes, 1), stream), "cuMemsetD8Async")
-    else:
-        arr.fill(0)  # fresh memfd pages are zero already; this says so for every dtype
+    # Host: empty() allocates new memfds (gs.allocate never hands out used
+    # memory), whose pages read as zero until written.
     return arr
 
 

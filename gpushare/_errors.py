@@ -30,6 +30,8 @@ __all__ = [
     "ExporterUnreachableError",
     "UnsupportedError",
     "CUDAError",
+    "CUDAOutOfMemoryError",
+    "OutOfMemoryError",
     "SlowPathWarning",
     "translate",
 ]
@@ -159,14 +161,34 @@ class UnsupportedError(GpuShareError):
     type the device or driver lacks, no CUDA driver.  The message says which."""
 
 
+class OutOfMemoryError(GpuShareError, MemoryError):
+    """The memory asked for cannot be had: more host memory than this machine
+    holds (RAM and swap), or a CUDA device out of memory.  The message names
+    the size."""
+
+
 class CUDAError(_StatusError):
     """A failure reported by the CUDA driver.
+
+    The driver's ``CUDA_ERROR_OUT_OF_MEMORY`` is a
+    :class:`CUDAOutOfMemoryError`, also an :class:`OutOfMemoryError`,
+    wherever it is raised.
 
     Attributes
     ----------
     status : str
         The driver's status name, for example ``"CUDA_ERROR_INVALID_VALUE"``.
     """
+
+    def __new__(cls, status: str, message: str) -> CUDAError:
+        if cls is CUDAError and status == "CUDA_ERROR_OUT_OF_MEMORY":
+            cls = CUDAOutOfMemoryError
+        # Exception's own __new__: MemoryError's refuses a class whose first base is not it.
+        return Exception.__new__(cls, status, message)
+
+
+class CUDAOutOfMemoryError(CUDAError, OutOfMemoryError):
+    """The CUDA driver is out of device memory (``CUDA_ERROR_OUT_OF_MEMORY``)."""
 
 
 # Refusals and protocol failures of the region server (gpushare._ucx._server).
