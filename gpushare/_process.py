@@ -20,12 +20,16 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ._errors import ExporterUnreachableError, InvalidInputError, UnsupportedError
+from ._errors import ClosedError, ExporterUnreachableError, InvalidInputError, UnsupportedError
 
 __all__ = ["QUIET", "PerProcess", "Stopped", "await_alive", "check_same_node", "node_identity", "node_key",
            "peer_timeout", "process_state", "state_of", "wait_alive"]
 
 T = TypeVar("T")
+
+#: Seconds the exit hook of a :class:`PerProcess` waits for a make under way
+#: in another thread (loading UCX takes well under one) before it gives up.
+EXIT_WAIT = 10.0
 
 
 class PerProcess(Generic[T]):
@@ -40,6 +44,12 @@ class PerProcess(Generic[T]):
     abandon
         Called in a forked child on the parent's instance: drop what the child
         inherited (a listening socket) without touching the parent's threads.
+
+    The exit hook is in place before the first make begins, and waits for a
+    make still under way in another thread (a background warm-up), at most
+    :data:`EXIT_WAIT` seconds, to stop what it made: no thread of the
+    service outlives the interpreter.  Once the hook has run, :meth:`get`
+    raises :class:`ClosedError` rather than make a service nobody would stop.
     """
 
     def __init__(self, make: Callable[[], T], *, stop: Callable[[T], None],
@@ -49,6 +59,7 @@ class PerProcess(Generic[T]):
         self._obj: T | None = None
         self._pid = 0
         self._hooks = False
+        self._exited = False
 
     def get(self) -> T:
         """This process's instance, made now if there is none."""
@@ -56,13 +67,16 @@ class PerProcess(Generic[T]):
             if self._obj is not None and self._pid != os.getpid():
                 self._abandon(self._obj)
                 self._obj = None
-            if self._obj is None:
-                self._obj = self._make()
-                self._pid = os.getpid()
+            if self._exited:
+                raise ClosedError("the process is exiting: its gpushare services are stopped")
             if not self._hooks:
+                # Before the make: an exit during it still stops what it makes.
                 atexit.register(self._at_exit)
                 os.register_at_fork(after_in_child=self._after_fork)
                 self._hooks = True
+            if self._obj is None:
+                self._obj = self._make()
+                self._pid = os.getpid()
             return self._obj
 
     def current(self) -> T | None:
@@ -71,12 +85,21 @@ class PerProcess(Generic[T]):
         return obj if obj is not None and self._pid == os.getpid() else None
 
     def _at_exit(self) -> None:
-        obj = self.current()
+        # A make under way holds the lock: let it finish (bounded), then stop
+        # what it made; no make begins afterwards.
+        got = self._lock.acquire(timeout=EXIT_WAIT)
+        try:
+            self._exited = True
+            obj = self.current()
+        finally:
+            if got:
+                self._lock.release()
         if obj is not None:
             self._stop(obj)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # it may have been held by a thread that did not survive
+        self._exited = False
         if self._obj is not None:
             self._abandon(self._obj)
             self._obj = None
