@@ -55,6 +55,7 @@ def slot_data(rank: int, device: Any) -> torch.Tensor:
 def make_buffers(rank: int, world: int, use_cuda: bool) -> list[tuple[str, Any, torch.Tensor]]:
     """(name, object to export, tensor on its memory), own slot filled."""
     nbytes = world * SLOT * 4
+    buffers: list[tuple[str, Any, torch.Tensor]]
     if use_cuda:
         device = torch.device("cuda", rank)
         tensor = torch.zeros(world, SLOT, dtype=torch.float32, device=device)

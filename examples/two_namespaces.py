@@ -29,9 +29,10 @@ def exporter() -> None:
 
     arr = np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8)
     share = gs.export(arr, lifetime=1)
-    print(json.dumps({"share": pickle.dumps(share).hex(), "digest": hashlib.sha256(arr).hexdigest()}), flush=True)
+    digest = hashlib.sha256(arr.data).hexdigest()
+    print(json.dumps({"share": pickle.dumps(share).hex(), "digest": digest}), flush=True)
     sys.stdin.readline()  # the importer is done
-    print(hashlib.sha256(arr).hexdigest(), flush=True)
+    print(hashlib.sha256(arr.data).hexdigest(), flush=True)
 
 
 def importer() -> None:
@@ -47,8 +48,8 @@ def importer() -> None:
         reply = np.full(view.nbytes, 7, np.uint8)
         view.put(reply)
         print(json.dumps({"path": view.path, "why": view.why,
-                          "read_ok": hashlib.sha256(data).hexdigest() == hello["digest"],
-                          "wrote": hashlib.sha256(reply).hexdigest()}), flush=True)
+                          "read_ok": hashlib.sha256(data.data).hexdigest() == hello["digest"],
+                          "wrote": hashlib.sha256(reply.data).hexdigest()}), flush=True)
 
 
 def ip(*args: str) -> None:
@@ -78,6 +79,7 @@ def main() -> int:
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
         exp = run_in(B, "export")
+        assert exp.stdin is not None and exp.stdout is not None  # both are pipes
         try:
             hello = exp.stdout.readline()
             imp = run_in(A, "import")
