@@ -3,6 +3,7 @@ over their process group (gs.set_authkey_from_process_group)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torchrun_share.py"
 NO_TORCH = "torch is not a dependency of gpushare; pip install torch (CI installs the CPU build) to run torchrun"
+# Looked up, not imported: torch must not load in a process where UCX may be
+# loaded already (docs/ucx.md); every test runs torch in a process of its own.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason=NO_TORCH)
 
 
 def torchrun(*args: str) -> str:
@@ -27,18 +31,18 @@ def python(code: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, cwd=ROOT)
 
 
+@needs_torch
 def test_torchrun_ranks_share_with_the_key_they_agreed_on():
-    pytest.importorskip("torch", reason=NO_TORCH)
     out = torchrun()
     assert "rank 1: array of rank 0 via host-fd: bytes match: True" in out
     assert "rank 1: tensor of rank 0 via cma: bytes match: True" in out
     assert out.strip().endswith("2 ranks: ok"), out
 
 
+@needs_torch
 def test_torchrun_ranks_without_a_common_key_are_refused():
     # What the key step is for: each rank is its own program, with its own
     # multiprocessing authkey, so the exporter cannot prove it holds the key.
-    pytest.importorskip("torch", reason=NO_TORCH)
     out = torchrun("--without-key")
     assert "rank 1: array of rank 0 refused" in out
     assert "could not prove it holds this process's key" in out
@@ -46,8 +50,8 @@ def test_torchrun_ranks_without_a_common_key_are_refused():
     assert "2 ranks: example failed" in out
 
 
+@needs_torch
 def test_the_key_is_fresh_random_and_stays_out_of_the_environment(tmp_path):
-    pytest.importorskip("torch", reason=NO_TORCH)
     r = python(f"""
         import multiprocessing, os
         import torch
@@ -71,8 +75,8 @@ def test_the_key_is_fresh_random_and_stays_out_of_the_environment(tmp_path):
     assert r.stdout.split() == ["fresh"]
 
 
+@needs_torch
 def test_without_a_process_group_it_says_what_to_do():
-    pytest.importorskip("torch", reason=NO_TORCH)
     r = python("""
         import torch
         import gpushare as gs
