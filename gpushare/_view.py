@@ -223,8 +223,7 @@ class View:
         self.close()  # ends the lease and unmaps: no waiting on anything
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self.path
-        return f"<gpushare.View {self.nbytes} bytes on {self.device} via {state}>"
+        return f"<gpushare.View {self.nbytes} bytes on {self.device} {'closed' if self.closed else 'via ' + self.path}>"
 
     # -- memory ------------------------------------------------------------
     def _local(self) -> _buffers.LocalBuffer:
