@@ -252,10 +252,13 @@ class Exporter:
     def stats(self) -> dict[str, int]:
         """Sizes of the registry and the sessions (for tests and benchmarks)."""
         with self._lock:
+            conns = [s.conn for s in self._sessions if s.conn is not None]
             return {"exports": len(self._exports), "ended": len(self._ended),
                     "sessions": len(self._sessions), "messages": self.messages,
                     "local_sessions": sum(s.local for s in self._sessions),
-                    "leases": sum(len(s.leases) for s in self._sessions)}
+                    "leases": sum(len(s.leases) for s in self._sessions),
+                    "queued_bytes": sum(c.backlog() for c in conns),
+                    "queued_fds": sum(c.backlog_fds() for c in conns)}
 
     def stop(self) -> None:
         with self._lock:
@@ -301,14 +304,18 @@ class Exporter:
         self._service.connect(sock, session, time.monotonic() + _control.TIMEOUT)
 
 
-#: Leases one control connection may hold at once.
-MAX_LEASES = 1 << 20
+#: Leases one control connection (one importer process) may hold at once;
+#: an open beyond it is refused (docs/limits.md).
+MAX_LEASES = 1 << 16
 #: Ended shares remembered (to say why a late open is refused).
 MAX_ENDED = 4096
 #: Seconds a control connection with no lease may stay idle.
 IDLE_TIMEOUT = 120.0
-#: Bytes of replies a connection may leave unread before it is dropped.
+#: Bytes of replies a connection may leave unread: a request read while more
+#: are queued drops the connection (docs/limits.md).
 MAX_BACKLOG = 4 << 20
+#: File descriptors its unread replies may hold, likewise.
+MAX_BACKLOG_FDS = 1024
 
 
 class _Session(Protocol):
@@ -329,6 +336,9 @@ class _Session(Protocol):
         self.nonces: tuple[bytes, bytes] | None = None
         #: What each lease's path granted (its state, what ends it).
         self.grants: dict[int, _paths.Grant] = {}
+        #: What a path keeps for the whole connection, by path name (cma: the
+        #: importer's process, one pidfd for all its leases).
+        self.held: dict[str, Any] = {}
         #: The connection (set when its first bytes come; paths ask it who the peer is).
         self.conn: Connection | None = None
         #: cma copies queued or running for this connection.
@@ -350,18 +360,31 @@ class _Session(Protocol):
         if self.finished:
             conn.rbuf.clear()
             return
-        if conn.backlog() > MAX_BACKLOG:
-            raise InvalidInputError("the importer sends requests but does not read the replies")
-        for message in _control.take_frames(conn.rbuf):
-            if self.finished or conn.closed:
+        # One frame at a time, the backlog checked before each: one read can
+        # hold thousands of requests, and each adds a reply.
+        while not (self.finished or conn.closed):
+            if conn.backlog() > MAX_BACKLOG or conn.backlog_fds() > MAX_BACKLOG_FDS:
+                self._overloaded(conn)
+            message = _control.take_frame(conn.rbuf)
+            if message is None:
                 return
             self.exporter.messages += 1
             self._handle(conn, message)
+
+    def _overloaded(self, conn: Connection) -> None:
+        """The importer asks and does not read: drop it (raising closes the
+        connection, and its queued replies and leases go with it)."""
+        log.warning("dropped the control connection of %s: it left %d bytes and %d fds of replies unread "
+                    "(at most %d and %d)", _peer(conn), conn.backlog(), conn.backlog_fds(), MAX_BACKLOG,
+                    MAX_BACKLOG_FDS)
+        raise InvalidInputError(f"the importer sends requests but does not read the replies (more than "
+                                f"{MAX_BACKLOG} bytes or {MAX_BACKLOG_FDS} fds unread)")
 
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         leases, self.leases = self.leases, {}
         grants, self.grants = self.grants, {}  # copies in flight keep their memory pinned until they finish
         retries, self.retries = self.retries, {}
+        self.held = {}  # copies in flight keep what they use
         with self.exporter._lock:
             self.exporter._sessions.discard(self)
         for lease, export in leases.items():  # the importer closed, died or misbehaved
@@ -483,7 +506,9 @@ class _Session(Protocol):
             self._refuse(conn, rid, code or "unknown", refusal_text(code or "unknown", policy))
             return
         if len(self.leases) >= MAX_LEASES:
-            self._refuse(conn, rid, "limit", f"this connection holds {MAX_LEASES} leases already")
+            self._refuse(conn, rid, "limit", f"this importer process holds {MAX_LEASES} leases of this exporter "
+                         f"already, the most one connection may hold (gpushare._exporter.MAX_LEASES): close "
+                         "views it no longer uses")
             return
         path = msg.get("path")
         entry = self.retries.get(export.share_id)

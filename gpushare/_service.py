@@ -40,6 +40,10 @@ __all__ = ["Connection", "Protocol", "Service", "Timer", "get_service"]
 _READ_CHUNK = 256 * 1024
 #: Most file descriptors one received message may carry.
 MAX_FDS = 250
+#: Queued bytes up to this size join the previous small ones in one buffer,
+#: until it holds _COALESCE_LIMIT bytes; larger ones are queued as they are.
+_COALESCE = 4096
+_COALESCE_LIMIT = 256 * 1024
 
 
 class Protocol:
@@ -78,7 +82,11 @@ class Connection:
         self._queued: float | None = None  # the earliest of its entries in the service's heap
         self.rbuf = bytearray()
         self.closed = False
-        self._wq: collections.deque[list] = collections.deque()  # [memoryview, fds] pairs
+        # [bytes or bytearray, bytes of it sent, fds] entries; small replies
+        # share one bytearray, so a queued reply costs its bytes, not an object.
+        self._wq: collections.deque[list] = collections.deque()
+        self._unsent = 0  # bytes queued, not yet taken by the peer
+        self._unsent_fds = 0  # descriptors queued with them
         # Re-entrant: a view's finalizer (run by the garbage collector at any
         # allocation) may send while this thread is inside send or a flush.
         self._wlock = threading.RLock()
@@ -105,20 +113,31 @@ class Connection:
         socket takes now; the rest goes as the peer reads.  The connection
         owns ``fds``: they are closed once sent (or dropped)."""
         owned = list(fds)
-        view = memoryview(data)
         # At most MAX_FDS descriptors ride on one byte each; the rest of the
         # bytes follow.  (The peer has them all once it has the bytes.)
-        chunks = [[view[i : i + 1], owned[j : j + MAX_FDS]]
-                  for i, j in enumerate(range(0, len(owned), MAX_FDS))]
-        if len(chunks) > len(view):
+        riders = -(-len(owned) // MAX_FDS)
+        if riders > len(data):
             _close_all(owned)
-            raise ValueError(f"{len(owned)} fds need more than {len(view)} bytes to ride on")
-        chunks.append([view[len(chunks):], []])
+            raise ValueError(f"{len(owned)} fds need more than {len(data)} bytes to ride on")
         with self._wlock:
             if self.closed:
                 _close_all(owned)
                 return
-            self._wq.extend(chunk for chunk in chunks if len(chunk[0]))
+            for i in range(riders):
+                self._wq.append([data[i : i + 1], 0, owned[i * MAX_FDS : (i + 1) * MAX_FDS]])
+            rest = data[riders:] if riders else data
+            if rest:
+                tail = self._wq[-1] if self._wq else None
+                # Not mid-flush: the buffer being sent may not grow then.
+                if (len(rest) <= _COALESCE and tail is not None and not tail[2] and type(tail[0]) is bytearray
+                        and len(tail[0]) < _COALESCE_LIMIT and not self._flushing):
+                    tail[0] += rest
+                elif len(rest) <= _COALESCE:
+                    self._wq.append([bytearray(rest), 0, []])
+                else:
+                    self._wq.append([rest, 0, []])
+            self._unsent += len(data)
+            self._unsent_fds += len(owned)
             if self._flushing:  # re-entered mid-flush: the service thread sends it
                 if not self._writing:
                     self._writing = True
@@ -132,8 +151,11 @@ class Connection:
 
     def backlog(self) -> int:
         """Bytes queued and not yet taken by the peer."""
-        with self._wlock:
-            return sum(len(view) for view, _ in self._wq)
+        return self._unsent
+
+    def backlog_fds(self) -> int:
+        """File descriptors queued with those bytes (held open until sent)."""
+        return self._unsent_fds
 
     def close_when_sent(self) -> None:
         """Close once the queued bytes are sent."""
@@ -158,27 +180,36 @@ class Connection:
     def _flush_queue(self) -> None:
         while self._wq:
             entry = self._wq[0]
-            view, fds = entry
+            buf, done, fds = entry
             try:
-                if fds:
-                    sent = self.sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                       _fd_array(fds))])
-                    _close_all(fds)
-                    entry[1] = []
-                else:
-                    sent = self.sock.send(view)
+                with memoryview(buf) as whole, whole[done:] as view:
+                    if fds:
+                        sent = self.sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                           _fd_array(fds))])
+                        _close_all(fds)
+                        self._unsent_fds -= len(fds)
+                        entry[2] = []
+                    else:
+                        sent = self.sock.send(view)
+                    left = len(view) - sent
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 # The peer is gone: reading reports it and closes the connection.
-                for _, queued in self._wq:
-                    _close_all(queued)
-                self._wq.clear()
+                self._drop_queue()
                 return
-            if sent < len(view):
-                entry[0] = view[sent:]
+            self._unsent -= sent
+            if left:
+                entry[1] = done + sent
                 return
             self._wq.popleft()
+
+    def _drop_queue(self) -> None:
+        """Forget every queued byte and close every queued fd (lock held)."""
+        for _, _, queued in self._wq:
+            _close_all(queued)
+        self._wq.clear()
+        self._unsent = self._unsent_fds = 0
 
     def _want_write(self) -> None:
         if not self.closed:
@@ -221,9 +252,7 @@ class Connection:
     def _stop_serving(self) -> None:
         with self._wlock:
             self.closed = True
-            for _, fds in self._wq:
-                _close_all(fds)
-            self._wq.clear()
+            self._drop_queue()
         self.rbuf = bytearray()
         self.service._forget(self)
 

@@ -100,13 +100,18 @@ def check_access(pid: int) -> None:
         ) from None
     except FileNotFoundError:
         raise ClosedError(f"process {pid} has exited") from None
+    except OSError as exc:  # out of descriptors: this open is refused, the connection stays
+        raise UnsupportedError(f"the exporter cannot check its access to process {pid}'s memory: "
+                               f"{exc.strerror}") from None
     os.close(fd)
 
 
 class Process:
     """An importer's process, as the kernel knows it: its pid and a pidfd,
     which tells whether that very process still runs (a pid may be reused
-    once it has exited; a pidfd never refers to another process)."""
+    once it has exited; a pidfd never refers to another process).  One per
+    control connection, shared by its leases and their copies; the pidfd
+    closes when the last of them lets go."""
 
     __slots__ = ("fd", "pid")
 
@@ -116,8 +121,12 @@ class Process:
             self.fd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
             raise ClosedError(f"process {pid} has exited") from None
-        except (OSError, AttributeError):
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # not a lease without the check
+                raise UnsupportedError(f"the exporter cannot open a pidfd of process {pid}: {exc.strerror}") from None
             self.fd = None  # a kernel before 5.3: the pid alone
+        except AttributeError:
+            self.fd = None  # a Python without os.pidfd_open
 
     def alive(self) -> bool:
         if self.fd is None:
@@ -269,9 +278,13 @@ class Cma:
         why = available()
         if why is not None:
             raise UnsupportedError(why)
-        pid = peer_credentials(session.conn.sock)[0]
-        check_access(pid)
-        process = Process(pid)
+        process = session.held.get(self.name)
+        if process is None:
+            # One per connection: every lease of this importer shares its
+            # pidfd, so leases cost the exporter no descriptor.
+            pid = peer_credentials(session.conn.sock)[0]
+            check_access(pid)
+            process = session.held[self.name] = Process(pid)
         pinned = _buffers.resolve(export.target(), writable=False)
         if pinned.nbytes < export.nbytes:
             pinned.release()

@@ -624,7 +624,10 @@ class HostFd:
             # none if the registration was withdrawn (the importer then asks
             # the broker, and hears why).
             desc = export.descriptors[self.name]
-            grant.fds = _broker.grant(desc.export_id, desc.token) or []
+            try:
+                grant.fds = _broker.grant(desc.export_id, desc.token) or []
+            except OSError as exc:  # out of descriptors: this open is refused, the connection stays
+                raise UnsupportedError(f"the exporter cannot duplicate the buffer's memfds: {exc.strerror}") from None
         return grant
 
     def not_offered(self, share: Any) -> str | None:
