@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import multiprocessing
 import os
 import secrets
 import threading
@@ -36,6 +37,9 @@ _LABELS = {"exporter": b"gpushare control exporter v1", "importer": b"gpushare c
            "producer": b"gpushare channel producer v1", "consumer": b"gpushare channel consumer v1"}
 _MIN_KEY = 16
 _MAX_KEY = 4096
+#: What a key must be, as every error about one says.
+_RULE = (f"a key must be at least {_MIN_KEY} bytes (at most {_MAX_KEY}), the same in every program that shares "
+         "memory, for example python -c 'import secrets; print(secrets.token_hex(32))'")
 
 _lock = threading.Lock()
 _key: bytes | None = None
@@ -56,7 +60,7 @@ def set_authkey(authkey: bytes | str | None) -> None:
     Raises
     ------
     InvalidInputError
-        For a key that is not bytes or str, or shorter than 16 bytes.
+        For a key that is not bytes or str, or not 16 to 4096 bytes long.
     """
     global _key
     with _lock:
@@ -65,24 +69,32 @@ def set_authkey(authkey: bytes | str | None) -> None:
 
 def _checked(value: object, what: str) -> bytes:
     if isinstance(value, str):
-        value = value.encode("utf-8")
+        try:
+            value = value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"{what} is not valid UTF-8 text; {_RULE}") from None
     if not isinstance(value, (bytes, bytearray)):
         raise InvalidInputError(f"{what} must be bytes or str, not {type(value).__name__}")
     if not _MIN_KEY <= len(value) <= _MAX_KEY:
-        raise InvalidInputError(f"{what} is {len(value)} bytes; expected {_MIN_KEY} to {_MAX_KEY}")
+        raise InvalidInputError(f"{what} is {len(value)} bytes; {_RULE}")
     return bytes(value)
 
 
 def key() -> bytes:
-    """The key in force for this process (see the module notes)."""
+    """The key in force for this process (see the module notes).
+
+    Raises
+    ------
+    InvalidInputError
+        ``GPUSHARE_AUTHKEY`` is set but shorter than 16 bytes (or longer
+        than 4096): the message names the variable and the rule.
+    """
     with _lock:
         if _key is not None:
             return _key
-    env = os.environ.get("GPUSHARE_AUTHKEY")
+    env = os.environb.get(b"GPUSHARE_AUTHKEY")  # bytes: any value the environment holds is read as it is
     if env is not None:
         return _checked(env, "GPUSHARE_AUTHKEY")
-    import multiprocessing
-
     return bytes(multiprocessing.current_process().authkey)
 
 

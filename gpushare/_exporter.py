@@ -189,6 +189,7 @@ class Exporter:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        _auth.key()  # a malformed GPUSHARE_AUTHKEY fails the first export, not each importer's hello
         bind_host = _control.bind_host()
         self._lock = threading.Lock()
         self._exports: dict[str, Export] = {}
@@ -294,6 +295,8 @@ class Exporter:
     def _accept_local(self, sock: socket.socket) -> None:
         # Checked before a byte is read, as the fd broker does.
         if not may_share(sock):
+            if refusals.allow():
+                log.warning("refused a control connection from %s: another user", _peer(sock))
             sock.close()
             return
         self._serve(sock, _Session(self, local=True))
@@ -334,6 +337,8 @@ class _Session(Protocol):
         self.leases: dict[int, Export] = {}
         #: (importer's nonce, ours) between our hello and the importer's proof.
         self.nonces: tuple[bytes, bytes] | None = None
+        #: The pid the importer gave with its proof (informational, for the log).
+        self.claimed_pid: int | None = None
         #: What each lease's path granted (its state, what ends it).
         self.grants: dict[int, _paths.Grant] = {}
         #: What a path keeps for the whole connection, by path name (cma: the
@@ -405,6 +410,10 @@ class _Session(Protocol):
         nonce = hello.get("nonce")
         if not isinstance(nonce, bytes) or len(nonce) != _auth.NONCE_BYTES:
             return f"the hello carries no {_auth.NONCE_BYTES}-byte nonce"
+        try:
+            _auth.key()
+        except InvalidInputError as exc:  # the environment changed since the first export
+            return f"the exporter cannot check keys: {exc}"
         self.nonces = (nonce, _auth.new_nonce())
         return None
 
@@ -412,8 +421,10 @@ class _Session(Protocol):
         """The importer's answer to the challenge: true when it holds the key."""
         nonces, self.nonces = self.nonces, None
         if nonces is None or msg.get("op") != "auth" or not _auth.verify("importer", *nonces, msg.get("proof")):
-            log.warning("refused a control connection from %s: it does not hold this process's key", _peer(conn))
-            return False
+            return False  # logged with the refusal
+        pid = msg.get("pid")  # who it says it is, told only now that it proved the key: informational
+        if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31:
+            self.claimed_pid = pid
         return True
 
     def refuse(self, conn: Connection, rid: Any, code: str, message: str) -> None:
@@ -435,6 +446,10 @@ class _Session(Protocol):
             self._copies -= 1
 
     def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
+        if refusals.allow():
+            said = f" (pid {self.claimed_pid}, as it says)" if self.claimed_pid is not None and not self.local else ""
+            log.log(logging.WARNING if code in ("denied", "bad") else logging.INFO, "refused %s%s%s: %s (%s)",
+                    _peer(conn), said, "" if self.ready else " before it proved the key", message, code)
         conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
         if close:
             self.finished = True
@@ -676,6 +691,40 @@ def _peer(conn: Any) -> str:
     except OSError:
         return "a closed connection"
     return f"{host}:{port}"
+
+
+class RefusalLog:
+    """The exporter's refusals on its logger, at most :attr:`per_second` lines
+    a second: a flood of bad peers cannot fill the log; the next line after
+    a full second says how many were left out."""
+
+    def __init__(self, per_second: int = 20, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_second = per_second
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._count = 0
+        self._suppressed = 0
+
+    def allow(self) -> bool:
+        """Whether the refusal at hand may be logged (then log it)."""
+        now = self._clock()
+        with self._lock:
+            suppressed = 0
+            if now - self._window >= 1.0:
+                suppressed, self._suppressed = self._suppressed, 0
+                self._window, self._count = now, 0
+            if self._count >= self.per_second:
+                self._suppressed += 1
+                return False
+            self._count += 1
+        if suppressed:
+            log.warning("suppressed %d more refusals (at most %d are logged a second)", suppressed, self.per_second)
+        return True
+
+
+#: This process's exporter refusals, rate-limited.
+refusals = RefusalLog()
 
 
 def new_ids() -> tuple[str, bytes]:

@@ -39,6 +39,7 @@ from ._process import (
     Stopped,
     node_key,
     peer_timeout,
+    process_state,
     state_of,
     wait_alive,
 )
@@ -101,6 +102,8 @@ class _Link(Protocol):
         self.pending: dict[int, _Waiter] = {}
         self.leases: set[int] = set()
         self.dead: str | None = None
+        #: The exporter refused this connection (after the challenge): the error every request gets.
+        self.refused: GpuShareError | None = None
         self.answered = False
         self._abandoned: set[int] = set()  # requests whose caller gave up waiting
         self._kept: dict[int, Any] = {}  # what a request's reply frees (its buffer, pinned until then)
@@ -116,7 +119,7 @@ class _Link(Protocol):
         waiter = _Waiter()
         with self.lock:
             if self.dead is not None:
-                raise _Lost(self.dead)
+                raise self._lost()
             self._stop_linger()
             self.pending[rid] = waiter
             if keep is not None:
@@ -140,8 +143,23 @@ class _Link(Protocol):
             if waiter.reply is None:
                 raise TimeoutError(f"no answer from exporter pid {self.exporter_pid} within {timeout:.3g} s")
         if waiter.reply is None:
-            raise _Lost(self.dead or "the connection closed")
+            raise self._lost()
         return waiter.reply, waiter.fds
+
+    def _lost(self) -> Exception:
+        """The error for a request on this connection once it ended: the
+        exporter's refusal of it, if that is how it ended, else :class:`_Lost`."""
+        if self.refused is not None:
+            return type(self.refused)(str(self.refused))
+        return _Lost(self.dead or "closed the connection")
+
+    def gone(self) -> str:
+        """What became of the exporter, once its connection ended: "exited"
+        when its process is gone (told on its node), else how the connection ended."""
+        pid, node = self.exporter_pid, self.key[1]
+        if node == node_key() and process_state(pid) in (None, "Z", "X"):
+            return f"the exporter (pid {pid}) has exited"
+        return f"the exporter (pid {pid}) {self.dead or 'closed the connection'}"
 
     def _give_up(self, rid: int) -> None:
         """The caller stopped waiting for request ``rid``: a late reply is dropped
@@ -198,14 +216,14 @@ class _Link(Protocol):
             if ping_at is not None and self.heard >= ping_at:
                 ping_at = self._ping_at = None  # answered since
         if dead is not None:
-            raise ExporterUnreachableError(f"the exporter (pid {self.exporter_pid}) is gone: {dead}")
+            raise ExporterUnreachableError(f"{self.gone()}: this view cannot be used any more")
         if ping_at is None:
             with self.lock:
                 self._ping_at = now
             try:
                 self.submit({"op": "ping"})
-            except _Lost as exc:
-                raise ExporterUnreachableError(f"the exporter (pid {self.exporter_pid}) is gone: {exc}") from None
+            except _Lost:
+                raise ExporterUnreachableError(f"{self.gone()}: this view cannot be used any more") from None
             return
         waited = now - ping_at
         if waited >= peer_timeout():
@@ -220,6 +238,11 @@ class _Link(Protocol):
         self._fds.extend(fds)
         for message in _control.take_frames(conn.rbuf):
             rid, lease = message.get("id"), message.get("lease")
+            if rid is None and message.get("ok") is False and not self.answered:
+                # The exporter refused the connection (the proof of the key
+                # this process sent): every request gets that error.
+                self.refused = _refusal(self.exporter_pid, message)
+                raise self.refused
             granted = message.get("ok") is True and isinstance(lease, int) and not isinstance(lease, bool)
             count = message.get("fds", 0)
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self._fds):
@@ -253,7 +276,7 @@ class _Link(Protocol):
         _close_all(fds)
         with self.lock:
             if self.dead is None:
-                self.dead = f"the connection closed ({exc})" if exc else "the exporter closed the connection"
+                self.dead = f"closed the connection ({exc})" if exc else "closed the connection"
             waiters, self.pending = list(self.pending.values()), {}
             # The exporter's copies stop at the end of the connection (within
             # a piece); the buffers they wrote into stay held a little longer.
@@ -303,9 +326,16 @@ class Lease:
                               "in this process")
         try:
             return self._link.submit({**message, "lease": self.id}, keep=keep)[1]
-        except _Lost as exc:
-            raise ClosedError(f"the exporter (pid {self._link.exporter_pid}) closed the connection ({exc}): "
-                              "this view cannot be used any more") from None
+        except _Lost:
+            raise self.lost() from None
+
+    def lost(self, what: str = "") -> ClosedError:
+        """The error for a use of this lease (``what``: "the get", say, that
+        was in flight) once its connection ended: what became of the exporter,
+        said once."""
+        during = f" before {what} finished" if what else ""
+        return ClosedError(f"{self._link.gone()}{during}: this view cannot be used any more: close it, and open "
+                           "a share from a running exporter")
 
     def check_alive(self) -> None:
         """See :meth:`_Link.check_alive` (nothing in a forked child)."""
@@ -365,6 +395,7 @@ class Importer:
             return link
         if self.service.in_service_thread():
             raise InvalidInputError("gpushare.open cannot be called from gpushare's service thread")
+        _auth.key()  # a malformed GPUSHARE_AUTHKEY is this process's error, said before anything is sent
         sock = _connect_local(share, deadline)
         link = _Link(self, key, share.exporter_pid, local=sock is not None)
         if sock is None:
@@ -435,14 +466,15 @@ def _connect_local(share: Any, deadline: float) -> socket.socket | None:
 
 def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = "") -> None:
     """Say hello on a new control connection, and prove with the exporter,
-    each to the other, that both hold the key (:mod:`gpushare._auth`); nothing
-    else is sent, and nothing the exporter says is used, before that."""
+    each to the other, that both hold the key (:mod:`gpushare._auth`).  The
+    hello says nothing about this process (a nonce and the protocol only);
+    its pid and node go with its proof, once the exporter proved the key.
+    Nothing the exporter says is used before that."""
     mine = _auth.new_nonce()
-    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "pid": os.getpid(), "node": node_key(),
-                         "nonce": mine})
+    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "nonce": mine})
     reply = _control.recv(sock, _left(deadline), Stopped(exporter_pid, node))
     if reply.get("code") == "denied":
-        raise AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {str(reply.get('message'))[:200]}")
+        raise _refusal(exporter_pid, reply)
     if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:
         why = reply.get("message") or f"it speaks control protocol {reply.get('v')!r:.20}, not {_control.PROTOCOL}"
         raise ExporterUnreachableError(
@@ -456,7 +488,17 @@ def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = 
             f"the exporter (pid {exporter_pid}) could not prove it holds this process's key: it is another "
             "program (set the same key on both sides: GPUSHARE_AUTHKEY or gpushare.set_authkey) or an impostor"
         )
-    _control.send(sock, {"op": "auth", "proof": _auth.proof("importer", mine, theirs)})
+    _control.send(sock, {"op": "auth", "proof": _auth.proof("importer", mine, theirs), "pid": os.getpid(),
+                         "node": node_key()})
+
+
+def _refusal(exporter_pid: int, reply: dict) -> GpuShareError:
+    """The error for an exporter's refusal of the connection (its hello, or
+    this process's proof of the key): the same on this node and from another."""
+    message = str(reply.get("message"))[:300]
+    if reply.get("code") == "denied":
+        return AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {message}")
+    return ExporterUnreachableError(f"exporter pid {exporter_pid} refused the connection: {message}")
 
 
 _instance: PerProcess[Importer] = PerProcess(Importer, stop=Importer.stop, abandon=Importer.abandon)
