@@ -156,6 +156,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             target = export.target()
         if refusal is not None:
             raise ClosedError(f"cannot open share: {refusal_text(refusal, export.policy)}")
+        altered = _altered(share, export.device, export.nbytes, export.readonly)
+        if altered:
+            raise InvalidInputError(altered)
         why = f"{first.name}: {first.reason}"
         log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, first.name, why, first.open(share, {"target": target}, [], None, _paths.Options()))
@@ -199,6 +202,12 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             except BaseException:
                 lease.failed()
                 raise
+            mapped = view._mapped
+            altered = None if mapped is None else _altered(share, mapped.device, share.nbytes, share.readonly)
+            if altered:  # the share is corrupt: no other path is tried with it
+                view.close()
+                lease.failed()
+                raise InvalidInputError(altered)
             why = _paths.explain(path, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(lease, why)
@@ -222,6 +231,20 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(_unreachable(share, f"it stopped answering: {exc}")) from None
     raise GpuShareError("every path failed: " + "; ".join(failures))
+
+
+def _altered(share: Share, device: Any, nbytes: int, readonly: bool) -> str | None:
+    """Why ``share`` cannot name memory of ``device`` (``"host"`` or a CUDA
+    ordinal), ``nbytes`` and ``readonly`` as its exporter made it, or None:
+    a share whose fields were changed (forged, corrupt) opens no view."""
+    said = "host memory" if share.device == "host" else f"CUDA memory (device {share.device})"
+    if (device == "host") != (share.device == "host"):
+        found = "host memory" if device == "host" else "CUDA memory"
+        return f"the share says {said}, but its exporter serves {found}: the share was altered (forged or corrupt)"
+    if nbytes != share.nbytes or readonly != share.readonly:
+        return (f"the share says {share.nbytes} bytes{', read-only' if share.readonly else ''}, but its exporter "
+                f"made it of {nbytes}{', read-only' if readonly else ''}: the share was altered (forged or corrupt)")
+    return None
 
 
 def _unreachable(share: Share, detail: str) -> str:

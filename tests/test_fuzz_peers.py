@@ -15,6 +15,7 @@ import pickle
 import socket
 import struct
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -87,6 +88,103 @@ def test_any_bytes_are_a_channel_handle_or_invalid_input(data):
     except gs.InvalidInputError:
         return
     assert gs.ChannelHandle.from_bytes(handle.to_bytes()) == handle
+
+
+# ------------------------------------------------------------------ mutated shares, opened
+
+#: Values a mutated field takes besides every other field's own (types swapped).
+_FIELD_VALUES = st.one_of(
+    st.sampled_from([0, 1, 2, 7, 64, 4032, 4096, 1 << 40, -1, "host", "", "x", None, True, False, (), (1,),
+                     (64,), (4096,), (4, 4), "|u1", "<f4", "<i8", "imports=2", "closed", "none",
+                     ("host-fd",), ("cma",), ("ucx-rma",), ("posix-fd",), ("cuda-ipc",), ("fabric",),
+                     ("same-process", "host-fd"), (("127.0.0.1", 1),), b"", bytes(32)]),
+    json_values,
+)
+
+
+@pytest.fixture(scope="module")
+def exported():
+    """Shares of host memory to mutate: from this process and from another,
+    of NumPy memory (cma) and of gpushare.allocate memory (host-fd)."""
+    child = Child(_share_peer.setup)
+    local = [np.zeros(64, np.uint8), gs.allocate(4096, device="host"), np.zeros((4, 4), np.float32)]
+    shares = [gs.export(obj, lifetime="revoked") for obj in local]
+    shares += [child.call("export", kind, 4096, {"lifetime": "revoked"}) for kind in ("numpy", "host")]
+    yield shares
+    for share in shares[:len(local)]:
+        share.revoke()
+    child.close()
+
+
+def _open_mutated(base: gs.Share, share: gs.Share, how: dict) -> None:
+    """Open ``share`` (``base`` with fields changed): a view of the memory
+    ``base`` names, or a GpuShareError, never another exception."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gs.SlowPathWarning)  # a fallback is an open like any other here
+            view = gs.open(share, timeout=3, **how)
+    except gs.GpuShareError:
+        return
+    try:
+        if view.path != "ucx-rma":  # a mapped or served view shows the memory as it is
+            assert (view.device == "host") == (base.device == "host"), (view, share)
+        try:
+            view.get(bytearray(min(8, view.nbytes)))
+        except gs.GpuShareError:
+            pass
+    finally:
+        view.close()
+
+
+_HOW = st.sampled_from([{}, {"exclude": ["same-process"]}, {"prefer": ["ucx-rma"]}, {"device": 0}])
+
+
+@FAST
+@given(st.data(), st.lists(st.tuples(st.sampled_from(gs.Share._NAMES), st.integers(0, 1 << 16), _FIELD_VALUES),
+                           min_size=1, max_size=3), _HOW)
+def test_every_mutated_pickled_share_opens_or_raises_a_gpushare_error(exported, data, changes, how):
+    base = data.draw(st.sampled_from(exported))
+    fields = dict(zip(gs.Share._NAMES, base._fields_, strict=True))
+    for name, pick, value in changes:
+        others = [v for v in base._fields_ if v is not None]
+        fields[name] = others[pick % len(others)] if pick % 3 == 0 else value  # a field of another type, or any value
+    try:
+        fn, args = pickle.loads(pickle.dumps((_share._rebuild_share, tuple(fields.values()))))
+        share = fn(*args)
+    except gs.InvalidInputError:
+        return
+    _open_mutated(base, share, how)
+
+
+@FAST
+@given(st.data(), st.lists(st.tuples(st.sampled_from(gs.Share._NAMES), json_values), min_size=1, max_size=3), _HOW)
+def test_every_mutated_share_in_bytes_opens_or_raises_a_gpushare_error(exported, data, changes, how):
+    base = data.draw(st.sampled_from(exported))
+    wire = json.loads(base.to_bytes())
+    real = list(wire.values())
+    for name, value in changes:
+        wire[name] = data.draw(st.sampled_from(real)) if value is None else value
+    try:
+        share = gs.Share.from_bytes(json.dumps(wire).encode())
+    except gs.InvalidInputError:
+        return
+    _open_mutated(base, share, how)
+
+
+def test_a_share_that_says_cuda_for_host_memory_opens_no_view(exported):
+    for base in exported:
+        fields = dict(zip(gs.Share._NAMES, base._fields_, strict=True), device=0)
+        share = gs.Share._make(*fields.values())
+        for how in ({}, {"exclude": ["same-process"]}):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", gs.SlowPathWarning)
+                    view = gs.open(share, timeout=5, **how)
+            except gs.InvalidInputError as exc:
+                assert "the share says CUDA memory (device 0), but its exporter serves host memory" in str(exc)
+                continue
+            with view:  # only where the importer cannot see the memory: the exporter serves every byte
+                assert view.path == "ucx-rma", view
 
 
 # ------------------------------------------------------------------ the fd broker

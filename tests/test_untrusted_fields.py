@@ -40,3 +40,17 @@ def test_a_surrogate_in_a_broker_address_is_refused():
     good = ("\0gpushare-1-abc", 3, bytes(range(32)), 1234, "boot:host", "host", (4096,), 4096, None)
     with pytest.raises(gs.InvalidInputError, match="lone surrogate"):
         PosixFdBufferDescriptor._from_fields(1, "\0gs-\ud800", *good[1:])
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"device": 3}, r"the share says CUDA memory \(device 3\), but its exporter serves host memory"),
+        ({"nbytes": 32, "shape": (32,)}, "the share says 32 bytes, but its exporter made it of 64"),
+        ({"readonly": True}, "the share says 64 bytes, read-only, but its exporter made it of 64:"),
+    ],
+)
+def test_a_share_altered_in_its_own_process_opens_nothing(fields, changes, match):
+    altered = Share._make(*dict(fields, **changes).values())
+    with pytest.raises(gs.InvalidInputError, match=match):
+        gs.open(altered)  # same-process: the exporter's own record says what the memory is
