@@ -84,8 +84,23 @@ def _warnings(state: dict) -> list[str]:
     return list(state["log"])
 
 
+def _exhaust(state: dict) -> int:
+    """Take every free descriptor of this process (kept until :func:`_release`)."""
+    held = state.setdefault("held", [])
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        return len(held)
+
+
+def _release(state: dict) -> None:
+    for fd in state.pop("held", []):
+        os.close(fd)
+
+
 _EXPORTER = {"arrays": _export_arrays, "memfd": _export_memfd, "counts": _counts, "limit": _limit,
-             "warnings": _warnings}
+             "warnings": _warnings, "exhaust": _exhaust, "release": _release}
 
 
 @pytest.fixture
@@ -257,6 +272,28 @@ def test_an_importer_holding_20000_cma_leases_does_not_stop_the_exporter_serving
     assert after
     # Every descriptor the hoarder cost is back (the views above closed theirs).
     assert wait_for(lambda: exporter.call("counts")["fds"] <= base["fds"] + 1)  # at most this process's link
+
+
+def test_an_exporter_out_of_descriptors_still_grants_cma_leases_on_a_connection(exporter):
+    """Once the importer's connection is there, a further cma open needs no
+    descriptor: an exporter whose table is full still grants it, and the
+    importer's views go on working."""
+    shares = exporter.call("arrays", 51, 8)
+    first = gs.open(shares[0])
+    views = []
+    try:
+        assert exporter.call("exhaust") > 0
+        try:
+            views = [gs.open(share) for share in shares[1:]]
+            out = np.empty(8, np.int64)
+            for i, view in enumerate([first, *views]):
+                view.get(out)
+                assert (out == np.arange(i, i + 8)).all()
+        finally:
+            exporter.call("release")
+    finally:
+        for view in [first, *views]:
+            view.close()
 
 
 def test_an_open_beyond_the_lease_limit_is_refused_naming_it(exporter):
