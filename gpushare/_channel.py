@@ -33,27 +33,8 @@ from ._export import export
 from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._channel_wire import (
-    _ABORT,
-    _END,
-    _FAILED,
-    _LEAVE,
-    _PUBLISH,
-    _RELEASE,
-    HANDLE_FORMAT,
-    MAX_CONSUMERS,
-    MAX_SLOTS,
-    ChannelHandle,
-    _close_fd,
-    _exited,
-    _Hub,
-    _Inbox,
-    _join,
-    _passed,
-    _Peer,
-    _record,
-    _run,
-    _run_async,
-    _until,
+    _ABORT, _END, _FAILED, _LEAVE, _PUBLISH, _RELEASE, HANDLE_FORMAT, MAX_CONSUMERS, MAX_SLOTS, ChannelHandle,
+    _close_fd, _exited, _Hub, _Inbox, _join, _passed, _Peer, _record, _run, _run_async, _until,
 )
 from ._channel_wire import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
 from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
@@ -162,6 +143,9 @@ class Producer:
     step : int
         The number the next published step gets (0 first).
     """
+
+    handle: ChannelHandle
+    step: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Producer objects are made by gpushare.channel")
@@ -596,6 +580,9 @@ class Step:
     """
 
     __slots__ = ("_consumer", "_released", "array", "slot", "step")
+    step: int
+    slot: int
+    array: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Step objects are made by Consumer.wait")
@@ -648,6 +635,11 @@ class Consumer:
     zero_copy : bool
         Whether the steps are read in place (every slot mapped).
     """
+
+    handle: ChannelHandle
+    index: int
+    paths: tuple[str, ...]
+    zero_copy: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Consumer objects are made by gpushare.subscribe")

@@ -7,9 +7,9 @@ through legacy CUDA IPC.  CUDA itself loads on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
-from . import _types
+from . import _memory, _types
 from ._cuda import vmm
 from ._descriptors import (
     CudaIpcBufferDescriptor,
@@ -24,7 +24,13 @@ from ._paths import cuda_ipc, host_fd, posix_fd
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
 
-def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = None,
+@overload
+def allocate(size: int, device: Literal["host", "cpu"] = ..., *, chunk_size: int | None = ...,
+             huge_pages: Any = ...) -> host_fd.HostBuffer: ...
+@overload
+def allocate(size: int, device: int, *, chunk_size: int | None = ...,
+             huge_pages: Any = ...) -> Any: ...  # a cuda.core Buffer
+def allocate(size: int, device: _types.Device = "host", *, chunk_size: int | None = None,
              huge_pages: Any = "auto") -> Any:
     """Allocate memory that another process can import.
 
@@ -32,11 +38,12 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
     ----------
     size : int
         Bytes, at least 1.
-    device : int or {"host", "cpu"}, default 0
-        A CUDA device ordinal: CUDA virtual memory, exportable with every
-        handle type the device supports (POSIX fd; fabric too where the device
-        and an IMEX channel allow it).  ``"host"`` (or its synonym ``"cpu"``):
-        host memory in memfds.
+    device : int or {"host", "cpu"}, default "host"
+        ``"host"`` (or its synonym ``"cpu"``; the default, as for
+        :func:`gpushare.empty`): host memory in memfds.  A CUDA device
+        ordinal: CUDA virtual memory, exportable with every handle type the
+        device supports (POSIX fd; fabric too where the device and an IMEX
+        channel allow it).
     chunk_size : int, optional
         Largest physical allocation; the buffer is made of as many as needed,
         mapped contiguously in address order.  Rounded up to the CUDA
@@ -66,11 +73,16 @@ def allocate(size: int, device: _types.Device = 0, *, chunk_size: int | None = N
         A size or chunk size out of range, or an unknown device.
     UnsupportedError
         No CUDA driver, or a device that cannot export VMM memory.
+    OutOfMemoryError
+        More host memory than this machine's RAM and swap together (at once:
+        nothing is allocated), or a CUDA device out of memory
+        (:class:`CUDAOutOfMemoryError`).
     """
     size = _integer(size, "size")
     if chunk_size is not None:
         chunk_size = _integer(chunk_size, "chunk_size")
     if _types.is_host(device):
+        _memory.check_host(size)
         return host_fd.allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
     if huge_pages != "auto":
         raise InvalidInputError("huge_pages= is for host memory; CUDA virtual memory uses the device's own "

@@ -101,21 +101,12 @@ def test_zeros_beyond_a_devices_memory_names_the_size_and_device():
     assert "1125899906842624 bytes (1.0 PiB) on CUDA device 0" in str(info.value)
 
 
-# gs.allocate is made consistent with gs.empty and gs.zeros in
-# gpushare/_handles.py: until then these fail, and strict=True makes them
-# fail the suite once they pass, so that the marks go with the change.
-_ALLOCATE_PENDING = pytest.mark.xfail(strict=True, reason="gs.allocate does not check host sizes and defaults "
-                                                          "to CUDA device 0 yet")
-
-
-@_ALLOCATE_PENDING
 def test_allocate_beyond_the_machine_is_an_out_of_memory_error():
     for size, device in ((1 << 50, "host"), (beyond_the_machine(), "host"), (1 << 50, None)):
         with pytest.raises(gs.OutOfMemoryError, match=f"^{size} bytes"):
             gs.allocate(size) if device is None else gs.allocate(size, device=device)
 
 
-@_ALLOCATE_PENDING
 def test_allocate_defaults_to_host_memory_as_empty_and_zeros_do():
     with gs.allocate(8192) as buf:
         assert isinstance(buf, gs.HostBuffer) and buf.device == "host"
