@@ -516,8 +516,6 @@ class _Session(Protocol):
     def _open(self, conn: Connection, rid: Any, msg: dict) -> None:
         export, code, policy = self._lookup(msg)
         if export is None:
-            if code == "denied":
-                log.warning("refused an open of share %.8s: wrong token", msg.get("share"))
             self._refuse(conn, rid, code or "unknown", refusal_text(code or "unknown", policy))
             return
         if len(self.leases) >= MAX_LEASES:

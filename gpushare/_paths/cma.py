@@ -454,8 +454,7 @@ class Transfer:
             return None
         reply = self._waiter.reply
         if reply is None:
-            return ClosedError(f"the exporter (pid {self._pid}) closed the connection before the {self._direction} "
-                               "finished: this view cannot be used any more")
+            return self._lease.lost(f"the {self._direction}")
         if reply.get("ok") is True:
             return None
         code, message = reply.get("code"), str(reply.get("message", ""))[:300]
