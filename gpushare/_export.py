@@ -127,7 +127,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     exporter = get_exporter()
     record = Export(share_id=share_id, token=token, nbytes=nbytes, device=device, memory_type=memory_type,
                     offers=tuple(offers), descriptors=descs, policy=policy, readonly=readonly,
-                    registrations=regs)
+                    offset=offset, registrations=regs)
     try:
         if policy == "none":
             record.obj_ref = weak_or_none(obj, record)

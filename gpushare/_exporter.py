@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _auth, _control, _paths, _share
+from ._share import altered
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._paths import cma
 from ._paths.broker import (
@@ -89,6 +90,8 @@ class Export:
     revoked: bool = False
     retired: bool = False
     readonly: bool = False
+    #: Where the share's bytes start in the memory the paths serve (as the Share says).
+    offset: int = 0
     registrations: list = field(default_factory=list)
     #: Lifetime "auto": a weak reference to the Share that export() returned,
     #: and whether it (or a copy) left the process, pickled or as bytes.
@@ -523,6 +526,12 @@ class _Session(Protocol):
                          f"already, the most one connection may hold (gpushare._exporter.MAX_LEASES): close "
                          "views it no longer uses")
             return
+        said = msg.get("said")
+        if said is not None:  # what the importer's share says of the memory (absent from older importers)
+            why = _said_altered(said, export)
+            if why is not None:
+                self._refuse(conn, rid, "altered" if why else "bad", why or "malformed 'said' in an open request")
+                return
         path = msg.get("path")
         entry = self.retries.get(export.share_id)
         retry = entry is not None and entry[1] > 0 and path not in entry[2]
@@ -595,6 +604,19 @@ class _Session(Protocol):
             if not waits:
                 export.after_close()
         self._idle(conn)
+
+
+def _said_altered(said: Any, export: Export) -> str | None:
+    """Why an open's ``said`` (the device, size, offset and read-only flag its
+    share names) does not describe ``export``: the share was altered; ``""``
+    for a malformed ``said``; ``None`` when it matches."""
+    if not isinstance(said, dict) or len(said) != 4:
+        return ""
+    device, nbytes, offset, readonly = (said.get(k) for k in ("device", "nbytes", "offset", "readonly"))
+    if not (device == "host" or (type(device) is int and 0 <= device < 1 << 16)) or not all(
+            type(v) is int and 0 <= v < 1 << 62 for v in (nbytes, offset)) or type(readonly) is not bool:
+        return ""
+    return altered(device, nbytes, offset, readonly, export.device, export.nbytes, export.offset, export.readonly)
 
 
 def _ended(grant: _paths.Grant | None) -> None:

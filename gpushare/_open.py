@@ -30,7 +30,7 @@ from ._exporter import refusal_text, registered
 from ._importer import get_importer
 from ._paths import cma, same_process, ucx_rma
 from ._paths.base import exporter_exited
-from ._share import Share, node_key
+from ._share import Share, altered, node_key
 from ._view import View
 
 __all__ = ["open", "open_async", "choose", "here_for"]
@@ -77,6 +77,8 @@ def _raise_refusal(reply: dict) -> None:
         raise AccessDeniedError(f"exporter refused: {message}")
     if code in ("revoked", "retired", "exhausted", "unknown"):
         raise ClosedError(f"cannot open share: {message}")
+    if code == "altered":
+        raise InvalidInputError(message)
     raise InvalidInputError(f"exporter answered: {message}")
 
 
@@ -156,9 +158,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             target = export.target()
         if refusal is not None:
             raise ClosedError(f"cannot open share: {refusal_text(refusal, export.policy)}")
-        altered = _altered(share, export.device, export.nbytes, export.readonly)
-        if altered:
-            raise InvalidInputError(altered)
+        why_altered = altered(share.device, share.nbytes, share.offset, share.readonly, export.device,
+                              export.nbytes, export.offset, export.readonly)
+        if why_altered:
+            raise InvalidInputError(why_altered)
         why = f"{first.name}: {first.reason}"
         log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, first.name, why, first.open(share, {"target": target}, [], None, _paths.Options()))
@@ -177,8 +180,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     importer = get_importer()
     addresses = _addresses_for(share)
     try:
+        # what the share says of the memory: the exporter refuses an open of a share that was altered
+        said = {"device": share.device, "nbytes": share.nbytes, "offset": share.offset, "readonly": share.readonly}
         for path in order:
-            request = {"op": "open", "share": share.share_id, "token": share.token, "path": path}
+            request = {"op": "open", "share": share.share_id, "token": share.token, "path": path, "said": said}
             try:
                 reply, lease, fds = importer.open(share, addresses, request, deadline)
             except ExporterUnreachableError as exc:
@@ -203,11 +208,12 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                 lease.failed()
                 raise
             mapped = view._mapped
-            altered = None if mapped is None else _altered(share, mapped.device, share.nbytes, share.readonly)
-            if altered:  # the share is corrupt: no other path is tried with it
+            # the mapping shows whether the memory is host or CUDA memory, whatever an exporter answered
+            why_altered = None if mapped is None else altered(share.device, 0, 0, False, mapped.device, 0, 0, False)
+            if why_altered:  # the share is corrupt: no other path is tried with it
                 view.close()
                 lease.failed()
-                raise InvalidInputError(altered)
+                raise InvalidInputError(why_altered)
             why = _paths.explain(path, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(lease, why)
@@ -231,20 +237,6 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(_unreachable(share, f"it stopped answering: {exc}")) from None
     raise GpuShareError("every path failed: " + "; ".join(failures))
-
-
-def _altered(share: Share, device: Any, nbytes: int, readonly: bool) -> str | None:
-    """Why ``share`` cannot name memory of ``device`` (``"host"`` or a CUDA
-    ordinal), ``nbytes`` and ``readonly`` as its exporter made it, or None:
-    a share whose fields were changed (forged, corrupt) opens no view."""
-    said = "host memory" if share.device == "host" else f"CUDA memory (device {share.device})"
-    if (device == "host") != (share.device == "host"):
-        found = "host memory" if device == "host" else "CUDA memory"
-        return f"the share says {said}, but its exporter serves {found}: the share was altered (forged or corrupt)"
-    if nbytes != share.nbytes or readonly != share.readonly:
-        return (f"the share says {share.nbytes} bytes{', read-only' if share.readonly else ''}, but its exporter "
-                f"made it of {nbytes}{', read-only' if readonly else ''}: the share was altered (forged or corrupt)")
-    return None
 
 
 def _unreachable(share: Share, detail: str) -> str:

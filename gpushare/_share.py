@@ -402,3 +402,25 @@ def _no_float(text: str) -> Any:
 
 def _rebuild_share(*fields: Any) -> Share:
     return Share._make(*fields)
+
+
+def altered(device: Any, nbytes: int, offset: int, readonly: bool, real_device: Any, real_nbytes: int,
+            real_offset: int, real_readonly: bool) -> str | None:
+    """Why a share that says ``device`` (``"host"`` or a CUDA ordinal),
+    ``nbytes``, ``offset`` and ``readonly`` cannot name memory its exporter
+    made as ``real_*``, or None: a share whose fields were changed (forged,
+    corrupt) opens no view."""
+    said = "host memory" if device == "host" else f"CUDA memory (device {device})"
+    if (real_device == "host") != (device == "host"):
+        found = "host memory" if real_device == "host" else "CUDA memory"
+        return f"the share says {said}, but its exporter serves {found}: the share was altered (forged or corrupt)"
+    if (device, nbytes, offset, readonly) != (real_device, real_nbytes, real_offset, real_readonly):
+        def what(d: Any, n: int, o: int, r: bool) -> str:
+            at = f" at offset {o}" if o != real_offset or offset != real_offset else ""
+            on = f" on device {d}" if d != real_device or device != real_device else ""
+            return f"{n} bytes{at}{on}{', read-only' if r else ''}"
+        return (f"the share says {what(device, nbytes, offset, readonly)}, but its exporter made it of "
+                f"{what(real_device, real_nbytes, real_offset, real_readonly)}: the share was altered "
+                "(forged or corrupt)")
+    return None
+
