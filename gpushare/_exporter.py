@@ -382,9 +382,10 @@ class _Session(Protocol):
     def _overloaded(self, conn: Connection) -> None:
         """The importer asks and does not read: drop it (raising closes the
         connection, and its queued replies and leases go with it)."""
-        log.warning("dropped the control connection of %s: it left %d bytes and %d fds of replies unread "
-                    "(at most %d and %d)", _peer(conn), conn.backlog(), conn.backlog_fds(), MAX_BACKLOG,
-                    MAX_BACKLOG_FDS)
+        if refusals.allow():  # a key holder reconnecting in a loop cannot fill the log either
+            log.warning("dropped the control connection of %s: it left %d bytes and %d fds of replies unread "
+                        "(at most %d and %d)", _peer(conn), conn.backlog(), conn.backlog_fds(), MAX_BACKLOG,
+                        MAX_BACKLOG_FDS)
         raise InvalidInputError(f"the importer sends requests but does not read the replies (more than "
                                 f"{MAX_BACKLOG} bytes or {MAX_BACKLOG_FDS} fds unread)")
 

@@ -275,7 +275,15 @@ def test_an_exporter_refusing_this_process_proof_is_heard_as_a_refusal(monkeypat
     assert str(here) == str(there)
 
 
-def test_the_importer_says_who_it_is_after_the_proof(caplog):
+@pytest.fixture
+def fresh_refusal_log(monkeypatch):
+    """A refusal log of its own, so that what earlier tests refused cannot use up its lines."""
+    from gpushare import _exporter
+
+    monkeypatch.setattr(_exporter, "refusals", _exporter.RefusalLog())
+
+
+def test_the_importer_says_who_it_is_after_the_proof(caplog, fresh_refusal_log):
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
     host, port = share.control[0]
     try:
@@ -292,7 +300,7 @@ def test_the_importer_says_who_it_is_after_the_proof(caplog):
     assert any("(pid 4242, as it says)" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_the_exporter_logs_each_refusal_with_the_peer_and_the_reason(caplog):
+def test_the_exporter_logs_each_refusal_with_the_peer_and_the_reason(caplog, fresh_refusal_log):
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
     host, port = share.control[0]
     try:

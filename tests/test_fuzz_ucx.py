@@ -64,7 +64,8 @@ def test_real_addresses_pass_and_the_p3_address_is_refused():
 
 
 def test_shared_memory_and_cma_addresses_are_refused_even_by_a_worker_that_runs_them():
-    everything = _raw(gu.Agent(error_handling=False, transports="all").address)
+    with gu.Agent(error_handling=False, transports="all") as agent:
+        everything = _raw(agent.address)
     with pytest.raises(gs.InvalidInputError, match="(sysv|posix|cma) transport, which gpushare does not accept"):
         _address.check_worker_address(everything, everything)
     _address.check_worker_address(_raw(gu.Agent(transports="tcp,self").address), everything)
@@ -212,8 +213,7 @@ def test_agent_and_client_connect_refuse_the_p3_address():
     raw = _node_raw()
     with pytest.raises(gs.InvalidInputError):
         _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, _p3(raw)), timeout=5)
-    agent = gu.Agent()
-    with pytest.raises(gs.InvalidInputError):
+    with gu.Agent() as agent, pytest.raises(gs.InvalidInputError):
         agent.connect(_common.pack(_common.ADDRESS_MAGIC, 0, _p3(_raw(agent.address))), timeout=5)
 
 

@@ -22,8 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpushare"
 
 #: Layer of each module, lowest first.  A name ending in "/" is a subpackage:
 #: every module in it has that layer.  Modules of the same layer may import
-#: each other (without a cycle).  ``_api`` and ``_aio`` are names the layout
-#: may still take; they are listed before their modules exist.
+#: each other (without a cycle).
 LAYERS: dict[str, int] = {
     # L0 base: stdlib only
     "_version": 0, "_errors": 0, "_types": 0, "_process": 0, "_memory": 0,
@@ -36,7 +35,7 @@ LAYERS: dict[str, int] = {
     # L4 endpoints
     "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4,
     # L5 sharing API
-    "_view": 5, "_export": 5, "_open": 5, "_batch": 5, "_api": 5, "_aio": 5,
+    "_view": 5, "_export": 5, "_open": 5, "_batch": 5,
     # L6 built on the API
     "_channel_wire": 6, "_channel": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
     # L7 surface: may import everything

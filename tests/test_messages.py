@@ -62,8 +62,10 @@ def test_an_open_of_a_killed_exporter_says_it_exited():
 
 def test_a_closed_view_says_closed():
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
-    view = gs.open(share)
-    assert repr(view) == "<gpushare.View 64 bytes on host via same-process>"
-    view.close()
-    assert repr(view) == "<gpushare.View 64 bytes on host closed>"
-    share.revoke()
+    try:
+        view = gs.open(share)
+        assert repr(view) == "<gpushare.View 64 bytes on host via same-process>"
+        view.close()
+        assert repr(view) == "<gpushare.View 64 bytes on host closed>"
+    finally:
+        share.revoke()
