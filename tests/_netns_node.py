@@ -228,8 +228,37 @@ def channel_consume(die: bool) -> None:
               flush=True)
 
 
+def listens() -> None:
+    """Print the IPv4 addresses this process's TCP sockets listen on, once its
+    region server (a UCX worker) runs: UCX's listeners and the control channel's."""
+    import os
+
+    from gpushare import _ucx
+
+    _ucx.server()
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])[::-1]
+                found.add(".".join(map(str, raw)))
+    print(json.dumps(sorted(found)), flush=True)
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
+    if role == "listens":
+        listens()
+        sys.exit(0)
     if role == "export":
         export(int(sys.argv[2]))
     elif role == "share-export":

@@ -229,3 +229,26 @@ def test_a_process_that_dies_on_the_other_node_breaks_the_channel_within_seconds
         assert f"{'consumer 0' if who_dies == 'consumer' else 'producer'} (pid" in report["message"]
     finally:
         _reap(producer, consumer)
+
+
+@pytest.mark.parametrize(("control_host", "expected"), [
+    (None, ["127.0.0.1", "198.18.0.1"]),  # every interface, as before
+    ("127.0.0.1", ["127.0.0.1"]),
+    ("198.18.0.1", ["198.18.0.1"]),
+])
+def test_ucx_listens_only_where_the_control_channel_does(two_nodes, control_host, expected):
+    """UCX's TCP listeners take anyone who reaches them (docs/security.md): with
+    GPUSHARE_CONTROL_HOST naming one address, UCX listens on that interface only."""
+    a, _, _ = two_nodes
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSHARE_CONTROL_HOST", "UCX_NET_DEVICES"))}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if control_host is not None:
+        env["GPUSHARE_CONTROL_HOST"] = control_host
+    out = subprocess.run(["ip", "netns", "exec", a, sys.executable, NODE, "listens"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    listening = json.loads(out.strip().splitlines()[-1])
+    if control_host is None:  # the control channel listens on 0.0.0.0, UCX on each interface
+        assert set(expected) <= set(listening), listening
+    else:
+        assert listening == expected, listening
+

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import os
+import socket
+import struct
 import types
 from typing import Any
 
+from .._control import bind_host
 from .._errors import InvalidInputError
 
 __all__ = ["native", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
-           "native_memtype_cache", "check_memtype_config"]
+           "choose_net_devices", "interface_of", "native_memtype_cache", "check_memtype_config"]
 
 
 def infiniband_present() -> bool:
@@ -70,6 +74,49 @@ def choose_memtype_cache() -> None:
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 
 
+_SIOCGIFADDR = 0x8915
+#: The control address for which gpushare chose ``UCX_NET_DEVICES`` (absent: the user set it, or nobody).
+_NET_DEVICES_FOR = "GPUSHARE_UCX_NET_DEVICES_FOR"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 ``address``, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def choose_net_devices() -> None:
+    """Let UCX listen only where the control channel does, before its libraries load.
+
+    Every UCX TCP interface listens on a port of its own that anyone who
+    reaches it can use, with no key (docs/security.md, "Who reaches UCX").
+    When ``GPUSHARE_CONTROL_HOST`` names one address of this host, the
+    processes are meant to be reached there only: UCX is then given that
+    address's interface alone (``UCX_NET_DEVICES``; ``lo`` for
+    127.0.0.1).  ``UCX_NET_DEVICES`` set by the user wins; so does
+    ``0.0.0.0`` (every interface, the default).  Set in the environment, the
+    choice is inherited by child processes; one whose
+    ``GPUSHARE_CONTROL_HOST`` differs makes its own."""
+    host = bind_host()
+    chosen_for = os.environ.get(_NET_DEVICES_FOR)
+    if "UCX_NET_DEVICES" in os.environ and (chosen_for is None or chosen_for == host):
+        return  # the user's setting, or the one made here for the same address
+    if chosen_for is not None:  # inherited from a parent that listened elsewhere
+        os.environ.pop("UCX_NET_DEVICES", None)
+        del os.environ[_NET_DEVICES_FOR]
+    name = None if host == "0.0.0.0" else interface_of(host)
+    if name is not None:
+        os.environ["UCX_NET_DEVICES"] = name
+        os.environ[_NET_DEVICES_FOR] = host
+
+
 def check_memtype_config(cfg: dict[str, str]) -> None:
     """Drop ``MEMTYPE_CACHE`` from a worker's settings ``cfg`` when it agrees
     with the process's; refuse it otherwise (it would change the setting of
@@ -115,6 +162,7 @@ def native() -> types.ModuleType:
         ) from exc
     choose_hook_mode()
     choose_memtype_cache()
+    choose_net_devices()
     libucxx.load_library()
     from . import _native
 
