@@ -107,7 +107,8 @@ enum GsStatus : uint32_t {
   GS_BAD_REQUEST    = 5,  // a malformed request header
   GS_BAD_REPLY      = 6,  // the server answered something this client did not ask for
   GS_TRANSFER       = 7,  // the data transfer failed on the server
-  GS_LAST           = 7,
+  GS_BUSY           = 8,  // the importer has kMaxPeerReplyBytes of replies unsent already
+  GS_LAST           = 8,
 };
 
 inline const char* gsStatusName(uint32_t s)
@@ -121,6 +122,7 @@ inline const char* gsStatusName(uint32_t s)
     case GS_BAD_REQUEST: return "GS_ERR_BAD_REQUEST";
     case GS_BAD_REPLY: return "GS_ERR_BAD_REPLY";
     case GS_TRANSFER: return "GS_ERR_TRANSFER";
+    case GS_BUSY: return "GS_ERR_BUSY";
     default: return "GS_ERR_BAD_REPLY";
   }
 }
@@ -135,6 +137,10 @@ inline const char* gsStatusMessage(uint32_t s)
     case GS_BAD_REQUEST: return "the exporter could not parse the request";
     case GS_BAD_REPLY: return "the exporter sent a reply that does not match the request";
     case GS_TRANSFER: return "the exporter could not complete the data transfer";
+    case GS_BUSY:
+      return "the exporter refused the request: this process has 64 MiB of replies from it unsent already, the most "
+             "one importer may have (gpushare's region server, kMaxPeerReplyBytes): wait for the requests under way "
+             "before asking for more";
     default: return "the exporter sent an unknown status";
   }
 }

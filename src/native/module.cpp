@@ -128,6 +128,7 @@ NB_MODULE(_native, m)
     .def("revoke", &Node::revoke, "region_id"_a, "key"_a, "timeout"_a)
     .def("close_region", &Node::closeRegion, "region_id"_a, "timeout"_a)
     .def("stats", &Node::stats)
+    .def("reply_load", &Node::replyLoad)
     .def("close", &Node::shutdown)
     .def_prop_ro("closed", &Node::closed);
 

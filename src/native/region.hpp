@@ -71,6 +71,10 @@ constexpr uint8_t kOpPutPart    = 5;
 constexpr uint64_t kMaxBatchItems = 4096;
 constexpr uint32_t kReplyData   = 1;
 constexpr uint32_t kReplyTrailer = 2;
+// One refusal for the items requestId .. requestId + length - 1 of a batch
+// (the exporter refuses the rest of a batch at once when the importer is at
+// kMaxPeerReplyBytes): one reply instead of one per item.
+constexpr uint32_t kReplyRefusedRange = 3;
 constexpr uint64_t kTrailerMin  = 64 * 1024;
 constexpr size_t kMaxTombstones = 4096;
 constexpr size_t kMaxHostRegions = 65536;
@@ -92,6 +96,18 @@ constexpr uint64_t kPutEagerMax = 1024 * 1024;
 // quickest 64 x 64 KiB gathered put on loopback took 2.1-2.4 ms in 16
 // messages against 2.8-3.3 ms in 4.
 constexpr uint64_t kPutBatchMax = 256 * 1024;
+// What the replies the exporter has posted to one importer (one reply
+// endpoint) and UCX has not yet completed may cost it: each counts
+// kReplyCost (UCX's request, the header and the server's record: counted
+// at 1 KiB, replies queued to an importer that read nothing grew the
+// exporter by 150 MiB against 64 MiB counted; at 4 KiB, by 68 MiB) plus its
+// payload when eager.  A request that finds the importer at
+// kMaxPeerReplyBytes is refused (GS_BUSY) without touching its region; past
+// kMaxPeerReplyBytes + kBusyReplyBytes (refusals cost too) requests from it
+// go unanswered.  An importer that reads its replies never comes near it.
+constexpr uint64_t kMaxPeerReplyBytes = 64ull * 1024 * 1024;
+constexpr uint64_t kBusyReplyBytes    = 4ull * 1024 * 1024;
+constexpr uint64_t kReplyCost         = 4096;
 
 struct RequestHeader {
   uint32_t magic;
@@ -172,6 +188,8 @@ struct ServerOp {
   ucp_ep_h replyEp;
   uint64_t requestId;
   uint64_t length;
+  uint64_t cost{0};  // charged to replyEp's load while the data send is under way
+  ReplyHeader header{};  // a get's reply header, sent from here (not copied into a UCX buffer)
 };
 
 // Parts of a client operation still awaited.
@@ -250,6 +268,17 @@ class Node {
   // kept: request messages received on kAmRequestKeep.
   std::atomic<uint64_t> served{0}, refused{0}, messages{0}, kept{0};
 
+  // The cost of the replies posted to each importer (by reply endpoint) that
+  // UCX has not completed yet (see kMaxPeerReplyBytes); an endpoint with
+  // none is not listed.  busy: requests refused with GS_BUSY; dropped:
+  // answers not sent, the importer being past the bound and its allowance
+  // of refusals.  A failed endpoint's sends complete with an error, and what
+  // they cost comes off.
+  std::mutex loadMutex;
+  std::unordered_map<ucp_ep_h, uint64_t> load;
+  uint64_t loadTotal{0};  // under loadMutex
+  std::atomic<uint64_t> busy{0}, dropped{0};
+
   Node(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
        int wakeTimeoutMs, uint64_t putPart_);
   ~Node() { shutdown(); }
@@ -289,7 +318,30 @@ class Node {
   uint32_t admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<Region>& out,
                  std::shared_ptr<Grant>& grantOut);
 
-  void reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind, uint32_t flags = 0);
+  // `followUp`: the answer to a transfer admitted earlier (a trailer, a
+  // put's verdict), sent whatever the importer's load; any other answer is
+  // dropped once the importer is past kMaxPeerReplyBytes + kBusyReplyBytes.
+  void reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind, uint32_t flags = 0,
+             bool followUp = false);
+
+  // Send a status reply (no payload) unless the importer is past its allowance.
+  void sendStatus(ucp_ep_h ep, const ReplyHeader& rh, bool followUp);
+
+  static void onReplySent(void* request, ucs_status_t status, void* user);
+
+  // Add `cost` to `ep`'s load unless it is at `limit` already (0: no limit).
+  bool charge(ucp_ep_h ep, uint64_t cost, uint64_t limit);
+
+  void discharge(ucp_ep_h ep, uint64_t cost);
+
+  // Whether a new request from `ep` finds it at kMaxPeerReplyBytes; it is
+  // then refused with GS_BUSY (or dropped) here.
+  bool overloaded(ucp_ep_h ep, uint64_t requestId);
+
+  bool atBound(ucp_ep_h ep);
+
+  // (reply bytes outstanding, importers with replies outstanding, busy, dropped)
+  std::tuple<uint64_t, size_t, uint64_t, uint64_t> replyLoad();
 
   // Whether a failed transfer left the connection usable for an answer; on
   // a failed connection the importer learns of it from its own endpoint.

@@ -72,6 +72,20 @@ ucs_status_t Node::onReply(void* arg, const void* header, size_t headerLength, v
   ucp_ep_h from = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
   std::vector<std::shared_ptr<Batch>> done;
   std::unique_lock<std::mutex> lock(n->opsMutex);
+  if (rh.kind == kReplyRefusedRange) {
+    // Items requestId .. requestId + length - 1 of a batch, refused alike.
+    if (rh.status == GS_OK || rh.length == 0 || rh.length > kMaxBatchItems || rh.requestId > UINT64_MAX - rh.length)
+      return UCS_OK;
+    for (uint64_t id = rh.requestId; id < rh.requestId + rh.length; ++id) {
+      auto one = n->ops.find(id);
+      if (one == n->ops.end() || one->second->ep != from || !(one->second->waiting & kWaitReply)) continue;
+      one->second->fail(UCS_OK, rh.status > GS_LAST ? GS_BAD_REPLY : rh.status);
+      n->clearParts(one->second.get(), kWaitReply | kWaitTrailer, done);
+    }
+    lock.unlock();
+    runDone(done);
+    return UCS_OK;
+  }
   auto it = n->ops.find(rh.requestId);
   // Unknown (already failed) or from another exporter than asked: ignore.
   if (it == n->ops.end() || it->second->ep != from) return UCS_OK;

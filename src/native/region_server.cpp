@@ -185,15 +185,88 @@ uint32_t Node::admit(const RequestHeader& h, size_t dataLength, std::shared_ptr<
   return GS_OK;
 }
 
-void Node::reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind, uint32_t flags)
+// A status reply under way: whose load it counts on.
+struct ReplyTicket {
+  Node* node;
+  ucp_ep_h ep;
+  ReplyHeader header;  // sent from here until UCX completes the send (not copied)
+};
+
+void Node::reply(ucp_ep_h ep, uint64_t requestId, uint32_t status, uint32_t kind, uint32_t flags, bool followUp)
 {
-  ReplyHeader rh{kWireMagic, status, requestId, 0, kind, flags};
+  sendStatus(ep, ReplyHeader{kWireMagic, status, requestId, 0, kind, flags}, followUp);
+}
+
+void Node::sendStatus(ucp_ep_h ep, const ReplyHeader& rh, bool followUp)
+{
+  if (!charge(ep, kReplyCost, followUp ? 0 : kMaxPeerReplyBytes + kBusyReplyBytes)) {
+    dropped.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  auto* ticket = new ReplyTicket{this, ep, rh};
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
-  p.flags        = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY;
-  p.cb.send      = freeRequest;
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &rh, sizeof(rh), nullptr, 0, &p);
-  (void)sp;  // NULL, an error (the importer is gone), or freed on completion
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.flags        = UCP_AM_SEND_FLAG_REPLY;
+  p.cb.send      = &Node::onReplySent;
+  p.user_data    = ticket;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReply, &ticket->header, sizeof(ticket->header), nullptr, 0, &p);
+  if (!UCS_PTR_IS_PTR(sp)) {  // sent already, or an error (the importer is gone)
+    discharge(ep, kReplyCost);
+    delete ticket;
+  }
+}
+
+void Node::onReplySent(void* request, ucs_status_t, void* user)
+{
+  ucp_request_free(request);
+  auto* ticket = static_cast<ReplyTicket*>(user);
+  ticket->node->discharge(ticket->ep, kReplyCost);
+  delete ticket;
+}
+
+bool Node::charge(ucp_ep_h ep, uint64_t cost, uint64_t limit)
+{
+  std::lock_guard<std::mutex> lock(loadMutex);
+  auto it = load.find(ep);
+  const uint64_t now = it == load.end() ? 0 : it->second;
+  if (limit != 0 && now >= limit) return false;
+  if (it == load.end()) it = load.emplace(ep, 0).first;
+  it->second += cost;
+  loadTotal += cost;
+  return true;
+}
+
+void Node::discharge(ucp_ep_h ep, uint64_t cost)
+{
+  std::lock_guard<std::mutex> lock(loadMutex);
+  auto it = load.find(ep);
+  if (it == load.end()) return;
+  const uint64_t c = std::min(cost, it->second);
+  it->second -= c;
+  loadTotal -= c;
+  if (it->second == 0) load.erase(it);
+}
+
+bool Node::atBound(ucp_ep_h ep)
+{
+  std::lock_guard<std::mutex> lock(loadMutex);
+  auto it = load.find(ep);
+  return it != load.end() && it->second >= kMaxPeerReplyBytes;
+}
+
+bool Node::overloaded(ucp_ep_h ep, uint64_t requestId)
+{
+  if (!atBound(ep)) return false;
+  busy.fetch_add(1, std::memory_order_relaxed);
+  refused.fetch_add(1, std::memory_order_relaxed);
+  reply(ep, requestId, GS_BUSY, kReplyData);
+  return true;
+}
+
+std::tuple<uint64_t, size_t, uint64_t, uint64_t> Node::replyLoad()
+{
+  std::lock_guard<std::mutex> lock(loadMutex);
+  return {loadTotal, load.size(), busy.load(), dropped.load()};
 }
 
 bool Node::connectionAlive(ucs_status_t s)
@@ -218,6 +291,7 @@ void Node::letGo(Region& region, Grant& grant)
 
 void Node::release(ServerOp* op)
 {
+  if (op->cost != 0) op->node->discharge(op->replyEp, op->cost);
   letGo(*op->region, *op->grant);
   delete op;
 }
@@ -226,11 +300,12 @@ void Node::finishGet(ServerOp* op, ucs_status_t status)
 {
   Node* n = op->node;
   if (status == UCS_OK) {
-    if (op->length >= kTrailerMin) n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyTrailer);
+    if (op->length >= kTrailerMin) n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyTrailer, 0, true);
   } else if (connectionAlive(status)) {
     // The importer may have the reply header already: a trailer (large
     // gets) or a second reply (ignored if so) carries the failure.
-    n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData);
+    n->reply(op->replyEp, op->requestId, GS_TRANSFER, op->length >= kTrailerMin ? kReplyTrailer : kReplyData, 0,
+             true);
   }
   release(op);
 }
@@ -246,9 +321,9 @@ void Node::finishPut(ServerOp* op, ucs_status_t status)
   Node* n = op->node;
   if (status == UCS_OK) {
     n->reply(op->replyEp, op->requestId, verdictAfter(op), kReplyData,
-             op->region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0);
+             op->region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0, true);
   } else if (connectionAlive(status)) {
-    n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData);
+    n->reply(op->replyEp, op->requestId, GS_TRANSFER, kReplyData, 0, true);
   }
   release(op);
 }
@@ -261,6 +336,7 @@ void Node::onPutReceived(void* request, ucs_status_t status, size_t, void* user)
 
 void Node::serveGet(ucp_ep_h ep, const RequestHeader& h, size_t dataLength)
 {
+  if (overloaded(ep, h.requestId)) return;
   std::shared_ptr<Region> region;
   std::shared_ptr<Grant> grant;
   uint32_t verdict = admit(h, dataLength, region, grant);
@@ -272,19 +348,20 @@ void Node::serveGet(ucp_ep_h ep, const RequestHeader& h, size_t dataLength)
   served.fetch_add(1, std::memory_order_relaxed);
   void* at = reinterpret_cast<void*>(region->base + h.offset);
   auto* op = new ServerOp{this, region, grant, ep, h.requestId, h.length};
-  ReplyHeader rh{kWireMagic, GS_OK, h.requestId, h.length, kReplyData,
-                 region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0u};
+  op->cost = kReplyCost + (h.length <= kEagerMax ? h.length : 0);
+  charge(ep, op->cost, 0);
+  op->header = ReplyHeader{kWireMagic, GS_OK, h.requestId, h.length, kReplyData,
+                           region->memoryType == UCS_MEMORY_TYPE_HOST ? kReplyHostRegion : 0u};
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                    UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_FLAGS;
   p.user_data   = op;
   p.memory_type = region->memoryType;
   p.memh        = region->ucpMemh;
-  p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY |
-            (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
+  p.flags       = UCP_AM_SEND_FLAG_REPLY | (h.length <= kEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0);
   p.cb.send     = &Node::onGetSent;
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, (h.flags & kReqReplyKeep) ? kAmReplyKeep : kAmReply, &rh, sizeof(rh),
-                                        at, h.length, &p);
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, (h.flags & kReqReplyKeep) ? kAmReplyKeep : kAmReply, &op->header,
+                                        sizeof(op->header), at, h.length, &p);
   if (!UCS_PTR_IS_PTR(sp)) finishGet(op, UCS_PTR_STATUS(sp));
 }
 
@@ -297,7 +374,16 @@ void Node::serveGetBatch(ucp_ep_h ep, const RequestHeader& h, const void* data, 
     refuseBatch(ep, h);
     return;
   }
-  for (uint64_t i = 0; i < count; ++i) serveGet(ep, batchItem(h, kOpGet, data, i), 0);
+  for (uint64_t i = 0; i < count; ++i) {
+    if (atBound(ep)) {
+      // The rest of the batch is refused in one reply.
+      busy.fetch_add(count - i, std::memory_order_relaxed);
+      refused.fetch_add(count - i, std::memory_order_relaxed);
+      sendStatus(ep, ReplyHeader{kWireMagic, GS_BUSY, h.requestId + i, count - i, kReplyRefusedRange, 0}, false);
+      return;
+    }
+    serveGet(ep, batchItem(h, kOpGet, data, i), 0);
+  }
 }
 
 void Node::refuseBatch(ucp_ep_h ep, const RequestHeader& h)
@@ -406,6 +492,7 @@ ucs_status_t Node::onRequest(void* arg, const void* header, size_t headerLength,
 ucs_status_t Node::servePut(ucp_ep_h ep, const RequestHeader& h, uint64_t partOffset, void* data, size_t length,
                       uint64_t recvAttr, bool hostOnly)
 {
+  if (overloaded(ep, h.requestId)) return UCS_OK;  // a rendezvous payload is dropped unread
   const bool part = h.op == kOpPutPart;
   // An eager payload UCX did not keep can be copied to host memory only.
   hostOnly = hostOnly || !(recvAttr & (UCP_AM_RECV_ATTR_FLAG_RNDV | UCP_AM_RECV_ATTR_FLAG_DATA));
