@@ -9,6 +9,7 @@ transfer checked by the exporter.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NoReturn
 
 from .._cuda import _driver
@@ -44,8 +45,10 @@ class UcxRma:
         if region is None:
             region = export.state[self.name] = srv.add_region(export.target(), readonly=export.readonly)
         region_id, key = region.grant()
+        # The key is revoked on the region it was granted on, even if that
+        # closed (and another took its place) before the lease ended.
         return Grant({"address": srv.address, "region": region_id, "key": key},
-                     on_end=lambda: _revoke(export, key))
+                     on_end=lambda: _revoke(region, key))
 
     def not_offered(self, share: Any) -> str | None:
         if share.strides is not None:
@@ -75,16 +78,15 @@ def warm() -> None:
     _server.warm()
 
 
-def _revoke(export: Any, key: bytes) -> None:
-    """A ucx-rma lease ended: its key stops working at once (lock held).
+def _revoke(region: Any, key: bytes) -> None:
+    """A ucx-rma lease ended: its key stops working at once (lock held), and
+    a closed region is forgotten once no lease holds a key to it.
     Transfers admitted before finish on their own: the service thread
     does not wait for them."""
-    region = export.state.get(PATH.name)
-    if region is not None:
-        try:
-            region.revoke(key, timeout=0)
-        except (WaitTimeoutError, ClosedError):
-            pass  # revoked all the same (or the region went with the share)
+    try:
+        region.revoke(key, timeout=0)
+    except (WaitTimeoutError, ClosedError):
+        pass  # revoked all the same (or the process's node is closed)
 
 
 class RmaTransport:
@@ -100,6 +102,10 @@ class RmaTransport:
         # One request per exporter and kind of memory: puts into host shares
         # travel gathered, several to a message.
         self.batch_key = (id(peer), share.device == "host")
+        # Once the view is gone, the connection forgets the region (every
+        # open of a share whose region closed in between names a new one).
+        forget = weakref.finalize(self, peer.forget_region, region[0])
+        forget.atexit = False
 
     def _move(self, get: bool, offset: int, buf: Any, timeout: float | None, stream: Any, check: Any) -> None:
         check(buf, offset, get)  # bounds and the buffer; the connection pins it itself

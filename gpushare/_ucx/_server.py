@@ -238,15 +238,26 @@ class Region:
         Other keys of the region keep working.  Returns whether ``key`` was
         granted (revoking twice is harmless).
 
+        On a closed region (whose keys are all refused already) it only
+        lets go of what the server still remembers of the key, and returns
+        False: the end of each lease revokes its key, whether or not the
+        region closed first, so that a closed region is forgotten once no
+        importer holds a key to it.
+
         Raises
         ------
         WaitTimeoutError
             If transfers admitted before did not finish within ``timeout``
             (the key stays revoked; they are stuck in the network).
         """
-        n = self._check_open()
         key = _check_key(key)
         t = _types.timeout(timeout)
+        if not self._finalizer.alive:
+            node = self._node
+            if os.getpid() == node.pid and not node.native.closed:
+                node.native.revoke(self._id, key, 0.0)
+            return False
+        n = self._check_open()
         outcome = n.revoke(self._id, key, _CLOSE_TIMEOUT if t is None else t)
         if outcome == 2:
             raise WaitTimeoutError(f"key revoked, but transfers admitted before did not finish within {timeout} s")
@@ -370,11 +381,20 @@ class Server:
         received, and ``kept`` of them: puts whose data UCX copied into a
         buffer of its own before the server copied it into the region (a
         put to a region the importer did not yet know to be host memory,
-        or to device memory)."""
+        or to device memory).
+
+        And what the node's tables hold: ``closed_regions``, closed regions
+        remembered while importers hold keys to them (they are told the
+        region closed); ``known_host_regions``, regions of exporters this
+        process connects to that it knows to be host memory (for the views
+        it has open); ``transfers``, its own transfers in flight.  None of
+        them grows with the number of opens and closes."""
         n = self._node.check()
         regions, keys, refused, served, messages, kept = n.stats()
+        closed_regions, known_host_regions, transfers = n.tables()
         return {"regions": regions, "keys": keys, "refused": refused, "served": served, "messages": messages,
-                "kept": kept}
+                "kept": kept, "closed_regions": closed_regions, "known_host_regions": known_host_regions,
+                "transfers": transfers}
 
     def info(self) -> str:
         """UCX's description of the worker (transports, devices)."""
@@ -594,6 +614,16 @@ class Peer(Connection):
         if not isinstance(host_regions, bool):
             raise InvalidInputError("host_regions must be a bool")
         return self._batch("put", items, host_regions, stream)
+
+    def forget_region(self, region_id: int) -> None:
+        """Forget what this connection learnt of region ``region_id`` (that
+        it is host memory, from the exporter's replies), once no view of
+        this process uses the region any more: region ids are never reused,
+        so what is learnt of regions gone would pile up.  A later reply
+        about the region teaches it again; harmless on a closed peer."""
+        _check_region_id(region_id)
+        if not self._closed and os.getpid() == self._node.pid and not self._node.native.closed:
+            self._native.forget_region(region_id)
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect (idempotent); requests in flight fail.  The next

@@ -304,12 +304,24 @@ class Node {
   // Refuse the key's requests from now on, then wait (at most `timeout` s)
   // for its transfers under way.  0: it was not granted; 1: revoked, nothing
   // of it in flight any more; 2: revoked, but transfers were still going.
+  // On a closed region (every key refused already) it forgets the key, and
+  // the region once no key is left (0).
   int revoke(uint64_t id, nb::bytes key, double timeout);
 
   // Refuse new requests, wait (at most `timeout` s) for transfers under way,
   // then unregister.  Returns whether the memory is free of UCX; on false it
-  // stays registered and the caller must keep it alive.
+  // stays registered and the caller must keep it alive.  A closed region
+  // is remembered (a tombstone: its key holders are told it closed) while
+  // keys to it are left, at most kMaxTombstones of them; one closed with no
+  // key left is forgotten at once.
   bool closeRegion(uint64_t id, double timeout);
+
+  // Forget closed region `id`'s entry in the table (tableMutex held).
+  void forgetClosed(uint64_t id);
+
+  // What the node's tables hold: (closed regions remembered, (peer, region)
+  // pairs known to be host memory, client transfers in flight).
+  std::tuple<size_t, size_t, size_t> tables();
 
   // (open regions, granted keys, refused requests, served requests, request messages)
   std::tuple<size_t, size_t, uint64_t, uint64_t, uint64_t, uint64_t> stats();
@@ -468,6 +480,10 @@ class Peer : public Endpoint {
   // Send arbitrary bytes as a request message (tests of the exporter's
   // parsing); the request completes when UCX has sent them.
   Request sendRaw(nb::bytes header, nb::bytes payload, bool keep);
+
+  // Forget that region `regionId` of this peer is host memory (no view uses
+  // it any more; a later reply says it again).
+  void forgetRegion(uint64_t regionId);
 
   void closePeer(double timeout);
 };

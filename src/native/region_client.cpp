@@ -431,10 +431,22 @@ Request Peer::sendRaw(nb::bytes header, nb::bytes payload, bool keep)
   return r;
 }
 
+void Peer::forgetRegion(uint64_t regionId)
+{
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(node->opsMutex);
+  node->hostRegions.erase({id, regionId});
+}
+
 void Peer::closePeer(double timeout)
 {
   Endpoint::close(timeout);
   node->failPeer(id, UCS_ERR_CANCELED);
+  // Peer ids are never reused: what was learnt of this one's regions goes.
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(node->opsMutex);
+  for (auto it = node->hostRegions.begin(); it != node->hostRegions.end();)
+    it = it->first == id ? node->hostRegions.erase(it) : std::next(it);
 }
 
 }  // namespace gpushare::native

@@ -107,7 +107,13 @@ int Node::revoke(uint64_t id, nb::bytes key, double timeout)
   {
     std::unique_lock<std::shared_mutex> lock(tableMutex);
     auto it = regions.find(id);
-    if (it == regions.end() || it->second->closed) return 0;
+    if (it == regions.end()) return 0;
+    if (it->second->closed) {
+      // Its key holders were told it closed; the last lease gone, it goes.
+      it->second->keys.erase(k);
+      if (it->second->keys.empty()) forgetClosed(id);
+      return 0;
+    }
     auto kit = it->second->keys.find(k);
     if (kit == it->second->keys.end()) return 0;
     g = kit->second;
@@ -133,10 +139,14 @@ bool Node::closeRegion(uint64_t id, double timeout)
     r = it->second;
     if (!r->closed) {
       r->closed = true;
-      tombstones.push_back(id);
-      while (tombstones.size() > kMaxTombstones) {
-        regions.erase(tombstones.front());
-        tombstones.pop_front();
+      if (r->keys.empty()) {
+        regions.erase(it);  // nobody holds a key to be told it closed
+      } else {
+        tombstones.push_back(id);
+        while (tombstones.size() > kMaxTombstones) {
+          regions.erase(tombstones.front());
+          tombstones.pop_front();
+        }
       }
     }
   }
@@ -151,6 +161,24 @@ bool Node::closeRegion(uint64_t id, double timeout)
     r->memh.reset();
   }
   return true;
+}
+
+void Node::forgetClosed(uint64_t id)
+{
+  regions.erase(id);
+  auto t = std::find(tombstones.begin(), tombstones.end(), id);
+  if (t != tombstones.end()) tombstones.erase(t);
+}
+
+std::tuple<size_t, size_t, size_t> Node::tables()
+{
+  size_t closed;
+  {
+    std::shared_lock<std::shared_mutex> lock(tableMutex);
+    closed = tombstones.size();
+  }
+  std::lock_guard<std::mutex> lock(opsMutex);
+  return {closed, hostRegions.size(), ops.size()};
 }
 
 std::tuple<size_t, size_t, uint64_t, uint64_t, uint64_t, uint64_t> Node::stats()
