@@ -154,6 +154,43 @@ def test_open_get_close_cycles_of_one_ucx_rma_share_leave_no_python_objects_behi
         assert growth[side]["traced"] < PER_CYCLE, growth
 
 
+def test_a_closed_region_is_remembered_until_the_last_key_to_it_is_revoked():
+    from gpushare._ucx import _server
+
+    srv = _server.server()
+    base = srv.stats()["closed_regions"]
+    memory = bytearray(4096)
+    region = srv.add_region(memory)
+    (_, first), (_, second) = region.grant(), region.grant()
+    region.close()
+    assert srv.stats()["closed_regions"] == base + 1  # its key holders are told it closed
+    assert region.revoke(first) is False
+    assert srv.stats()["closed_regions"] == base + 1
+    assert region.revoke(second) is False
+    assert srv.stats()["closed_regions"] == base
+    srv.add_region(memory).close()  # no key to it: forgotten at once
+    assert srv.stats()["closed_regions"] == base
+
+
+def test_a_connection_forgets_what_it_learnt_of_a_region_when_told():
+    from gpushare._ucx import _server
+
+    srv = _server.server()
+    peer = _server.client().connect(srv.address)
+    memory = bytearray(4096)
+    with srv.add_region(memory) as region:
+        region_id, key = region.grant()
+        base = srv.stats()["known_host_regions"]
+        peer.get(region_id, key, 0, bytearray(16), 10)
+        assert srv.stats()["known_host_regions"] == base + 1  # the reply said: host memory
+        peer.forget_region(region_id)
+        assert srv.stats()["known_host_regions"] == base
+        peer.get(region_id, key, 0, bytearray(16), 10)
+        assert srv.stats()["known_host_regions"] == base + 1
+    peer.close()
+    assert srv.stats()["known_host_regions"] == base  # a closed peer's go with it
+
+
 if __name__ == "__main__":
     # By hand, a longer run: python tests/test_ucx_memory.py [CYCLES]
     cycles = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
