@@ -209,7 +209,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                 raise
             mapped = view._mapped
             # the mapping shows whether the memory is host or CUDA memory, whatever an exporter answered
-            why_altered = None if mapped is None else altered(share.device, 0, 0, False, mapped.device, 0, 0, False)
+            # (it may map CUDA memory on another device than the exporter's: only host or CUDA is compared)
+            real = None if mapped is None else "host" if mapped.device == "host" else share.device
+            why_altered = None if real is None else altered(share.device, 0, 0, False, real, 0, 0, False)
             if why_altered:  # the share is corrupt: no other path is tried with it
                 view.close()
                 lease.failed()
