@@ -127,8 +127,7 @@ def _failed_opens(ns: str | None, share: str, prefer: str) -> None:
             loading += report["loading"]
     assert [rc for rc, _ in outcomes] == [1] * RUNS, outcomes
     assert not any("terminate called" in err for _, err in outcomes), outcomes
-    # The race was there to lose: several programs exited during the warm-up.
-    # at least one program must have exited during the load, or the race this test is about was not run
+    # At least one program must have exited during the load, or the race this test is about was not run
     assert loading >= 1, f"none of {RUNS} programs exited while UCX was loading"
 
 
