@@ -1,7 +1,7 @@
 """Helpers for processes that run against the CUDA driver stand-in.
 
 Test code running in a child process does ``from standin_child import *``
-(``tests/test_cudadriver_standin.py`` prepends that line).  Never imported by
+(``tests/_standin_run.py`` prepends that line).  Never imported by
 the pytest process itself.
 """
 
