@@ -662,4 +662,8 @@ def test_agents_run_on_the_progress_engine_not_on_libucxx_threads(link, peer):
     finally:
         for a in agents:
             a.close()
+    # close() joins the thread; the kernel drops its task entry a moment after the join returns
+    deadline = time.monotonic() + 10
+    while set(new) & set(_native_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not set(new) & set(_native_threads()), "an agent's progress thread outlived its close"
