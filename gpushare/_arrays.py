@@ -286,8 +286,7 @@ def empty(shape: Any, dtype: Any = "float64", *, device: Any = "host",
     if _types.is_host(device):
         import numpy as np
 
-        _memory.check_host(nbytes)
-        buf = allocate(max(nbytes, 1), device="host", huge_pages=huge_pages)
+        buf = allocate(max(nbytes, 1), device="host", huge_pages=huge_pages)  # it checks the size
         return np.asarray(_HostOwner(buf, dims, typestr))
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidInputError(f"device is {device!r}; expected 'host' (or 'cpu') or a CUDA device ordinal")
