@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ._arrays import CudaArray, empty, empty_like, zeros
 from ._auth import set_authkey
 from ._batch import BatchRequest, get_batch, put_batch
+from ._bundle import Bundle
 from ._capabilities import capabilities
 from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
 from ._descriptors import (
@@ -48,7 +49,7 @@ from ._handles import allocate, export_buffer, import_buffer
 from ._launch import set_authkey_from_process_group
 from ._open import open, open_async
 from ._paths.host_fd import HostBuffer
-from ._share import Share
+from ._share import BundleShare, Share
 from ._version import __version__
 from ._view import View
 
@@ -106,6 +107,8 @@ __all__ = [
     "export_buffer",
     "import_buffer",
     "Share",
+    "BundleShare",
+    "Bundle",
     "SlowPathWarning",
     "View",
     "BatchRequest",

@@ -4,59 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from . import _arrays, _buffers, _paths
-from ._cuda import _driver, vmm
 from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError
+from ._export_tree import export_tree, is_tree
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
-from ._paths import host_fd
+from ._offering import PathList, device_ordinal, memory_of, parse_lifetime
 from ._paths.broker import release_registrations
-from ._share import LIFETIMES, SHARE_FORMAT, Share, node_key
-from ._types import Lifetime, PathName
-
-#: What ``paths=``, ``prefer=`` and ``exclude=`` take: path names, or one comma-separated str.
-PathList = Iterable[PathName] | str
+from ._share import SHARE_FORMAT, Share, node_key
+from ._types import Lifetime
 
 __all__ = ["export", "PathList"]
 
 log = logging.getLogger("gpushare.api")
-
-
-def _parse_lifetime(lifetime: Any) -> tuple[Any, str]:
-    if isinstance(lifetime, bool):
-        raise InvalidInputError("lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int")
-    if isinstance(lifetime, int):
-        if not 1 <= lifetime <= 999_999_999:
-            raise InvalidInputError(f"lifetime={lifetime}: a number of imports must be between 1 and 999999999")
-        return lifetime, f"imports={lifetime}"
-    if lifetime in LIFETIMES:
-        return lifetime, lifetime
-    raise InvalidInputError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
-
-
-def _memory(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool, strided: bool) -> tuple[
-        _paths.Memory, int]:
-    """What the paths are offered: the gpushare.allocate buffer that holds
-    ``span`` (address, nbytes) where there is one, and the span's offset in it."""
-    offset = 0
-    if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
-        obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
-    if memory_type == "cuda" and span[1] and not vmm.is_vmm_buffer(obj):
-        # A CuPy or torch array (a slice, a typed view) over gpushare.allocate
-        # memory: the importer maps the whole buffer and views its part.
-        found = vmm.containing(*span)
-        if found is not None:
-            obj, offset = found
-    if memory_type == "host" and not isinstance(obj, host_fd.HostBuffer):
-        # An array over gpushare.allocate memory (a typed view, a slice):
-        # the importer maps the whole buffer and views its part of it.
-        found = host_fd.containing(*span)
-        if found is not None:
-            obj, offset = found
-    return _paths.Memory(obj, memory_type, readonly, strided), offset
 
 
 def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = None,
@@ -71,7 +33,10 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         with DLPack, ``__cuda_array_interface__`` or the buffer protocol.
         Memory gpushare did not allocate is offered only where it can be
         served: other CUDA memory on cuda-ipc and ucx-rma, other host memory
-        on ucx-rma.  It must be C-contiguous.
+        on cma and ucx-rma.  It must be C-contiguous.  Or a dict (str keys),
+        list or tuple of them, nested: one share of them all, a *bundle*
+        (:func:`gpushare.open` gives a :class:`gpushare.Bundle`), with one
+        offer per allocation the tensors lie in (docs/bundles.md).
     lifetime : {"auto", "closed", "revoked", "none"} or int
         How long the exporter keeps ``obj`` alive and openable.  ``"auto"``
         (the default): while this process holds the returned :class:`Share`
@@ -98,12 +63,14 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     Share
         Plain data; pickle it and send it over any transport.
     """
-    policy, lifetime_name = _parse_lifetime(lifetime)
+    policy, lifetime_name = parse_lifetime(lifetime)
     wanted = None
     if paths is not None:
         wanted = _paths.path_list(paths, "paths")
     if readonly is not None and not isinstance(readonly, bool):
         raise InvalidInputError("readonly must be a bool or None")
+    if is_tree(obj):
+        return export_tree(obj, policy, lifetime_name, wanted, bool(readonly))
     # A strided array is served as the memory it spans, with its strides.
     memory, strides = _arrays.span_of(obj)
     local = _buffers.resolve(memory, writable=False)
@@ -114,8 +81,8 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         local.release()
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
-    device = _device_ordinal(local.address, device) if memory_type == "cuda" else "host"
-    offered, offset = _memory(memory, memory_type, (local.address, nbytes), readonly, strides is not None)
+    device = device_ordinal(local.address, device) if memory_type == "cuda" else "host"
+    offered, offset = memory_of(memory, memory_type, (local.address, nbytes), readonly, strides is not None)
     # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
     offers, descs, regs = _paths.offers(offered, wanted)
     try:
@@ -149,8 +116,3 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     if policy == "auto":
         track_auto(obj, share, record)
     return share
-
-
-def _device_ordinal(address: int, hint: Any) -> int:
-    """The CUDA device that owns ``address`` (asked of the driver)."""
-    return _driver.pointer_ordinal(address, hint if isinstance(hint, int) and hint >= 0 else None)

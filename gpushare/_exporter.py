@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _auth, _control, _paths, _share
-from ._share import altered
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._paths import cma
 from ._paths.broker import (
@@ -40,6 +39,7 @@ from ._paths.broker import (
 )
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
+from ._share import altered
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -101,6 +101,11 @@ class Export:
     #: (ucx-rma: the share's region in this process's region server, made on
     #: the first ucx-rma open; every lease over it holds a key of its own).
     state: dict[str, Any] = field(default_factory=dict)
+    #: A bundle's allocations, each an export of its own that only the
+    #: bundle's leases reach (None: a share of one buffer); and the digest
+    #: of its manifest, which an open must name.
+    parts: list[Export] | None = None
+    digest: bytes | None = None
     #: Set by the exporter's registry: called once when the share's lifetime ends.
     on_end: Callable[[Export, str], None] | None = None
     # Re-entrant: releasing the last reference to the object (closing the
@@ -165,6 +170,8 @@ class Export:
         states, self.state = self.state, {}
         for held in states.values():
             held.close()  # a region: every key of it is revoked, remote access stops at once
+        for part in self.parts or ():
+            part.close_remote()
 
     def end(self, reason: str) -> None:
         """The share's lifetime ended: leave the registry (lock held)."""
@@ -177,6 +184,8 @@ class Export:
         regs, self.registrations = self.registrations, []
         if regs:
             release_registrations(regs)
+        for part in self.parts or ():
+            part.close_mapped()
 
     def retire(self) -> None:
         if not self.retired:
@@ -534,6 +543,11 @@ class _Session(Protocol):
                 self._refuse(conn, rid, "altered" if why else "bad", why or "malformed 'said' in an open request")
                 return
         path = msg.get("path")
+        if export.parts is not None:
+            path, why = _bundle_request(msg, export)
+            if why is not None:
+                self._refuse(conn, rid, "altered" if why.startswith("the share") else "bad", why)
+                return
         entry = self.retries.get(export.share_id)
         retry = entry is not None and entry[1] > 0 and path not in entry[2]
         with export.lock:
@@ -541,20 +555,25 @@ class _Session(Protocol):
             if refusal is not None and not (retry and refusal == "exhausted"):
                 self._refuse(conn, rid, refusal, refusal_text(refusal, export.policy))
                 return
-            if path not in export.offers:
+            if export.parts is None and path not in export.offers:
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
                 return
-            served = _paths.by_name(path)
             try:
-                grant = served.serve(export, self)
+                grant = _serve(export, path, self)
             except GpuShareError as exc:
                 self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
                 return
             if grant is None:  # opened in the exporting process only
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
                 return
-            grant.path = served
             fds = grant.fds
+            if len(fds) > MAX_BACKLOG_FDS:
+                for fd in fds:
+                    os.close(fd)
+                _ended(grant)
+                self._refuse(conn, rid, "limit", f"this open needs {len(fds)} file descriptors; at most "
+                             f"{MAX_BACKLOG_FDS} go with one reply (docs/limits.md)")
+                return
             try:
                 lease = self._next_lease
                 reply = {"id": rid, "ok": True, "lease": lease, "payload": grant.payload}
@@ -605,6 +624,67 @@ class _Session(Protocol):
             if not waits:
                 export.after_close()
         self._idle(conn)
+
+
+class _Bundled:
+    """What served a bundle's lease: its parts' paths, named as one key (for
+    the retries a failed open buys)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _serve(export: Export, path: str, session: _Session) -> _paths.Grant | None:
+    """The grant of one open (lock held): of ``path`` for a share of one
+    buffer; of each part's path for a bundle, one lease for them all."""
+    if export.parts is None:
+        served = _paths.by_name(path)
+        grant = served.serve(export, session)
+        if grant is not None:
+            grant.path = served
+        return grant
+    grants: list[_paths.Grant] = []
+    try:
+        for i, (part, name) in enumerate(zip(export.parts, path.split(","), strict=True)):
+            served = _paths.by_name(name)
+            try:
+                grant = served.serve(part, session)
+            except GpuShareError as exc:
+                raise type(exc)(f"allocation {i}: {exc}") from None
+            if grant is None:
+                raise InvalidInputError(f"allocation {i}: {name} is opened in the exporting process only")
+            grant.path = served
+            grants.append(grant)
+    except BaseException:
+        for grant in grants:
+            for fd in grant.fds:
+                os.close(fd)
+            _ended(grant)
+        raise
+
+    def end() -> None:
+        for grant in grants:
+            _ended(grant)
+
+    return _paths.Grant({"parts": [g.payload for g in grants], "fds": [len(g.fds) for g in grants]},
+                        [fd for g in grants for fd in g.fds], on_end=end, parts=grants, path=_Bundled(path))
+
+
+def _bundle_request(msg: dict, export: Export) -> tuple[str, str | None]:
+    """The paths an open of a bundle asks for, one per allocation (as one
+    key), and why the request cannot be served (or None)."""
+    paths, named = msg.get("parts"), msg.get("manifest")
+    if not isinstance(named, bytes) or not hmac.compare_digest(named, export.digest or b""):
+        return "", ("the share's manifest is not the one its exporter made: the share was altered (forged or "
+                    "corrupt)")
+    if not isinstance(paths, (list, tuple)) or len(paths) != len(export.parts or ()):
+        return "", f"an open of this bundle names a path for each of its {len(export.parts or ())} allocations"
+    for i, (name, part) in enumerate(zip(paths, export.parts or (), strict=True)):
+        if not isinstance(name, str) or name not in part.offers:
+            return "", f"allocation {i}: path {name!r:.20} is not offered"
+    return ",".join(paths), None
 
 
 def _said_altered(said: Any, export: Export) -> str | None:

@@ -11,11 +11,11 @@ import logging
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, overload
 
 from . import _paths, _types
+from ._bundle import Bundle
 from ._cuda import _driver
-from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -25,12 +25,13 @@ from ._errors import (
     SlowPathWarning,
     UnsupportedError,
 )
-from ._export import PathList
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
-from ._paths import cma, same_process, ucx_rma
-from ._paths.base import exporter_exited
-from ._share import Share, altered, node_key
+from ._offering import PathList
+from ._open_tree import open_tree
+from ._paths import same_process, ucx_rma
+from ._reach import addresses_for, choose, here_for, raise_refusal, unreachable
+from ._share import BundleShare, Share, altered, node_key
 from ._view import View
 
 __all__ = ["open", "open_async", "choose", "here_for"]
@@ -38,52 +39,16 @@ __all__ = ["open", "open_async", "choose", "here_for"]
 log = logging.getLogger("gpushare.api")
 
 
-def here_for(share: Share) -> _paths.Here:
-    """What this process is, as far as the paths ``share`` offers care."""
-    node = node_key()
-    near = share.node == node
-    fabric = _paths.fabric.PATH.name in share.offers
-    cuda_reason = None
-    if share.device != "host" and (near or fabric):
-        cuda_reason = _driver.unavailable_reason()
-    cliques: tuple[str, ...] = ()
-    fabric_reason = None
-    if fabric and share.fabric is not None:
-        found, fabric_reason = fabric_cliques()
-        cliques = tuple(found.values())
-    cma_reason = cma.available() if near and cma.PATH.name in share.offers else None
-    here = os.getpid()
-    exported = share.exporter_pid == here and near and registered(share) is not None
-    return _paths.Here(node, here, exported, cuda_reason, cliques, fabric_reason, cma_reason)
-
-
-def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:
-    """(ordered candidates, reasons for the paths left out, the natural best
-    order) for ``share`` in this process, with the caller's and the
-    environment's preferences."""
-    env_prefer = os.environ.get("GPUSHARE_PATHS")
-    env_exclude = os.environ.get("GPUSHARE_EXCLUDE_PATHS")
-    prefer_l = _paths.path_list(prefer, "prefer") if prefer is not None else (
-        _paths.path_list(env_prefer, "GPUSHARE_PATHS") if env_prefer else [])
-    exclude_l = _paths.path_list(exclude, "exclude") if exclude is not None else []
-    if env_exclude:
-        exclude_l += _paths.path_list(env_exclude, "GPUSHARE_EXCLUDE_PATHS")
-    return _paths.candidates(share, here_for(share), prefer_l, exclude_l)
-
-
-def _raise_refusal(reply: dict) -> None:
-    code, message = reply.get("code"), str(reply.get("message", ""))[:300]
-    if code == "denied":
-        raise AccessDeniedError(f"exporter refused: {message}")
-    if code in ("revoked", "retired", "exhausted", "unknown"):
-        raise ClosedError(f"cannot open share: {message}")
-    if code == "altered":
-        raise InvalidInputError(message)
-    raise InvalidInputError(f"exporter answered: {message}")
+@overload
+def open(share: BundleShare, *, prefer: PathList | None = ..., exclude: PathList | None = ...,  # noqa: A001
+         timeout: float = ..., device: _types.Device | None = ..., prefault: bool = ...) -> Bundle: ...
+@overload
+def open(share: Share, *, prefer: PathList | None = ..., exclude: PathList | None = ...,  # noqa: A001
+         timeout: float = ..., device: _types.Device | None = ..., prefault: bool = ...) -> View: ...
 
 
 def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,  # noqa: A001
-         timeout: float = 10.0, device: _types.Device | None = None, prefault: bool = False) -> View:
+         timeout: float = 10.0, device: _types.Device | None = None, prefault: bool = False) -> View | Bundle:
     """Open a share from any process that can reach the exporter.
 
     The best path for this pair is tried first, then the next ones if a
@@ -100,6 +65,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         ``GPUSHARE_PATHS`` (prefer) and ``GPUSHARE_EXCLUDE_PATHS`` do the same
         for a whole job; ``prefer=`` replaces ``GPUSHARE_PATHS``,
         ``exclude=`` adds to ``GPUSHARE_EXCLUDE_PATHS``.
+        A bundle's share (:class:`BundleShare`, from an export of a dict,
+        list or tuple) opens as a :class:`Bundle`: every allocation on its
+        best path, one lease for them all.
     timeout : float
         Seconds for the whole open: reaching the exporter and every probe.
     device : int or "host", optional
@@ -128,6 +96,8 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     timeout = _types.positive_timeout(timeout)
     if not isinstance(prefault, bool):
         raise InvalidInputError("prefault must be a bool")
+    if share.is_bundle:
+        return open_tree(share, prefer, exclude, timeout, _bundle_device(device), prefault)
     if _types.is_host(device):
         if share.device != "host":
             raise InvalidInputError(
@@ -178,7 +148,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         return remaining
 
     importer = get_importer()
-    addresses = _addresses_for(share)
+    addresses = addresses_for(share)
     try:
         # what the share says of the memory: the exporter refuses an open of a share that was altered
         said = {"device": share.device, "nbytes": share.nbytes, "offset": share.offset, "readonly": share.readonly}
@@ -187,13 +157,13 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             try:
                 reply, lease, fds = importer.open(share, addresses, request, deadline)
             except ExporterUnreachableError as exc:
-                raise ExporterUnreachableError(_unreachable(share, str(exc))) from None
+                raise ExporterUnreachableError(unreachable(share, str(exc))) from None
             if lease is None:
                 if reply.get("code") == "path":
                     failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
                     log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
                     continue
-                _raise_refusal(reply)
+                raise_refusal(reply)
             try:
                 view = _import(share, path, reply.get("payload"), left(), fds, device, lease, prefault)
             except AccessDeniedError:
@@ -237,31 +207,19 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     except GpuShareError:
         raise
     except (EOFError, OSError, TimeoutError) as exc:
-        raise ExporterUnreachableError(_unreachable(share, f"it stopped answering: {exc}")) from None
+        raise ExporterUnreachableError(unreachable(share, f"it stopped answering: {exc}")) from None
     raise GpuShareError("every path failed: " + "; ".join(failures))
 
 
-def _unreachable(share: Share, detail: str) -> str:
-    """The message of an :class:`ExporterUnreachableError` for ``share``: what
-    happened to the exporter, and what to do."""
-    pid = share.exporter_pid
-    exited = exporter_exited(share)
-    if exited:
-        return (f"the exporter (pid {pid}) has exited, and its shares went with it: export the buffer again "
-                f"from a running process and open the new share ({detail})")
-    if exited is None:
-        return (f"cannot reach the exporter (pid {pid} on another node): {detail}; check that it is still "
-                "running and that this node can reach its control addresses "
-                f"{', '.join(f'{h}:{p}' for h, p in share.control)} (see GPUSHARE_CONTROL_HOST)")
-    return (f"the exporter (pid {pid}) is running on this node but did not answer: {detail}; it may be "
-            "stuck, or its control channel bound to an address this process cannot reach (GPUSHARE_CONTROL_HOST)")
-
-
-def _addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
-    if share.node == node_key():
-        return tuple(a for a in share.control if a[0] == "127.0.0.1") + tuple(
-            a for a in share.control if a[0] != "127.0.0.1")
-    return tuple(a for a in share.control if not a[0].startswith("127.")) or share.control
+def _bundle_device(device: Any) -> int | None:
+    """``device=`` of a bundle's open: where its CUDA allocations are mapped."""
+    if device is None or _types.is_host(device):
+        return None
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0) or 'host', not {device!r}")
+    if _driver.unavailable_reason() is None:
+        _driver.valid_ordinal(device)
+    return device
 
 
 def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int],

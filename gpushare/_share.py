@@ -10,17 +10,20 @@ and on unpickling.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 import json
 import re
 from collections.abc import Callable
 from typing import Any, Literal
 
+from . import _manifest
 from ._errors import ClosedError, InvalidInputError
 from ._process import node_key
-from ._types import PATH_NAMES, PathName, in_range, text
+from ._types import PATH_NAMES, PathName, in_range, strict_json, text
 
-__all__ = ["Share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES"]
+__all__ = ["Share", "BundleShare", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
 #: Every path, fastest first.
 PATHS = PATH_NAMES
@@ -39,8 +42,10 @@ def set_revoke_hook(revoke: Callable[[Share], None]) -> None:
 
 
 SHARE_FORMAT = 1
-#: The most bytes :meth:`Share.from_bytes` reads.
+#: The most bytes :meth:`Share.from_bytes` reads for a share of one buffer.
 MAX_SHARE_BYTES = 1 << 16
+#: The most bytes it reads for a bundle's share (its manifest in base64, and the rest).
+MAX_BUNDLE_SHARE_BYTES = MAX_SHARE_BYTES + _manifest.MAX_MANIFEST_BYTES * 4 // 3 + 4
 _WIRE_TAG = "gpushare.share"
 _ID = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MAX_DIMS = 32
@@ -71,11 +76,11 @@ class Share:
     """
 
     # _sent: in the exporting process, told when the share leaves it (lifetime "auto").
-    __slots__ = ("_fields_", "_sent", "__weakref__")
+    __slots__ = ("_fields_", "_sent", "_bundle", "__weakref__")
     _BASE = ("version", "share_id", "token", "exporter_pid", "node", "control", "nbytes", "device",
              "shape", "typestr", "offers", "lifetime", "fabric", "readonly")
     #: Fields a share may leave out (on the wire and in pickles), with their defaults.
-    _OPTIONAL = (("offset", 0), ("dtype_name", None), ("dlpack_dtype", None), ("strides", None))
+    _OPTIONAL = (("offset", 0), ("dtype_name", None), ("dlpack_dtype", None), ("strides", None), ("manifest", None))
     _NAMES = _BASE + tuple(name for name, _ in _OPTIONAL)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -84,12 +89,12 @@ class Share:
     @classmethod
     def _make(cls, *fields: Any) -> Share:
         """The validating constructor; every field is untrusted."""
-        if len(fields) == len(cls._BASE):
-            fields = tuple(fields) + tuple(default for _, default in cls._OPTIONAL)
+        if len(cls._BASE) <= len(fields) < len(cls._NAMES):  # older forms leave out the newer optional fields
+            fields = tuple(fields) + tuple(default for _, default in cls._OPTIONAL[len(fields) - len(cls._BASE):])
         if len(fields) != len(cls._NAMES):
             raise InvalidInputError(f"share has {len(fields)} fields; expected {len(cls._BASE)} or {len(cls._NAMES)}")
         (version, share_id, token, pid, node, control, nbytes, device, shape, typestr, offers,
-         lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype, strides) = fields
+         lifetime, fabric, readonly, offset, dtype_name, dlpack_dtype, strides, manifest) = fields
         if type(version) is not int or version != SHARE_FORMAT:
             raise InvalidInputError(f"share format version {version!r:.20}; this gpushare reads {SHARE_FORMAT}")
         if not isinstance(share_id, str) or not _ID.fullmatch(share_id):
@@ -160,9 +165,21 @@ class Share:
                                      strict=True))
             if bits * lanes != 8 * int(typestr[2:]) or typestr[1] != "V":
                 raise InvalidInputError(f"share dlpack_dtype {dlpack_dtype} does not fit typestr {typestr}")
-        self = object.__new__(cls)
+        bundle = None if manifest is None else _bundle_of(manifest, fields)
+        self = object.__new__(Share if bundle is None else BundleShare)
         object.__setattr__(self, "_fields_", tuple(fields))
         object.__setattr__(self, "_sent", None)
+        object.__setattr__(self, "_bundle", bundle)
+        return self
+
+    @classmethod
+    def _trusted(cls, fields: tuple) -> Share:
+        """A share made here from fields already validated (a bundle's part or
+        tensor, from its validated manifest): not checked again."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "_fields_", fields)
+        object.__setattr__(self, "_sent", None)
+        object.__setattr__(self, "_bundle", None)
         return self
 
     def _on_send(self, hook: Callable[[], None]) -> None:
@@ -285,6 +302,17 @@ class Share:
         covers), else ``None`` (C-contiguous)."""
         return self._fields_[17]
 
+    @property
+    def is_bundle(self) -> bool:
+        """Whether this share is a bundle of many tensors (:func:`gpushare.export`
+        of a dict, list or tuple): :func:`gpushare.open` gives a :class:`gpushare.Bundle`."""
+        return self._bundle is not None
+
+    @property
+    def count(self) -> int:
+        """Tensors in the share: 1, or a bundle's count."""
+        return 1 if self._bundle is None else self._bundle.count
+
     # -- wire form ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The share as bytes to send over any transport, trusted or not.
@@ -307,6 +335,8 @@ class Share:
         f["control"] = [list(a) for a in self.control]
         f["shape"] = list(self.shape)
         f["offers"] = list(self.offers)
+        if "manifest" in f:
+            f["manifest"] = base64.b64encode(f["manifest"]).decode("ascii")
         f["format"] = _WIRE_TAG
         return json.dumps(f, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
@@ -331,9 +361,20 @@ class Share:
         InvalidInputError
             Anything but a well-formed share of a format this gpushare reads.
         """
-        obj = strict_json(data, MAX_SHARE_BYTES, "Share.from_bytes", "share")
+        obj = strict_json(data, MAX_BUNDLE_SHARE_BYTES, "Share.from_bytes", "share")
+        if len(data) > MAX_SHARE_BYTES and not (isinstance(obj, dict) and "manifest" in obj):
+            raise InvalidInputError(f"share is {len(data)} bytes; at most {MAX_SHARE_BYTES} for a share of one "
+                                    "buffer")
         if not isinstance(obj, dict) or obj.get("format") != _WIRE_TAG:
             raise InvalidInputError(f"share bytes do not start a {_WIRE_TAG!r} object")
+        if "manifest" in obj:
+            text = obj["manifest"]
+            try:
+                if not isinstance(text, str):
+                    raise ValueError
+                obj["manifest"] = base64.b64decode(text.encode("ascii"), validate=True)
+            except (ValueError, binascii.Error):
+                raise InvalidInputError("share manifest must be base64 text") from None
         keys = set(obj) - {"format"}
         for name, default in Share._OPTIONAL:
             if name not in keys:
@@ -366,38 +407,11 @@ class Share:
         _revoke(self)
 
     def __repr__(self) -> str:
+        if self._bundle is not None:
+            return (f"<gpushare.Share {self.share_id[:8]} bundle of {self.count} tensors in "
+                    f"{len(self._bundle.parts)} allocations, {self.nbytes} bytes, from pid {self.exporter_pid}>")
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
-
-
-def strict_json(data: Any, limit: int, caller: str, what: str) -> Any:
-    """Bytes from another process read as bounded, strict JSON: ASCII, at most
-    ``limit`` bytes, no duplicate keys, floats or constants (``NaN``)."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidInputError(f"{caller} expects bytes, not {type(data).__name__}")
-    data = bytes(data)
-    if len(data) > limit:
-        raise InvalidInputError(f"{what} is {len(data)} bytes; at most {limit}")
-    try:
-        return json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                          parse_float=_no_float)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise InvalidInputError(f"{what} bytes are not ASCII JSON from {caller.split('.')[0]}.to_bytes") from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate key")
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _no_float(text: str) -> Any:
-    raise ValueError("floats are not allowed")
 
 
 def _rebuild_share(*fields: Any) -> Share:
@@ -424,3 +438,29 @@ def altered(device: Any, nbytes: int, offset: int, readonly: bool, real_device: 
                 "(forged or corrupt)")
     return None
 
+
+class BundleShare(Share):
+    """The share of a bundle: many tensors (:func:`gpushare.export` of a dict,
+    list or tuple), opened by :func:`gpushare.open` as a :class:`gpushare.Bundle`.
+
+    A :class:`Share` in every other way: plain data, pickled or sent as
+    :meth:`~Share.to_bytes` and validated the same way, its manifest (each
+    allocation, and each tensor's offset, dtype, shape and strides in it)
+    included.  ``nbytes`` is the bytes of all its allocations.
+    """
+
+    __slots__ = ()
+
+
+def _bundle_of(manifest: Any, fields: tuple) -> _manifest.Manifest:
+    """A bundle's manifest, validated, and checked against the share's own
+    fields (which describe the bundle as a whole)."""
+    decoded = _manifest.decode(manifest)
+    parts = decoded.parts
+    nbytes, device, shape, typestr, offers, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 13))
+    union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
+    total = sum(part.nbytes for part in parts)
+    if (nbytes != total or device != parts[0].device or shape != (nbytes,) or typestr != "|u1" or offers != union
+            or fields[14:18] != (0, None, None, None) or (readonly and not all(p.readonly for p in parts))):
+        raise InvalidInputError("a bundle's share fields do not describe its manifest (altered or corrupt)")
+    return decoded

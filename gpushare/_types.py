@@ -10,6 +10,7 @@ Path names and handle types are spelled with hyphens (``"posix-fd"``,
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "deadline",
     "positive_timeout",
     "close_all",
+    "strict_json",
     "OLD_HANDLE_TYPES",
     "Completion",
 ]
@@ -218,3 +220,33 @@ class Completion(Protocol):
     def __await__(self) -> Generator[Any, None, Any]:
         """``await`` it: the asyncio form of :meth:`wait`, without blocking the loop."""
         ...
+
+
+def strict_json(data: Any, limit: int, caller: str, what: str) -> Any:
+    """Bytes from another process read as bounded, strict JSON: ASCII, at most
+    ``limit`` bytes, no duplicate keys, floats or constants (``NaN``)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{caller} expects bytes, not {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > limit:
+        raise InvalidInputError(f"{what} is {len(data)} bytes; at most {limit}")
+    try:
+        return json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_float=_no_float)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InvalidInputError(f"{what} bytes are not ASCII JSON from {caller.split('.')[0]}.to_bytes") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _no_float(text: str) -> Any:
+    raise ValueError("floats are not allowed")

@@ -30,12 +30,12 @@ from ._errors import (
 from ._share import Share
 from ._types import PathName
 
-__all__ = ["View"]
+__all__ = ["View", "MappingUse", "with_timeout"]
 
 log = logging.getLogger("gpushare.api")
 
 
-class _MappingUse:
+class MappingUse:
     """Who still uses a view's mapping: the view itself and every DLPack
     tensor made from it.  The mapping is unmapped when the last of them lets
     go, never under a live array."""
@@ -91,7 +91,26 @@ def _end_lease(lease: list) -> None:
     lease.clear()
 
 
-def _release_view(use: _MappingUse | None, lease: list) -> None:
+class _Once:
+    """What :func:`weakref.finalize` is to a view, for a view its bundle keeps
+    (and closes): drops the view's use of the mapping once."""
+
+    __slots__ = ("use",)
+
+    def __init__(self, use: MappingUse) -> None:
+        self.use: MappingUse | None = use
+
+    @property
+    def alive(self) -> bool:
+        return self.use is not None
+
+    def __call__(self) -> None:
+        use, self.use = self.use, None
+        if use is not None:
+            use.drop()
+
+
+def _release_view(use: MappingUse | None, lease: list) -> None:
     _end_lease(lease)
     if use is not None:
         use.drop()
@@ -149,9 +168,11 @@ class View:
         raise TypeError("View objects are made by gpushare.open")
 
     @classmethod
-    def _make(cls, share: Share, path: str, why: str, opened: Any) -> View:
+    def _make(cls, share: Share, path: str, why: str, opened: Any, use: MappingUse | None = None) -> View:
         """A view of ``share`` over ``path``: ``opened`` holds the path's
-        mapping or transport (or, in the exporting process, its object)."""
+        mapping or transport (or, in the exporting process, its object).
+        ``use``: the mapping's users, where other views share the mapping
+        (a bundle's tensors of one allocation); this view becomes one."""
         target, mapped, transport = opened.target, opened.mapping, opened.transport
         self = object.__new__(cls)
         self.share = share
@@ -170,11 +191,18 @@ class View:
         self._lease: list = []
         self._closed = False
         self._cai_taken = False
-        self._use = _MappingUse(mapped) if mapped is not None else None
+        if use is not None:
+            use.acquire()
+            self._use: MappingUse | None = use
+        else:
+            self._use = MappingUse(mapped) if mapped is not None else None
         # Mapped host memory: get/put of NumPy arrays take a short path (see _fast_array).
         self._fast_ok = mapped is not None and self.device == "host" and share.strides is None
         self._fast: Any = None
-        self._finalizer = weakref.finalize(self, _release_view, self._use, self._lease)
+        # A bundle's tensor (``use`` given) lives in its bundle until the bundle
+        # closes it: no finalizer of its own is needed, only the call once.
+        self._finalizer = _Once(self._use) if use is not None else weakref.finalize(
+            self, _release_view, self._use, self._lease)
         return self
 
     def _attach_lease(self, lease: Any, why: str) -> None:
@@ -475,14 +503,14 @@ class View:
         loop.  CUDA copies are queued on the stream and their completion
         awaited (no thread); host copies run in a worker thread.
         :class:`WaitTimeoutError` after ``timeout`` seconds."""
-        await _with_timeout(self._transfer(dst, offset, "get", stream), timeout)
+        await with_timeout(self._transfer(dst, offset, "get", stream), timeout)
 
     async def put_async(self, src: Any, offset: int = 0, *, stream: Any = None,
                         timeout: float | None = None) -> None:
         """:meth:`put` for asyncio; done when the bytes are visible to every
         process that maps the memory (remote puts are flushed)."""
         self._check_writable()
-        await _with_timeout(self._transfer(src, offset, "put", stream), timeout)
+        await with_timeout(self._transfer(src, offset, "put", stream), timeout)
 
     async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
         transport = self._transport
@@ -515,7 +543,7 @@ def start_copy(view: View, offset: int, buf: Any, direction: str) -> Any:
     return view._copy(buf, offset, direction, None)
 
 
-async def _with_timeout(transfer: Any, timeout: float | None) -> None:
+async def with_timeout(transfer: Any, timeout: float | None) -> None:
     if timeout is None:
         await transfer
         return

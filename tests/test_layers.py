@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     # L0 base: stdlib only
     "_version": 0, "_errors": 0, "_types": 0, "_process": 0, "_memory": 0,
     # L1 data and wire
-    "_descriptors": 1, "_share": 1, "_buffers": 1, "_dlpack": 1, "_auth": 1, "_control": 1, "_launch": 1,
+    "_descriptors": 1, "_manifest": 1, "_share": 1, "_buffers": 1, "_dlpack": 1, "_auth": 1, "_control": 1, "_launch": 1,
     # L2 engines
     "_service": 2, "_cuda/": 2, "_ucx/": 2,
     # L3 paths
@@ -35,7 +35,8 @@ LAYERS: dict[str, int] = {
     # L4 endpoints
     "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4,
     # L5 sharing API
-    "_view": 5, "_export": 5, "_open": 5, "_batch": 5,
+    "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_reach": 5, "_open_tree": 5, "_open": 5,
+    "_batch": 5, "_bundle": 5,
     # L6 built on the API
     "_channel_wire": 6, "_channel": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
     # L7 surface: may import everything

@@ -68,6 +68,8 @@ class Grant:
     on_end: Any = None
     state: Any = None
     path: Any = None  # set by the exporter: the path that made it
+    #: A bundle's lease: the grant of each of its allocations, in order.
+    parts: list | None = None
 
 
 @dataclass
@@ -125,11 +127,13 @@ class Mapped:
 
 @dataclass(frozen=True)
 class Options:
-    """How an importer opens: the device to map on, the seconds left, prefault."""
+    """How an importer opens: the device to map on, the seconds left,
+    prefault, and for a bundle the allocation (its index) being opened."""
 
     device: int | None = None
     timeout: float = 10.0
     prefault: bool = False
+    part: int | None = None
 
 
 def same_node(share: Share, here: Here) -> bool:

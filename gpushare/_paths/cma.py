@@ -306,7 +306,7 @@ class Cma:
         no_fds(self.name, fds)
         if grant or lease is None or share.device != "host":
             raise InvalidInputError("exporter sent a malformed cma offer")
-        return Opened(transport=CmaTransport(lease))  # the exporter copies, over the lease
+        return Opened(transport=CmaTransport(lease, how.part))  # the exporter copies, over the lease
 
 
 PATH = Cma()
@@ -319,25 +319,32 @@ def serve_copy(session: Any, conn: Any, rid: Any, msg: dict) -> None:
     session: its grants, its refusals and its count of queued copies."""
     lease = msg.get("lease")
     grant = session.grants.get(lease) if type(lease) is int else None
+    export = session.leases.get(lease) if grant is not None else None
+    served = export
+    if grant is not None and grant.parts is not None:  # a bundle's lease: the copy names its allocation
+        part = msg.get("part")
+        if type(part) is not int or not 0 <= part < len(grant.parts):
+            session.refuse(conn, rid, "bad", "a cma copy of a bundle names one of its allocations")
+            return
+        grant, served = grant.parts[part], export.parts[part]
     entry = grant.state if grant is not None and grant.path is PATH else None
     if entry is None:
         session.refuse(conn, rid, "closed", "this connection holds no open cma lease by that id")
         return
-    export = session.leases[lease]
     direction, offset, n, address = msg.get("dir"), msg.get("offset"), msg.get("n"), msg.get("addr")
     if direction not in ("get", "put") or not all(type(v) is int for v in (offset, n, address)) or not (
             0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
         session.refuse(conn, rid, "bad", "malformed cma request")
         return
     pinned, process = entry
-    if offset + n > min(export.nbytes, pinned.nbytes):
-        session.refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {export.nbytes}")
+    if offset + n > min(served.nbytes, pinned.nbytes):
+        session.refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {served.nbytes}")
         return
     refusal = _refusal(session, export, lease)
     if refusal is not None:
         session.refuse(conn, rid, refusal, session.refusal_text(refusal, export.policy))
         return
-    if direction == "put" and export.readonly:
+    if direction == "put" and served.readonly:
         session.refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
         return
     if not session.take_copy():
@@ -384,8 +391,9 @@ class CmaTransport:
 
     host_only = True
 
-    def __init__(self, lease: Any) -> None:
+    def __init__(self, lease: Any, part: int | None = None) -> None:
         self.lease = lease
+        self.part = part  # a bundle's allocation, which each copy names
         self.batch_key = self  # every item its own request on the connection
 
     def start(self, direction: str, offset: int, local: Any) -> Any:
@@ -396,6 +404,8 @@ class CmaTransport:
             local.release()
             return None
         message = {"op": OP, "dir": direction, "offset": offset, "addr": local.address, "n": local.nbytes}
+        if self.part is not None:
+            message["part"] = self.part
         return Transfer(self.lease, self.lease.submit(message, keep=local), direction)
 
     def _move(self, direction: str, offset: int, buf: Any, timeout: float | None, span: Any) -> None:

@@ -1,0 +1,435 @@
+"""The open bundle: :class:`Bundle`, many tensors of one share.
+
+A bundle holds what its open made for each allocation (a mapping, a
+transport, or in the exporting process its own objects) and one lease.
+Its items mirror the exported tree: a tensor is a :class:`View` (made on
+first use, then kept) over its allocation's mapping or transport at the
+tensor's offset; a dict, list or tuple is a bundle node over the same
+state.  Copies of many tensors travel as one batch (:mod:`gpushare._batch`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import _batch
+from ._arrays import empty
+from ._errors import ClosedError, InvalidInputError, UnsupportedError
+from ._manifest import Manifest
+from ._paths import Opened
+from ._share import Share
+from ._view import MappingUse, View, with_timeout
+
+__all__ = ["Bundle", "Shifted"]
+
+
+class Shifted:
+    """A transport of one allocation, seen from one tensor at ``base`` in it:
+    offsets are the tensor's, the allocation's transport gets them moved."""
+
+    __slots__ = ("inner", "base", "batch_key", "host_only")
+
+    def __init__(self, inner: Any, base: int) -> None:
+        self.inner, self.base = inner, base
+        self.batch_key = inner.batch_key
+        self.host_only = inner.host_only
+
+    def _callbacks(self, span: Any, check: Any) -> tuple[Any, Any]:
+        base = self.base
+
+        def moved_span(buf: Any, offset: int, writable: bool, stream: Any = None) -> Any:
+            local, off = span(buf, offset - base, writable, stream)
+            return local, off + base
+
+        def moved_check(buf: Any, offset: int, writable: bool) -> None:
+            check(buf, offset - base, writable)
+
+        return moved_span, moved_check
+
+    def get(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self.inner.get(offset + self.base, buf, timeout, stream, *self._callbacks(span, check))
+
+    def put(self, offset: int, buf: Any, timeout: float | None, stream: Any, span: Any, check: Any) -> None:
+        self.inner.put(offset + self.base, buf, timeout, stream, *self._callbacks(span, check))
+
+    async def get_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self.inner.get_async(offset + self.base, buf, stream, self._callbacks(span, None)[0])
+
+    async def put_async(self, offset: int, buf: Any, stream: Any, span: Any) -> None:
+        await self.inner.put_async(offset + self.base, buf, stream, self._callbacks(span, None)[0])
+
+    def batch(self, items: list, direction: str) -> list:
+        return self.inner.batch([(t.inner, offset + t.base, buf) for t, offset, buf in items], direction)
+
+    def close(self) -> None:
+        pass  # the allocation's transport is the bundle's
+
+
+class _State:
+    """What one open of a bundle holds, shared by its nodes and views."""
+
+    def __init__(self, share: Share, manifest: Manifest, parts: list[Share], paths: list[str], opened: list[Opened],
+                 whys: list[str], lease: Any, targets: list[Any] | None) -> None:
+        self.share = share
+        self.manifest = manifest
+        self.parts = parts
+        self.paths = paths
+        self.opened = opened
+        self.whys = whys
+        self.lease = lease
+        self.targets = targets  # in the exporting process: the tensors themselves
+        self.uses = [MappingUse(o.mapping) if o.mapping is not None else None for o in opened]
+        self.views: dict[int, View] = {}
+        self._bytes: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def host_bytes(self, part: int) -> Any:
+        """Mapped host allocation ``part`` as a NumPy byte array (made once), or None."""
+        found = self._bytes.get(part)
+        if found is None:
+            mapping = self.opened[part].mapping
+            if mapping is None or mapping.device != "host":
+                return None
+            found = self._bytes[part] = np.frombuffer(mapping.memoryview(), dtype=np.uint8)
+        return found
+
+    def view(self, i: int) -> View:
+        with self.lock:
+            if self.closed:
+                raise ClosedError("bundle is closed")
+            view = self.views.get(i)
+            if view is None:
+                view = self.views[i] = self._make(i)
+            return view
+
+    def _make(self, i: int, *, raw: bool = False) -> View:
+        leaf = self.manifest.leaf(i)
+        part = self.parts[leaf.part]
+        path = self.paths[leaf.part]
+        if raw:  # its bytes, for a strided tensor copied out as bytes
+            leaf_shape, typestr, strides, name, dl = (leaf.nbytes,), "|u1", None, None, None
+        else:
+            leaf_shape, typestr, strides, name, dl = leaf.shape, leaf.typestr, leaf.strides, leaf.dtype_name, \
+                leaf.dlpack_dtype
+        f = part._fields_
+        share = Share._trusted(f[:6] + (leaf.nbytes, f[7], leaf_shape, typestr, f[10], f[11], f[12], f[13],
+                                        leaf.offset, name, dl, strides, None))
+        opened = self.opened[leaf.part]
+        if self.targets is not None:
+            return View._make(share, path, self.whys[leaf.part], Opened(target=self.targets[i]))
+        if opened.transport is not None:
+            return View._make(share, path, self.whys[leaf.part], Opened(transport=Shifted(opened.transport,
+                                                                                         leaf.offset)))
+        return View._make(share, path, self.whys[leaf.part], Opened(mapping=opened.mapping),
+                          use=self.uses[leaf.part])
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            views, self.views = list(self.views.values()), {}
+        self._bytes = {}
+        for view in views:
+            view.close()
+        _release(self.lease, self.uses, self.opened)
+
+
+def _release(lease: Any, uses: list, opened: list[Opened]) -> None:
+    if lease is not None:
+        lease.close()
+    for use in uses:
+        if use is not None:
+            use.drop()
+    for o in opened:
+        if o.transport is not None:
+            o.transport.close()
+
+
+class Bundle:
+    """An open bundle: many tensors of one share, made by :func:`gpushare.open`
+    of a share that :func:`gpushare.export` made of a dict, list or tuple.
+
+    Its items mirror the exported tree: ``bundle["w"]`` (or ``bundle[3]``)
+    is a :class:`View` of that tensor, with its own dtype, shape and
+    strides, zero-copy where its allocation is mapped (``numpy.asarray``,
+    ``torch.from_dlpack``...), or a nested bundle for a dict, list or tuple
+    in the tree.  :meth:`tree` gives the whole structure of views;
+    :meth:`get` and :meth:`put` copy many tensors as one batch.  A bundle is
+    one lease with its exporter; :meth:`close` ends it and closes every view
+    made from it (DLPack tensors keep their mapping until released).  A
+    context manager, also an asynchronous one.
+
+    Attributes
+    ----------
+    share : Share
+        The bundle's share.
+    why : str
+        One line per allocation: the path it was opened on, and why.
+    paths : tuple of str
+        The path of each allocation.
+    count : int
+        Tensors in the whole bundle.
+    """
+
+    __slots__ = ("_state", "_node", "_finalizer", "__weakref__")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Bundle objects are made by gpushare.open")
+
+    @classmethod
+    def _make(cls, state: _State, node: Any, finalizer: Any = None) -> Bundle:
+        self = object.__new__(cls)
+        self._state = state
+        self._node = node
+        self._finalizer = finalizer if finalizer is not None else weakref.finalize(
+            self, _release, state.lease, state.uses, state.opened)
+        return self
+
+    # -- what it holds -----------------------------------------------------
+    @property
+    def share(self) -> Share:
+        return self._state.share
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(self._state.paths)
+
+    @property
+    def count(self) -> int:
+        return self._state.manifest.count
+
+    @property
+    def why(self) -> str:
+        s = self._state
+        lines = []
+        for i, (part, why) in enumerate(zip(s.parts, s.whys, strict=True)):
+            where = "host memory" if part.device == "host" else f"CUDA memory of device {part.device}"
+            lines.append(f"allocation {i} ({part.nbytes} bytes of {where}, "
+                         f"{len(s.manifest.leaves_of(i))} tensors): {why}")
+        return "\n".join(lines)
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    @property
+    def kind(self) -> type:
+        """``dict``, ``list`` or ``tuple``: what this node of the tree was exported as."""
+        return {"d": dict, "l": list, "t": tuple}[self._node[0]]
+
+    def _check(self) -> None:
+        if self._state.closed:
+            raise ClosedError("bundle is closed")
+
+    def _item(self, node: Any) -> Any:
+        if type(node) is int:
+            return self._state.view(node)
+        return Bundle._make(self._state, node, self._finalizer)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check()
+        kind, items = self._node
+        if kind == "d":
+            for name, node in items:
+                if name == key:
+                    return self._item(node)
+            raise KeyError(key)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"a {self.kind.__name__} of the bundle is indexed by int, not {type(key).__name__}")
+        return self._item(items[key])
+
+    def __len__(self) -> int:
+        return len(self._node[1])
+
+    def __iter__(self) -> Iterator[Any]:
+        """Keys of a dict node (as a dict iterates); the items of a list or tuple node."""
+        kind, items = self._node
+        if kind == "d":
+            return iter([name for name, _ in items])
+        return iter([self._item(node) for node in items])
+
+    def __contains__(self, key: object) -> bool:
+        return self._node[0] == "d" and any(name == key for name, _ in self._node[1])
+
+    def keys(self) -> list[str]:
+        """The keys of a dict node."""
+        if self._node[0] != "d":
+            raise TypeError(f"a {self.kind.__name__} of the bundle has no keys")
+        return [name for name, _ in self._node[1]]
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(key, view or bundle) of a dict node."""
+        return [(name, self._item(node)) for name, node in self._node[1]] if self._node[0] == "d" else list(
+            enumerate(self))
+
+    def tree(self) -> Any:
+        """The same structure as the exported tree (dicts, lists, tuples), of views."""
+        self._check()
+        return _build(self._node, self._state.view)
+
+    # -- copies --------------------------------------------------------------
+    def get(self, dests: Any = None, *, timeout: float | None = 60.0) -> Any:
+        """Copy tensors out, as one batch.
+
+        With no ``dests``: a structure like the tree of fresh arrays (NumPy
+        for host memory, :class:`gpushare.CudaArray` for CUDA memory) holding
+        the tensors' values, and returns it.  With ``dests``, a structure like
+        (part of) the tree whose leaves are buffers: copies each tensor into
+        its buffer (``len(buf)`` bytes from the tensor's start) and returns
+        ``dests``.  Either way the bytes are there when it returns.
+        """
+        out, items = self._targets(dests, "get")
+        _batch.get_batch(items).wait(timeout)
+        return dests if dests is not None else _finish(out)
+
+    def put(self, srcs: Any, *, timeout: float | None = 60.0) -> None:
+        """Copy ``srcs`` (a structure like part of the tree, of buffers) into
+        the tensors, as one batch; read-only bundles refuse it."""
+        _, items = self._targets(srcs, "put")
+        _batch.put_batch(items).wait(timeout)
+
+    async def get_async(self, dests: Any = None, *, timeout: float | None = None) -> Any:
+        """:meth:`get` for asyncio: awaits the batch's completion."""
+        out, items = self._targets(dests, "get")
+        await with_timeout(_awaited(_batch.get_batch(items)), timeout)
+        return dests if dests is not None else _finish(out)
+
+    async def put_async(self, srcs: Any, *, timeout: float | None = None) -> None:
+        """:meth:`put` for asyncio."""
+        _, items = self._targets(srcs, "put")
+        await with_timeout(_awaited(_batch.put_batch(items)), timeout)
+
+    def _targets(self, given: Any, direction: str) -> tuple[Any, list[tuple[View, int, Any]]]:
+        """(the structure returned, the batch's items)."""
+        self._check()
+        s = self._state
+        items: list[tuple[View, int, Any]] = []
+        if given is None:
+            if direction == "put":
+                raise InvalidInputError("put needs the buffers to copy in")
+            return _build(self._node, lambda i: _fresh(s, i, items)), items
+        _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
+        return given, items
+
+    # -- state ---------------------------------------------------------------
+    def close(self) -> None:
+        """End the bundle's lease and close every view made from it (idempotent)."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+        self._state.close()
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Bundle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self._state
+        state = "closed" if s.closed else "via " + ", ".join(sorted(set(s.paths)))
+        return (f"<gpushare.Bundle {self.kind.__name__} of {len(self)}, {self.count} tensors in {len(s.parts)} "
+                f"allocations {state}>")
+
+
+class _Strided:
+    """A strided tensor copied out as its bytes, made an array once they are in."""
+
+    __slots__ = ("raw", "shape", "strides", "dtype")
+
+    def __init__(self, raw: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> None:
+        self.raw, self.shape, self.strides, self.dtype = raw, shape, strides, dtype
+
+    def result(self) -> Any:
+        typed = self.raw.view(self.dtype)
+        return np.ascontiguousarray(np.lib.stride_tricks.as_strided(typed, shape=self.shape, strides=self.strides))
+
+
+def _fresh(s: _State, i: int, items: list) -> Any:
+    """A new array for tensor ``i``, with its copy added to ``items``."""
+    leaf = s.manifest.leaf(i)
+    part = s.parts[leaf.part]
+    if part.device != "host":
+        if leaf.strides is not None:
+            raise UnsupportedError(f"tensor {i} is a strided CUDA array: copy it with numpy or DLPack")
+        dst = empty(leaf.shape, leaf.typestr, device=s.view(i).device)
+        if leaf.nbytes:
+            items.append((s.view(i), 0, dst))
+        return dst
+    dtype = np.dtype(leaf.typestr)
+    whole = s.host_bytes(leaf.part)
+    if whole is not None:  # mapped host memory: copied here and now
+        return np.array(np.ndarray(leaf.shape, dtype=dtype, buffer=whole, offset=leaf.offset, strides=leaf.strides))
+    if leaf.strides is None:
+        dst = np.empty(leaf.shape, dtype=dtype)
+        if leaf.nbytes:
+            items.append((s.view(i), 0, dst))
+        return dst
+    raw = np.empty(leaf.nbytes, dtype=np.uint8)
+    items.append((s._make(i, raw=True), 0, raw))
+    return _Strided(raw, leaf.shape, leaf.strides, dtype)
+
+
+def _build(node: Any, leaf: Any) -> Any:
+    if type(node) is int:
+        return leaf(node)
+    kind, items = node
+    if kind == "d":
+        return {name: _build(sub, leaf) for name, sub in items}
+    out = [_build(sub, leaf) for sub in items]
+    return out if kind == "l" else tuple(out)
+
+
+def _finish(fresh: Any) -> Any:
+    """Fresh arrays once their bytes are in (strided tensors made arrays)."""
+    return _build_from(fresh, lambda leaf: leaf.result() if isinstance(leaf, _Strided) else leaf)
+
+
+def _build_from(given: Any, leaf: Any) -> Any:
+    if isinstance(given, dict):
+        return {k: _build_from(v, leaf) for k, v in given.items()}
+    if isinstance(given, list):
+        return [_build_from(v, leaf) for v in given]
+    if isinstance(given, tuple):
+        return tuple(_build_from(v, leaf) for v in given)
+    return leaf(given)
+
+
+def _pair(node: Any, given: Any, add: Any, where: str) -> None:
+    """Walk ``given`` (part of the tree's structure) along ``node``."""
+    if type(node) is int:
+        if isinstance(given, (dict, list, tuple)):
+            raise InvalidInputError(f"bundle item {where or '[]'} is a tensor; got a {type(given).__name__}")
+        add(node, given)
+        return
+    kind, items = node
+    if kind == "d":
+        if not isinstance(given, dict):
+            raise InvalidInputError(f"bundle item {where or '[]'} is a dict; got a {type(given).__name__}")
+        names = dict(items)
+        for key, value in given.items():
+            if key not in names:
+                raise InvalidInputError(f"the bundle has no item {where}[{key!r}]")
+            _pair(names[key], value, add, f"{where}[{key!r}]")
+        return
+    if not isinstance(given, (list, tuple)) or len(given) != len(items):
+        raise InvalidInputError(f"bundle item {where or '[]'} is a {'list' if kind == 'l' else 'tuple'} of "
+                                f"{len(items)}; got {type(given).__name__} of {len(given) if hasattr(given, '__len__') else '?'}")
+    for j, (sub, value) in enumerate(zip(items, given, strict=True)):
+        _pair(sub, value, add, f"{where}[{j}]")
+
+
+async def _awaited(request: Any) -> None:
+    await request

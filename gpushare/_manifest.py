@@ -1,0 +1,342 @@
+"""A bundle's manifest: what one share of many tensors says of them.
+
+A bundle (:func:`gpushare.export` of a dict, list or tuple) is one share of
+*parts*, each one allocation offered on its own paths, and *leaves*, each a
+tensor at an offset of one part with its own dtype, shape and strides, and
+the *tree* that names them.  The manifest is that, as compressed JSON of
+columns, a few bytes a tensor; the share carries it as bytes.
+
+Read from another process it is untrusted: :func:`decode` checks every
+count, index, offset, dtype, shape and stride (with NumPy, a whole column at
+a time) and that each leaf lies inside its part, before anything is mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import InvalidInputError
+from ._types import PATH_NAMES, strict_json
+
+__all__ = ["Manifest", "Part", "Leaf", "encode", "decode", "MAX_TENSORS", "MAX_PARTS", "MAX_MANIFEST_BYTES"]
+
+MANIFEST_FORMAT = 1
+#: The most tensors one bundle holds.
+MAX_TENSORS = 1 << 20
+#: The most allocations (parts) one bundle holds.
+MAX_PARTS = 1 << 16
+#: The most bytes a manifest is, compressed and decompressed.
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_DECODED_BYTES = 64 << 20
+#: The deepest a tree nests.
+MAX_DEPTH = 64
+_MAX_DIMS = 32
+_MAX_NBYTES = 1 << 56
+_MAX_KEY = 1024
+_TYPESTR = re.compile(r"[<>|=][biufcV][0-9]{1,4}\Z", re.ASCII)
+_DTYPE_NAME = re.compile(r"^[A-Za-z0-9_\[\]<>|=,. ]{1,64}\Z")
+_KINDS = {"d": dict, "l": list, "t": tuple}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One allocation of a bundle: where it lives, its size, its paths."""
+
+    device: int | str  # "host" or a CUDA ordinal
+    nbytes: int
+    offers: tuple[str, ...]
+    readonly: bool
+    fabric: str | None
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor: its part, its offset there, what its elements are."""
+
+    part: int
+    offset: int
+    nbytes: int  # the bytes it spans in its part
+    shape: tuple[int, ...]
+    typestr: str
+    dtype_name: str | None
+    dlpack_dtype: tuple[int, int, int] | None
+    strides: tuple[int, ...] | None
+
+
+class Manifest:
+    """A validated manifest: its parts, its leaves (made on demand), its tree."""
+
+    __slots__ = ("parts", "tree", "digest", "_part_column", "_columns", "_dtypes", "_dims_at", "_strides", "_spans",
+                 "count")
+
+    def __init__(self, parts: tuple[Part, ...], tree: Any, digest: bytes, columns: tuple[np.ndarray, ...],
+                 dtypes: list[tuple[str, str | None, tuple[int, int, int] | None]], dims_at: np.ndarray,
+                 strides: dict[int, tuple[int, ...]], spans: np.ndarray) -> None:
+        self.parts = parts
+        self.tree = tree
+        self.digest = digest
+        self._part_column = columns[0]
+        # Python lists: a leaf is read an element at a time
+        self._columns = tuple(c.tolist() for c in columns)
+        self._dtypes = dtypes
+        self._dims_at = dims_at.tolist()
+        self._strides = strides
+        self._spans = spans.tolist()
+        self.count = len(self._spans)
+
+    def leaf(self, i: int) -> Leaf:
+        part, offset, dtype, ndim, dims = self._columns
+        at = self._dims_at[i]
+        typestr, name, dl = self._dtypes[dtype[i]]
+        return Leaf(part[i], offset[i], self._spans[i], tuple(dims[at:at + ndim[i]]), typestr, name, dl,
+                    self._strides.get(i))
+
+    def leaves_of(self, part: int) -> list[int]:
+        """The leaves that lie in ``part``."""
+        return np.flatnonzero(self._part_column == part).tolist()
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(parts: list[Part], leaves: list[Leaf], tree: Any) -> bytes:
+    """The manifest of ``parts`` and ``leaves`` named by ``tree`` (a nest of
+    ``("d", [(key, node)...])``, ``("l", [...])``, ``("t", [...])`` and leaf
+    indices), compressed."""
+    dtypes: dict[tuple, int] = {}
+    col_part, col_offset, col_dtype, col_ndim, dims, strided, strides = [], [], [], [], [], [], []
+    for i, leaf in enumerate(leaves):
+        key = (leaf.typestr, leaf.dtype_name, leaf.dlpack_dtype)
+        col_part.append(leaf.part)
+        col_offset.append(leaf.offset)
+        col_dtype.append(dtypes.setdefault(key, len(dtypes)))
+        col_ndim.append(len(leaf.shape))
+        dims.extend(leaf.shape)
+        if leaf.strides is not None:
+            strided.append(i)
+            strides.extend(leaf.strides)
+    doc = {
+        "v": MANIFEST_FORMAT,
+        "parts": [[-1 if p.device == "host" else p.device, p.nbytes, _mask(p.offers), int(p.readonly), p.fabric]
+                  for p in parts],
+        "dtypes": [[t, n, list(d) if d is not None else None] for t, n, d in dtypes],
+        "part": col_part, "offset": col_offset, "dtype": col_dtype, "ndim": col_ndim, "dims": dims,
+        "strided": strided, "strides": strides, "tree": _tree_doc(tree),
+    }
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    if len(raw) > MAX_DECODED_BYTES:
+        raise InvalidInputError(f"the bundle's manifest is {len(raw)} bytes; at most {MAX_DECODED_BYTES} "
+                                "(fewer tensors, or shorter names)")
+    return zlib.compress(raw, 1)
+
+
+def _mask(offers: tuple[str, ...]) -> int:
+    return sum(1 << PATH_NAMES.index(p) for p in offers)
+
+
+def _tree_doc(node: Any) -> Any:
+    if isinstance(node, int):
+        return node
+    kind, items = node
+    if kind == "d":
+        out: list[Any] = ["d"]
+        for key, sub in items:
+            out.append(key)
+            out.append(_tree_doc(sub))
+        return out
+    return [kind, *(_tree_doc(sub) for sub in items)]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def digest(data: bytes) -> bytes:
+    """What the importer tells the exporter of the manifest it holds."""
+    return hashlib.sha256(data).digest()
+
+
+def decode(data: Any) -> Manifest:
+    """The manifest in ``data`` (bytes from another process), validated."""
+    if not isinstance(data, bytes):
+        raise InvalidInputError(f"a bundle's manifest is bytes, not {type(data).__name__}")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidInputError(f"a bundle's manifest is {len(data)} bytes; at most {MAX_MANIFEST_BYTES}")
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(data, MAX_DECODED_BYTES)
+    except zlib.error:
+        raise InvalidInputError("a bundle's manifest is not zlib data") from None
+    if inflate.unconsumed_tail or not inflate.eof or inflate.unused_data:
+        raise InvalidInputError(f"a bundle's manifest inflates past {MAX_DECODED_BYTES} bytes, or is cut short "
+                                "or followed by other bytes")
+    doc = strict_json(raw, MAX_DECODED_BYTES, "Share.from_bytes", "bundle manifest")
+    if not isinstance(doc, dict) or set(doc) != {"v", "parts", "dtypes", "part", "offset", "dtype", "ndim",
+                                                 "dims", "strided", "strides", "tree"}:
+        raise InvalidInputError("a bundle's manifest has the wrong fields")
+    if type(doc["v"]) is not int or doc["v"] != MANIFEST_FORMAT:
+        raise InvalidInputError(f"bundle manifest format {doc['v']!r:.20}; this gpushare reads {MANIFEST_FORMAT}")
+    parts = _parts(doc["parts"])
+    dtypes = _dtypes(doc["dtypes"])
+    count = _length(doc["part"], "part", MAX_TENSORS)
+    part = _column(doc["part"], "part", count, 0, len(parts) - 1)
+    offset = _column(doc["offset"], "offset", count, 0, _MAX_NBYTES)
+    dtype = _column(doc["dtype"], "dtype", count, 0, len(dtypes) - 1)
+    ndim = _column(doc["ndim"], "ndim", count, 0, _MAX_DIMS)
+    total_dims = int(ndim.sum())
+    dims = _column(doc["dims"], "dims", total_dims, 0, _MAX_NBYTES)
+    dims_at = np.zeros(count, dtype=np.int64)
+    if count:
+        np.cumsum(ndim[:-1], out=dims_at[1:])
+    itemsize = np.array([int(t[2:]) for t, _, _ in dtypes], dtype=np.int64)[dtype] if count else np.zeros(0, np.int64)
+    elements = _elements(dims, ndim, dims_at, count)
+    spans = elements * itemsize  # contiguous leaves; the strided ones are set below
+    strided = doc["strided"]
+    n_strided = _length(strided, "strided", count)
+    which = _column(strided, "strided", n_strided, 0, count - 1 if count else 0)
+    if n_strided and (np.any(np.diff(which) <= 0)):
+        raise InvalidInputError("a bundle's strided leaves must be listed once each, in order")
+    stride_dims = int(ndim[which].sum()) if n_strided else 0
+    flat = _column(doc["strides"], "strides", stride_dims, 0, _MAX_NBYTES)
+    strides: dict[int, tuple[int, ...]] = {}
+    at = 0
+    for i in which.tolist():
+        n = int(ndim[i])
+        st = tuple(int(s) for s in flat[at:at + n])
+        at += n
+        size = int(itemsize[i])
+        if any(s % size for s in st):
+            raise InvalidInputError(f"bundle tensor {i}: stride {st} is not a whole number of {size}-byte items")
+        shape = dims[int(dims_at[i]):int(dims_at[i]) + n].tolist()
+        spans[i] = 0 if int(elements[i]) == 0 else size + sum((d - 1) * s for d, s in zip(shape, st, strict=True))
+        strides[i] = st
+    if count:
+        part_sizes = np.array([p.nbytes for p in parts], dtype=np.int64)
+        past = offset + spans > part_sizes[part]
+        if np.any(past):
+            i = int(np.flatnonzero(past)[0])
+            raise InvalidInputError(f"bundle tensor {i} spans {int(spans[i])} bytes at offset {int(offset[i])}, "
+                                    f"past the {int(part_sizes[part[i]])} bytes of its allocation")
+    seen = bytearray(count)
+    tree = _tree(doc["tree"], seen, 0)
+    if seen.count(0):
+        raise InvalidInputError(f"the bundle's tree leaves out tensor {seen.index(0)}")
+    return Manifest(parts, tree, digest(data), (part, offset, dtype, ndim, dims), dtypes, dims_at, strides, spans)
+
+
+def _length(value: Any, what: str, most: int) -> int:
+    if not isinstance(value, list):
+        raise InvalidInputError(f"a bundle's {what} column is not a list")
+    if len(value) > most:
+        raise InvalidInputError(f"a bundle's {what} column has {len(value)} entries; at most {most}")
+    return len(value)
+
+
+def _column(value: Any, what: str, count: int, lo: int, hi: int) -> np.ndarray:
+    """A column of ``count`` ints in [lo, hi], as int64."""
+    if not isinstance(value, list) or len(value) != count:
+        raise InvalidInputError(f"a bundle's {what} column must list {count} ints")
+    if any(type(v) is not int for v in value):
+        raise InvalidInputError(f"a bundle's {what} column must hold ints only")
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    if min(value) < lo or max(value) > hi:
+        raise InvalidInputError(f"a bundle's {what} column holds a value outside {lo} to {hi}")
+    return np.array(value, dtype=np.int64)
+
+
+def _elements(dims: np.ndarray, ndim: np.ndarray, dims_at: np.ndarray, count: int) -> np.ndarray:
+    """Elements of each leaf, the product of its dims (refused where it
+    could not fit in memory, before any product overflows)."""
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    owner = np.repeat(np.arange(count), ndim)
+    rough = np.ones(count, dtype=np.float64)
+    np.multiply.at(rough, owner, dims.astype(np.float64))
+    if np.any(rough > float(_MAX_NBYTES)):
+        i = int(np.flatnonzero(rough > float(_MAX_NBYTES))[0])
+        raise InvalidInputError(f"bundle tensor {i}'s shape has more elements than any memory holds")
+    exact = np.ones(count, dtype=np.int64)
+    np.multiply.at(exact, owner, dims)
+    return exact
+
+
+def _parts(value: Any) -> tuple[Part, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_PARTS:
+        raise InvalidInputError(f"a bundle lists 1 to {MAX_PARTS} allocations")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise InvalidInputError(f"bundle allocation {i} is not a [device, nbytes, offers, readonly, fabric] list")
+        device, nbytes, mask, readonly, fabric = entry
+        if type(device) is not int or not -1 <= device < 1 << 16:
+            raise InvalidInputError(f"bundle allocation {i}: device {device!r:.20} is not -1 (host) or an ordinal")
+        if type(nbytes) is not int or not 1 <= nbytes <= _MAX_NBYTES:
+            raise InvalidInputError(f"bundle allocation {i}: size {nbytes!r:.30} is not a positive int")
+        if type(mask) is not int or not 1 <= mask < 1 << len(PATH_NAMES):
+            raise InvalidInputError(f"bundle allocation {i}: offers {mask!r:.20} name no known path")
+        if readonly not in (0, 1) or type(readonly) is not int:
+            raise InvalidInputError(f"bundle allocation {i}: readonly must be 0 or 1")
+        if fabric is not None and (not isinstance(fabric, str) or not 0 < len(fabric) <= 256):
+            raise InvalidInputError(f"bundle allocation {i}: fabric must be a short string or null")
+        offers = tuple(p for b, p in enumerate(PATH_NAMES) if mask >> b & 1)
+        out.append(Part("host" if device == -1 else device, nbytes, offers, bool(readonly), fabric))
+    return tuple(out)
+
+
+def _dtypes(value: Any) -> list[tuple[str, str | None, tuple[int, int, int] | None]]:
+    if not isinstance(value, list) or not 1 <= len(value) <= 4096:
+        raise InvalidInputError("a bundle lists 1 to 4096 dtypes")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise InvalidInputError(f"bundle dtype {i} is not a [typestr, name, dlpack] list")
+        typestr, name, dl = entry
+        if not isinstance(typestr, str) or not _TYPESTR.match(typestr) or int(typestr[2:]) < 1:
+            raise InvalidInputError(f"bundle dtype {i}: {typestr!r:.20} is not an array-interface type string")
+        if name is not None and (not isinstance(name, str) or not _DTYPE_NAME.match(name)):
+            raise InvalidInputError(f"bundle dtype {i}: {name!r:.40} is not a dtype name")
+        if dl is not None:
+            if (not isinstance(dl, list) or len(dl) != 3 or any(type(v) is not int for v in dl)
+                    or not (0 <= dl[0] <= 255 and 1 <= dl[1] <= 255 and 1 <= dl[2] <= 65535)
+                    or dl[1] * dl[2] != 8 * int(typestr[2:]) or typestr[1] != "V"):
+                raise InvalidInputError(f"bundle dtype {i}: DLPack dtype {dl!r:.40} does not fit {typestr}")
+            dl = tuple(dl)
+        out.append((typestr, name, dl))
+    return out
+
+
+def _tree(node: Any, seen: bytearray, depth: int) -> Any:
+    """The tree as ("d", [(key, node)]), ("l", [...]), ("t", [...]) and leaf
+    indices, each leaf named once."""
+    if type(node) is int:
+        if not 0 <= node < len(seen) or seen[node]:
+            raise InvalidInputError(f"the bundle's tree names tensor {node} twice or past the {len(seen)} it has")
+        seen[node] = 1
+        return node
+    if depth >= MAX_DEPTH:
+        raise InvalidInputError(f"the bundle's tree nests deeper than {MAX_DEPTH}")
+    if not isinstance(node, list) or not node or node[0] not in _KINDS:
+        raise InvalidInputError("the bundle's tree holds something that is neither a tensor nor a dict, list or "
+                                "tuple")
+    kind = node[0]
+    if kind != "d":
+        return (kind, [_tree(sub, seen, depth + 1) for sub in node[1:]])
+    if len(node) % 2 != 1:
+        raise InvalidInputError("a dict in the bundle's tree has a key without a value")
+    items = []
+    keys = set()
+    for j in range(1, len(node), 2):
+        key = node[j]
+        if not isinstance(key, str) or len(key) > _MAX_KEY or key in keys:
+            raise InvalidInputError(f"a dict in the bundle's tree has a key that is not a unique str of at most "
+                                    f"{_MAX_KEY} characters: {key!r:.40}")
+        keys.add(key)
+        items.append((key, _tree(node[j + 1], seen, depth + 1)))
+    return ("d", items)

@@ -1,0 +1,86 @@
+"""Before an open: which paths this process can take for a share (and
+why not the others), which of the exporter's addresses to try, and what
+the exporter's refusal or silence means."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import _paths
+from ._cuda import _driver
+from ._cuda.fabric import cliques as fabric_cliques
+from ._errors import AccessDeniedError, ClosedError, InvalidInputError
+from ._exporter import registered
+from ._paths import cma
+from ._paths.base import exporter_exited
+from ._share import Share, node_key
+
+__all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for"]
+
+
+def here_for(share: Share) -> _paths.Here:
+    """What this process is, as far as the paths ``share`` offers care."""
+    node = node_key()
+    near = share.node == node
+    fabric = _paths.fabric.PATH.name in share.offers
+    cuda_reason = None
+    if share.device != "host" and (near or fabric):
+        cuda_reason = _driver.unavailable_reason()
+    cliques: tuple[str, ...] = ()
+    fabric_reason = None
+    if fabric and share.fabric is not None:
+        found, fabric_reason = fabric_cliques()
+        cliques = tuple(found.values())
+    cma_reason = cma.available() if near and cma.PATH.name in share.offers else None
+    here = os.getpid()
+    exported = share.exporter_pid == here and near and registered(share) is not None
+    return _paths.Here(node, here, exported, cuda_reason, cliques, fabric_reason, cma_reason)
+
+
+def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:
+    """(ordered candidates, reasons for the paths left out, the natural best
+    order) for ``share`` in this process, with the caller's and the
+    environment's preferences."""
+    env_prefer = os.environ.get("GPUSHARE_PATHS")
+    env_exclude = os.environ.get("GPUSHARE_EXCLUDE_PATHS")
+    prefer_l = _paths.path_list(prefer, "prefer") if prefer is not None else (
+        _paths.path_list(env_prefer, "GPUSHARE_PATHS") if env_prefer else [])
+    exclude_l = _paths.path_list(exclude, "exclude") if exclude is not None else []
+    if env_exclude:
+        exclude_l += _paths.path_list(env_exclude, "GPUSHARE_EXCLUDE_PATHS")
+    return _paths.candidates(share, here_for(share), prefer_l, exclude_l)
+
+
+def raise_refusal(reply: dict) -> None:
+    code, message = reply.get("code"), str(reply.get("message", ""))[:300]
+    if code == "denied":
+        raise AccessDeniedError(f"exporter refused: {message}")
+    if code in ("revoked", "retired", "exhausted", "unknown"):
+        raise ClosedError(f"cannot open share: {message}")
+    if code == "altered":
+        raise InvalidInputError(message)
+    raise InvalidInputError(f"exporter answered: {message}")
+
+
+def unreachable(share: Share, detail: str) -> str:
+    """The message of an :class:`ExporterUnreachableError` for ``share``: what
+    happened to the exporter, and what to do."""
+    pid = share.exporter_pid
+    exited = exporter_exited(share)
+    if exited:
+        return (f"the exporter (pid {pid}) has exited, and its shares went with it: export the buffer again "
+                f"from a running process and open the new share ({detail})")
+    if exited is None:
+        return (f"cannot reach the exporter (pid {pid} on another node): {detail}; check that it is still "
+                "running and that this node can reach its control addresses "
+                f"{', '.join(f'{h}:{p}' for h, p in share.control)} (see GPUSHARE_CONTROL_HOST)")
+    return (f"the exporter (pid {pid}) is running on this node but did not answer: {detail}; it may be "
+            "stuck, or its control channel bound to an address this process cannot reach (GPUSHARE_CONTROL_HOST)")
+
+
+def addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
+    if share.node == node_key():
+        return tuple(a for a in share.control if a[0] == "127.0.0.1") + tuple(
+            a for a in share.control if a[0] != "127.0.0.1")
+    return tuple(a for a in share.control if not a[0].startswith("127.")) or share.control
