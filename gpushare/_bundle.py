@@ -36,7 +36,8 @@ class Shifted:
 
     def __init__(self, inner: Any, base: int) -> None:
         self.inner, self.base = inner, base
-        self.batch_key = inner.batch_key
+        # one batch with the other tensors of the bundle's allocations on that connection
+        self.batch_key = ("shifted", inner.batch_key)
         self.host_only = inner.host_only
 
     def _callbacks(self, span: Any, check: Any) -> tuple[Any, Any]:
@@ -86,6 +87,7 @@ class _State:
         self.uses = [MappingUse(o.mapping) if o.mapping is not None else None for o in opened]
         self.views: dict[int, View] = {}
         self._bytes: dict[int, Any] = {}
+        self._part_views: dict[int, View] = {}
         self.lock = threading.Lock()
         self.closed = False
 
@@ -98,6 +100,15 @@ class _State:
                 return None
             found = self._bytes[part] = np.frombuffer(mapping.memoryview(), dtype=np.uint8)
         return found
+
+    def part_view(self, part: int) -> View:
+        """A view of allocation ``part`` as bytes (a copied one: fetched whole)."""
+        with self.lock:
+            view = self._part_views.get(part)
+            if view is None:
+                view = self._part_views[part] = View._make(self.parts[part], self.paths[part], self.whys[part],
+                                                           Opened(transport=Shifted(self.opened[part].transport, 0)))
+            return view
 
     def view(self, i: int) -> View:
         with self.lock:
@@ -134,7 +145,8 @@ class _State:
             if self.closed:
                 return
             self.closed = True
-            views, self.views = list(self.views.values()), {}
+            views, self.views = list(self.views.values()) + list(self._part_views.values()), {}
+            self._part_views = {}
         self._bytes = {}
         for view in views:
             view.close()
@@ -314,7 +326,8 @@ class Bundle:
         if given is None:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
-            return _build(self._node, lambda i: _fresh(s, i, items)), items
+            staged = _staged(s, self._node, items)
+            return _build(self._node, lambda i: staged.get(i) or _fresh(s, i, items)), items
         _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
         return given, items
 
@@ -344,17 +357,19 @@ class Bundle:
                 f"allocations {state}>")
 
 
-class _Strided:
-    """A strided tensor copied out as its bytes, made an array once they are in."""
+class _Staged:
+    """A tensor copied out as bytes (its own, or its allocation's), made an
+    array once they are in."""
 
-    __slots__ = ("raw", "shape", "strides", "dtype")
+    __slots__ = ("raw", "offset", "shape", "strides", "dtype")
 
-    def __init__(self, raw: Any, shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any) -> None:
-        self.raw, self.shape, self.strides, self.dtype = raw, shape, strides, dtype
+    def __init__(self, raw: Any, offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+                 dtype: Any) -> None:
+        self.raw, self.offset, self.shape, self.strides, self.dtype = raw, offset, shape, strides, dtype
 
     def result(self) -> Any:
-        typed = self.raw.view(self.dtype)
-        return np.ascontiguousarray(np.lib.stride_tricks.as_strided(typed, shape=self.shape, strides=self.strides))
+        return np.array(np.ndarray(self.shape, dtype=self.dtype, buffer=self.raw, offset=self.offset,
+                                   strides=self.strides))
 
 
 def _fresh(s: _State, i: int, items: list) -> Any:
@@ -379,7 +394,44 @@ def _fresh(s: _State, i: int, items: list) -> Any:
         return dst
     raw = np.empty(leaf.nbytes, dtype=np.uint8)
     items.append((s._make(i, raw=True), 0, raw))
-    return _Strided(raw, leaf.shape, leaf.strides, dtype)
+    return _Staged(raw, 0, leaf.shape, leaf.strides, dtype)
+
+
+#: A copied allocation is fetched whole (one transfer, then sliced here) when
+#: its tensors cover at least this share of the bytes between their ends.
+_WHOLE = 0.5
+
+
+def _staged(s: _State, node: Any, items: list) -> dict[int, _Staged]:
+    """The tensors of ``node`` that lie in copied host allocations, each
+    allocation's span of them fetched as one transfer (added to ``items``)."""
+    by_part: dict[int, list] = {}
+    for i in _leaf_indices(node):
+        leaf = s.manifest.leaf(i)
+        if leaf.nbytes and s.targets is None and s.opened[leaf.part].transport is not None and (
+                s.parts[leaf.part].device == "host"):
+            by_part.setdefault(leaf.part, []).append((i, leaf))
+    out: dict[int, _Staged] = {}
+    for part, leaves in by_part.items():
+        lo = min(leaf.offset for _, leaf in leaves)
+        hi = max(leaf.offset + leaf.nbytes for _, leaf in leaves)
+        if len(leaves) < 2 or sum(leaf.nbytes for _, leaf in leaves) < _WHOLE * (hi - lo):
+            continue
+        raw = np.empty(hi - lo, dtype=np.uint8)
+        items.append((s.part_view(part), lo, raw))
+        for i, leaf in leaves:
+            out[i] = _Staged(raw, leaf.offset - lo, leaf.shape, leaf.strides, np.dtype(leaf.typestr))
+    return out
+
+
+def _leaf_indices(node: Any) -> list[int]:
+    if type(node) is int:
+        return [node]
+    kind, items = node
+    out: list[int] = []
+    for item in items:
+        out.extend(_leaf_indices(item[1] if kind == "d" else item))
+    return out
 
 
 def _build(node: Any, leaf: Any) -> Any:
@@ -394,7 +446,7 @@ def _build(node: Any, leaf: Any) -> Any:
 
 def _finish(fresh: Any) -> Any:
     """Fresh arrays once their bytes are in (strided tensors made arrays)."""
-    return _build_from(fresh, lambda leaf: leaf.result() if isinstance(leaf, _Strided) else leaf)
+    return _build_from(fresh, lambda leaf: leaf.result() if isinstance(leaf, _Staged) else leaf)
 
 
 def _build_from(given: Any, leaf: Any) -> Any:

@@ -272,3 +272,21 @@ def test_torch_tensors_of_one_storage_share_one_offer(bpeer):
     assert seen["/a"]["digest"] == _digest(base[:10].numpy()) and tuple(seen["/b"]["shape"]) == (5, 10)
     assert seen["/c"]["typestr"] == "|V2" and seen["/c"]["digest"] == _digest(tree["c"].view(torch.uint16).numpy())
     bpeer.call("close", "torch")
+
+
+def test_bundle_views_and_plain_views_batch_together_over_ucx_rma():
+    base = np.arange(64, dtype=np.uint8)
+    plain = np.arange(100, 132, dtype=np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.SlowPathWarning)
+        bundle = gs.open(gs.export({"a": base[:32], "b": base[32:]}), exclude=["same-process", "cma"])
+        view = gs.open(gs.export(plain), exclude=["same-process", "cma"])
+    assert bundle.paths == ("ucx-rma",) and view.path == "ucx-rma"
+    outs = [np.empty(32, np.uint8) for _ in range(3)]
+    gs.get_batch([(bundle["b"], 0, outs[0]), (view, 0, outs[1]), (bundle["a"], 0, outs[2])]).wait(30)
+    assert outs[0].tolist() == list(range(32, 64)) and outs[1].tolist() == list(range(100, 132))
+    assert outs[2].tolist() == list(range(32))
+    # the whole allocation in one transfer, sliced here
+    assert [a.tolist() for a in bundle.get().values()] == [list(range(32)), list(range(32, 64))]
+    bundle.close()
+    view.close()
