@@ -112,3 +112,19 @@ def test_training_exchange_separate_programs_without_a_key_are_refused():
     consumer, _ = _producer_and_consumer(env)
     assert "AccessDeniedError" in consumer
     assert "GPUSHARE_AUTHKEY" in consumer
+
+
+def test_weight_sync_reads_every_version_with_one_open():
+    out = run_example("weight_sync.py", "--steps", "30")
+    assert "inference: opened 31 tensors in 2 allocations over host-fd" in out
+    assert "trainer: 30 steps of 29 tensors" in out and "exported once" in out
+    assert "inference: 30 versions read, 0 wrong tensors" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+def test_weight_sync_with_weights_in_cuda_memory():
+    pytest.importorskip("cupy", reason="the CUDA variant needs cupy (pip install 'gpushare[cupy]')")
+    out = run_example("weight_sync.py", "--steps", "10", "--cuda")
+    assert "inference: opened 31 tensors in 2 allocations over host-fd, posix-fd" in out
+    assert "inference: 10 versions read, 0 wrong tensors" in out
