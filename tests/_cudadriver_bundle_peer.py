@@ -1,0 +1,74 @@
+"""Bundle steps for processes on the CUDA driver stand-in, used by
+``tests/test_cudadriver_bundle.py``: every handler of
+``tests/_cudadriver_peer.py`` plus the ones below."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _cudadriver_peer as base
+import numpy as np
+from _cudadriver_peer import read_ptr, vmm_mappings
+
+
+def setup() -> dict:
+    state = base.setup()
+    state["_handlers"] = {**base.HANDLERS, **HANDLERS}
+    state["bundles"] = {}
+    return state
+
+
+def export_tree(state: dict, name: str, keys: dict[str, str], host: dict[str, bytes] | None = None) -> Any:
+    """gs.export of {key: buffer kept as name} (and host arrays of the given bytes)."""
+    import gpushare as gs
+
+    tree: dict[str, Any] = {key: state["bufs"][buf] for key, buf in keys.items()}
+    for key, data in (host or {}).items():
+        tree[key] = state["bufs"][key] = np.frombuffer(data, np.uint8).copy()
+    share = gs.export(tree)
+    state["shares"][name] = share
+    return share
+
+
+def open_bundle(state: dict, name: str, share: Any, kwargs: dict | None = None) -> dict:
+    import gpushare as gs
+
+    before = vmm_mappings(state)
+    bundle = gs.open(share, **(kwargs or {}))
+    state["bundles"][name] = bundle
+    return {"paths": bundle.paths, "count": bundle.count, "vmm_mappings": vmm_mappings(state) - before,
+            "devices": {k: v.device for k, v in bundle.items()}}
+
+
+def bundle_get(state: dict, name: str) -> dict[str, tuple]:
+    """bundle.get(): per key, what arrived (type, shape, typestr, bytes)."""
+    out = {}
+    for key, arr in state["bundles"][name].get().items():
+        if isinstance(arr, np.ndarray):
+            out[key] = ("ndarray", arr.shape, arr.dtype.str, arr.tobytes())
+        else:
+            cai = arr.__cuda_array_interface__
+            out[key] = (type(arr).__name__, tuple(cai["shape"]), cai["typestr"],
+                        read_ptr(int(cai["data"][0]), arr.nbytes))
+    return out
+
+
+def bundle_put(state: dict, name: str, values: dict[str, bytes]) -> None:
+    """bundle.put of host bytes into tensors (one batch)."""
+    state["bundles"][name].put({k: np.frombuffer(v, np.uint8).copy() for k, v in values.items()})
+
+
+def bundle_mapped_bytes(state: dict, name: str, key: str) -> bytes:
+    """A CUDA tensor's bytes read through its zero-copy mapping in this process."""
+    view = state["bundles"][name][key]
+    cai = view.__cuda_array_interface__
+    return read_ptr(int(cai["data"][0]), view.nbytes, view.device)
+
+
+def close_bundle(state: dict, name: str) -> dict:
+    state["bundles"].pop(name).close()
+    return {"vmm_mappings": vmm_mappings(state)}
+
+
+HANDLERS = {"export_tree": export_tree, "open_bundle": open_bundle, "bundle_get": bundle_get,
+            "bundle_put": bundle_put, "bundle_mapped_bytes": bundle_mapped_bytes, "close_bundle": close_bundle}

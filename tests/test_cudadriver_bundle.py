@@ -1,0 +1,77 @@
+"""Bundles of CUDA memory, checked against the CUDA driver stand-in: tensors
+of one gpushare.allocate buffer are one posix-fd offer and one VMM mapping,
+other CUDA memory goes over cuda-ipc, host tensors beside them over cma, all
+in one open.  A contract check, not GPU verification: the processes load the
+stand-in; the pytest process never does."""
+
+from __future__ import annotations
+
+import pytest
+from _procs import Child
+from conftest import standin_children
+
+pytestmark = pytest.mark.cudadriver
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def spawn(standin_lib):
+    children: list[Child] = []
+
+    def start(**env: str) -> Child:
+        from _cudadriver_bundle_peer import setup
+
+        with standin_children(standin_lib, **env):
+            child = Child(setup, timeout=120)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.close()
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(n))
+
+
+def test_a_bundle_of_cuda_and_host_tensors_opens_each_allocation_once(spawn):
+    exporter, importer = spawn(), spawn()
+    pool = _pattern(16384, 3)
+    ptr = exporter.call("new_array", "pool", (4096,), "float32", False, pool)["ptr"]
+    exporter.call("slice_array", "a", "pool", 0, (1024,), "<f4")
+    exporter.call("slice_array", "b", "pool", 4096, (32, 32), "<f4")
+    exporter.call("slice_array", "c", "pool", 8192, (2048,), "|u1")
+    exporter.call("legacy_alloc", "leg", 4096, 0x5A)
+    share = exporter.call("export_tree", "bundle", {"a": "a", "b": "b", "c": "c", "leg": "leg"},
+                          {"h": _pattern(100, 9)})
+    opened = importer.call("open_bundle", "v", share)
+    # one allocation per kind of memory: gs.empty's buffer, the cuMemAlloc block, the host array
+    assert opened["paths"] == ("posix-fd", "cuda-ipc", "cma") and opened["count"] == 5
+    assert opened["vmm_mappings"] == 1  # three tensors of one buffer: one VMM mapping
+    assert opened["devices"] == {"a": 0, "b": 0, "c": 0, "leg": 0, "h": "host"}
+    got = importer.call("bundle_get", "v")
+    assert got["a"] == ("CudaArray", (1024,), "<f4", pool[:4096])
+    assert got["b"] == ("CudaArray", (32, 32), "<f4", pool[4096:8192])
+    assert got["c"] == ("CudaArray", (2048,), "|u1", pool[8192:10240])
+    assert got["leg"][3] == b"\x5a" * 4096
+    assert got["h"] == ("ndarray", (100,), "|u1", _pattern(100, 9))
+    assert importer.call("bundle_mapped_bytes", "v", "b") == pool[4096:8192]
+    importer.call("bundle_put", "v", {"b": b"\x11" * 4096, "h": b"\x22" * 100, "leg": b"\x33" * 4096})
+    assert exporter.call("read_at", ptr + 4096, 4096) == b"\x11" * 4096
+    assert exporter.call("read_at", ptr, 4096) == pool[:4096]  # the others untouched
+    assert exporter.call("read", "leg", 0, 4096) == b"\x33" * 4096
+    assert importer.call("close_bundle", "v")["vmm_mappings"] == 0
+
+
+def test_a_bundle_maps_on_the_device_the_importer_names(spawn):
+    exporter, importer = spawn(CUDA_VISIBLE_DEVICES="1"), spawn()  # the exporter's device 0 is physical 1
+    exporter.call("new_array", "pool", (2 * MiB,), "|u1", False, 0x44)
+    exporter.call("slice_array", "x", "pool", 0, (MiB,), "|u1")
+    exporter.call("slice_array", "y", "pool", MiB, (MiB,), "|u1")
+    share = exporter.call("export_tree", "bundle", {"x": "x", "y": "y"})
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("posix-fd",) and opened["devices"] == {"x": 1, "y": 1}  # matched by UUID
+    assert importer.call("bundle_mapped_bytes", "v", "y")[:16] == b"\x44" * 16
+    importer.call("close_bundle", "v")
