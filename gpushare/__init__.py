@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ._arena import Arena
 from ._arrays import CudaArray, empty, empty_like, zeros
 from ._auth import set_authkey
 from ._batch import BatchRequest, get_batch, put_batch
@@ -83,6 +84,7 @@ __all__ = [
     "CUDAError",
     "CUDAOutOfMemoryError",
     "OutOfMemoryError",
+    "Arena",
     "ChannelBrokenError",
     "ChannelHandle",
     "Consumer",

@@ -8,7 +8,7 @@ from typing import Any
 
 import _cudadriver_peer as base
 import numpy as np
-from _cudadriver_peer import read_ptr, vmm_mappings
+from _cudadriver_peer import read_ptr, vmm_mappings, write_at
 
 
 def setup() -> dict:
@@ -70,5 +70,20 @@ def close_bundle(state: dict, name: str) -> dict:
     return {"vmm_mappings": vmm_mappings(state)}
 
 
-HANDLERS = {"export_tree": export_tree, "open_bundle": open_bundle, "bundle_get": bundle_get,
+def arena_tree(state: dict, name: str, count: int, nbytes: int) -> Any:
+    """gs.export of ``count`` arrays from a CUDA arena (device 0), array i filled with byte i."""
+    import gpushare as gs
+
+    arena = state["arena"] = gs.Arena(device=0, chunk_size=2 << 20)
+    tree = {}
+    for i in range(count):
+        arr = arena.empty(nbytes, "uint8")
+        write_at(state, arr.ptr, bytes([i]) * nbytes)
+        tree[f"t{i}"] = arr
+    share = gs.export(tree)
+    state["shares"][name] = share
+    return share
+
+
+HANDLERS = {"arena_tree": arena_tree, "export_tree": export_tree, "open_bundle": open_bundle, "bundle_get": bundle_get,
             "bundle_put": bundle_put, "bundle_mapped_bytes": bundle_mapped_bytes, "close_bundle": close_bundle}

@@ -75,3 +75,13 @@ def test_a_bundle_maps_on_the_device_the_importer_names(spawn):
     assert opened["paths"] == ("posix-fd",) and opened["devices"] == {"x": 1, "y": 1}  # matched by UUID
     assert importer.call("bundle_mapped_bytes", "v", "y")[:16] == b"\x44" * 16
     importer.call("close_bundle", "v")
+
+
+def test_arrays_of_a_cuda_arena_are_one_offer(spawn):
+    exporter, importer = spawn(), spawn()
+    share = exporter.call("arena_tree", "arena", 20, 4096)
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("posix-fd",) and opened["vmm_mappings"] == 1 and opened["count"] == 20
+    got = importer.call("bundle_get", "v")
+    assert all(got[f"t{i}"][3] == bytes([i]) * 4096 for i in range(20))
+    importer.call("close_bundle", "v")

@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     # L3 paths
     "_paths/": 3,
     # L4 endpoints
-    "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4,
+    "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4, "_arena": 4,
     # L5 sharing API
     "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_reach": 5, "_open_tree": 5, "_open": 5,
     "_batch": 5, "_bundle": 5,
