@@ -195,8 +195,8 @@ def decode(data: Any) -> Manifest:
     if count:
         np.cumsum(ndim[:-1], out=dims_at[1:])
     itemsize = np.array([int(t[2:]) for t, _, _ in dtypes], dtype=np.int64)[dtype] if count else np.zeros(0, np.int64)
-    elements = _elements(dims, ndim, dims_at, count)
-    spans = elements * itemsize  # contiguous leaves; the strided ones are set below
+    elements = _elements(dims, ndim, dims_at, count, itemsize)
+    spans = elements * itemsize  # contiguous leaves (no product overflows: checked); the strided ones are set below
     strided = doc["strided"]
     n_strided = _length(strided, "strided", count)
     which = _column(strided, "strided", n_strided, 0, count - 1 if count else 0)
@@ -214,7 +214,11 @@ def decode(data: Any) -> Manifest:
         if any(s % size for s in st):
             raise InvalidInputError(f"bundle tensor {i}: stride {st} is not a whole number of {size}-byte items")
         shape = dims[int(dims_at[i]):int(dims_at[i]) + n].tolist()
-        spans[i] = 0 if int(elements[i]) == 0 else size + sum((d - 1) * s for d, s in zip(shape, st, strict=True))
+        span = 0 if int(elements[i]) == 0 else size + sum((d - 1) * s for d, s in zip(shape, st, strict=True))
+        if span > _MAX_NBYTES:  # before it meets an int64
+            raise InvalidInputError(f"bundle tensor {i}: shape {tuple(shape)} with strides {st} spans more bytes "
+                                    "than any memory holds")
+        spans[i] = span
         strides[i] = st
     if count:
         part_sizes = np.array([p.nbytes for p in parts], dtype=np.int64)
@@ -224,6 +228,8 @@ def decode(data: Any) -> Manifest:
             raise InvalidInputError(f"bundle tensor {i} spans {int(spans[i])} bytes at offset {int(offset[i])}, "
                                     f"past the {int(part_sizes[part[i]])} bytes of its allocation")
     seen = bytearray(count)
+    if type(doc["tree"]) is int:
+        raise InvalidInputError("a bundle's tree is a dict, list or tuple, not one tensor")
     tree = _tree(doc["tree"], seen, 0)
     if seen.count(0):
         raise InvalidInputError(f"the bundle's tree leaves out tensor {seen.index(0)}")
@@ -251,17 +257,20 @@ def _column(value: Any, what: str, count: int, lo: int, hi: int) -> np.ndarray:
     return np.array(value, dtype=np.int64)
 
 
-def _elements(dims: np.ndarray, ndim: np.ndarray, dims_at: np.ndarray, count: int) -> np.ndarray:
-    """Elements of each leaf, the product of its dims (refused where it
-    could not fit in memory, before any product overflows)."""
+def _elements(dims: np.ndarray, ndim: np.ndarray, dims_at: np.ndarray, count: int,
+              itemsize: np.ndarray) -> np.ndarray:
+    """Elements of each leaf, the product of its dims (refused where they,
+    or their bytes, could not fit in memory, before any product overflows)."""
     if not count:
         return np.zeros(0, dtype=np.int64)
     owner = np.repeat(np.arange(count), ndim)
     rough = np.ones(count, dtype=np.float64)
-    np.multiply.at(rough, owner, dims.astype(np.float64))
-    if np.any(rough > float(_MAX_NBYTES)):
-        i = int(np.flatnonzero(rough > float(_MAX_NBYTES))[0])
-        raise InvalidInputError(f"bundle tensor {i}'s shape has more elements than any memory holds")
+    with np.errstate(over="ignore", invalid="ignore"):  # inf where it overflows (nan: inf times a 0 dim)
+        np.multiply.at(rough, owner, dims.astype(np.float64))
+        big = rough * itemsize > float(_MAX_NBYTES)
+    if np.any(big):
+        i = int(np.flatnonzero(big)[0])
+        raise InvalidInputError(f"bundle tensor {i}'s shape has more bytes than any memory holds")
     exact = np.ones(count, dtype=np.int64)
     np.multiply.at(exact, owner, dims)
     return exact
@@ -322,7 +331,7 @@ def _tree(node: Any, seen: bytearray, depth: int) -> Any:
         return node
     if depth >= MAX_DEPTH:
         raise InvalidInputError(f"the bundle's tree nests deeper than {MAX_DEPTH}")
-    if not isinstance(node, list) or not node or node[0] not in _KINDS:
+    if not isinstance(node, list) or not node or not isinstance(node[0], str) or node[0] not in _KINDS:
         raise InvalidInputError("the bundle's tree holds something that is neither a tensor nor a dict, list or "
                                 "tuple")
     kind = node[0]
