@@ -457,10 +457,11 @@ def _bundle_of(manifest: Any, fields: tuple) -> _manifest.Manifest:
     fields (which describe the bundle as a whole)."""
     decoded = _manifest.decode(manifest)
     parts = decoded.parts
-    nbytes, device, shape, typestr, offers, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 13))
+    nbytes, device, shape, typestr, offers, fabric, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 12, 13))
     union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
     total = sum(part.nbytes for part in parts)
     if (nbytes != total or device != parts[0].device or shape != (nbytes,) or typestr != "|u1" or offers != union
-            or fields[14:18] != (0, None, None, None) or (readonly and not all(p.readonly for p in parts))):
+            or fields[14:18] != (0, None, None, None) or readonly != all(p.readonly for p in parts)
+            or fabric != parts[0].fabric):
         raise InvalidInputError("a bundle's share fields do not describe its manifest (altered or corrupt)")
     return decoded
