@@ -31,8 +31,6 @@ This module is optional and never imported by ``import gpushare``: it needs
 
 from __future__ import annotations
 
-import torch  # first: torch must be imported before gpushare loads UCX (docs/ucx.md)
-
 import collections
 import dataclasses
 import secrets
@@ -40,6 +38,7 @@ import threading
 from typing import Any
 
 import ray
+import torch  # before anything of gpushare loads UCX (docs/ucx.md)
 from ray._private import ray_constants
 from ray.experimental.rdt import util as _rdt
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -55,8 +54,8 @@ from ._export import export
 from ._open import open as _open
 from ._share import BundleShare
 
-__all__ = ["DEFAULT_NAME", "ZERO_COPY_PATHS", "GpushareTransport", "GpushareTransportMetadata",
-           "GpushareCommunicatorMetadata", "register", "stats", "exported"]
+__all__ = ["DEFAULT_NAME", "ZERO_COPY_PATHS", "GpushareCommunicatorMetadata", "GpushareTransport",
+           "GpushareTransportMetadata", "exported", "register", "stats"]
 
 #: The transport's name unless :func:`register` is given another.
 DEFAULT_NAME = "gpushare"
@@ -147,9 +146,11 @@ class GpushareTransport(TensorTransportManager):
         # A local function: pickled by value, so an actor without gpushare
         # can run it (and say so) rather than fail to unpickle it.
         def __ray_actor_has_gpushare__(self: Any) -> bool:
+            import importlib
+
             try:
-                import gpushare.ray  # noqa: F401
-            except Exception:  # any failure to import: the transport is not there
+                importlib.import_module("gpushare.ray")
+            except Exception:  # noqa: BLE001 - any failure to import: the transport is not there
                 return False
             return True
 
@@ -184,13 +185,14 @@ class GpushareTransport(TensorTransportManager):
         # contiguous copy, which the share keeps.  Tensors without elements
         # carry no bytes: receivers make them from their shape.
         carried = tuple(i for i, t in enumerate(tensors) if t.numel())
-        share = None
+        share: BundleShare | None = None
         if carried:
             flat = [tensors[i].detach().contiguous().view(-1) for i in carried]
             # Read-only unless receivers map it: torch ignores DLPack's read-only
             # flag, and a write into a read-only mapping kills the process.
-            share = export(flat, lifetime="revoked", readonly=not self._zero_copy)
-            assert isinstance(share, BundleShare)
+            made = export(flat, lifetime="revoked", readonly=not self._zero_copy)
+            assert isinstance(made, BundleShare)
+            share = made
         meta = GpushareTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors], tensor_device=kind,
                                          share=share, carried=carried)
         with _lock:
@@ -215,7 +217,7 @@ class GpushareTransport(TensorTransportManager):
             if obj_id in self._aborted:
                 self._aborted.discard(obj_id)
                 raise RuntimeError(f"the {self._name} transfer of object {obj_id} was aborted")
-        specs = meta.tensor_meta
+        specs: list[Any] = list(meta.tensor_meta)  # (torch.Size, torch.dtype) each
         if not specs:
             return []
         share, carried = meta.share, meta.carried
