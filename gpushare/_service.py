@@ -21,6 +21,7 @@ connections are shared with the parent until the child closes its copies).
 
 from __future__ import annotations
 
+import array
 import collections
 import heapq
 import itertools
@@ -113,8 +114,9 @@ class Connection:
         socket takes now; the rest goes as the peer reads.  The connection
         owns ``fds``: they are closed once sent (or dropped)."""
         owned = list(fds)
-        # At most MAX_FDS descriptors ride on one byte each; the rest of the
-        # bytes follow.  (The peer has them all once it has the bytes.)
+        # At most MAX_FDS descriptors ride on one byte each, the last of them
+        # on the rest of the bytes: one message where one can carry them all.
+        # (The peer has them all once it has the bytes.)
         riders = -(-len(owned) // MAX_FDS)
         if riders > len(data):
             _close_all(owned)
@@ -123,9 +125,30 @@ class Connection:
             if self.closed:
                 _close_all(owned)
                 return
+            if riders <= 1 and not (self._wq or self._flushing or self._writing):
+                # Nothing queued: straight to the socket; only what it does not take now is queued.
+                try:
+                    if owned:
+                        sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                           _fd_array(owned))])
+                    else:
+                        sent = self.sock.send(data)
+                except (BlockingIOError, InterruptedError):
+                    pass  # queued below
+                except OSError:
+                    _close_all(owned)  # the peer is gone: reading reports it and closes the connection
+                    return
+                else:
+                    if owned:  # they went with the first bytes
+                        _close_all(owned)
+                        owned, riders = [], 0
+                    if sent == len(data):
+                        return
+                    data = data[sent:]
             for i in range(riders):
-                self._wq.append([data[i : i + 1], 0, owned[i * MAX_FDS : (i + 1) * MAX_FDS]])
-            rest = data[riders:] if riders else data
+                last = i == riders - 1
+                self._wq.append([data[i:] if last else data[i : i + 1], 0, owned[i * MAX_FDS : (i + 1) * MAX_FDS]])
+            rest = b"" if riders else data
             if rest:
                 tail = self._wq[-1] if self._wq else None
                 # Not mid-flush: the buffer being sent may not grow then.
@@ -229,21 +252,22 @@ class Connection:
 
     def _on_readable(self) -> None:
         fds: list[int] = []
+        into = self.service._read_into  # the service thread's one read buffer, copied out at once
         try:
             if self.protocol.wants_fds:
-                data, fds = _recv_fds(self.sock)
+                n, fds = _recv_fds(self.sock, into)
             else:
-                data = self.sock.recv(_READ_CHUNK)
+                n = self.sock.recv_into(into)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self.close(exc)
             return
-        if not data:
+        if not n:
             _close_all(fds)
             self.close()
             return
-        self.rbuf += data
+        self.rbuf += into[:n]
         try:
             self.protocol.data_received(self, fds)
         except Exception as exc:  # noqa: BLE001 - a peer's bytes never stop the service
@@ -299,6 +323,9 @@ class Service:
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # What every connection reads into (in the service thread only): a
+        # fresh buffer of this size per read would be mapped and unmapped each time.
+        self._read_into = memoryview(bytearray(_READ_CHUNK))
         self._calls: collections.deque[Callable[[], Any]] = collections.deque()
         self._timers: list[tuple[float, int, Timer]] = []
         # Connection deadlines, earliest first; an entry whose connection
@@ -555,18 +582,17 @@ class Service:
 
 
 def _fd_array(fds: Sequence[int]) -> bytes:
-    import array
-
     return array.array("i", fds).tobytes()
 
 
-def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
-    """Bytes and any file descriptors that came with them; a message whose
-    descriptors were cut short is an error (after closing those that came)."""
-    import array
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
-    cmsg_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    data, ancdata, flags, _ = sock.recvmsg(_READ_CHUNK, cmsg_space)
+
+def _recv_fds(sock: socket.socket, into: memoryview) -> tuple[int, list[int]]:
+    """Bytes read into ``into`` (how many) and any file descriptors that came
+    with them; a message whose descriptors were cut short is an error (after
+    closing those that came)."""
+    n, ancdata, flags, _ = sock.recvmsg_into([into], _CMSG_SPACE)
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -576,7 +602,7 @@ def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     if flags & socket.MSG_CTRUNC:
         _close_all(fds)
         raise OSError("file descriptors were cut short in transit (RLIMIT_NOFILE?)")
-    return data, fds
+    return n, fds
 
 
 _instance: PerProcess[Service] = PerProcess(Service, stop=Service.stop, abandon=Service.abandon)
