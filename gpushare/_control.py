@@ -45,24 +45,48 @@ def encode(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__} on the control channel")
 
 
+#: What JSON decodes to that :func:`decode` returns as it is.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def decode(value: Any, depth: int = 0) -> Any:
     if depth > 16:
         raise InvalidInputError("control message nested too deeply")
+    # Below the deepest level a scalar item is itself (what decode() would return).
     if isinstance(value, list):
+        if depth < 16:
+            return tuple([v if type(v) in _SCALARS else decode(v, depth + 1) for v in value])
         return tuple(decode(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        if set(value) == {"b"} and isinstance(value["b"], str):
+        if len(value) == 1 and "b" in value and isinstance(value["b"], str):
             try:
                 return bytes.fromhex(value["b"])
             except ValueError:
                 raise InvalidInputError("control message holds malformed hex bytes") from None
+        if depth < 16:
+            return {k: v if type(v) in _SCALARS else decode(v, depth + 1) for k, v in value.items()}
         return {k: decode(v, depth + 1) for k, v in value.items()}
     return value
 
 
+def _hex_bytes(value: Any) -> Any:
+    """For the JSON encoder: bytes as :func:`encode` writes them; nothing else."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"b": bytes(value).hex()}
+    raise TypeError(f"cannot encode {type(value).__name__} on the control channel")
+
+
+#: :func:`encode` then ``json.dumps``, in one pass of the C encoder (the
+#: same text for keys that are str or int, as every message's are).
+_encode_fast = json.JSONEncoder(separators=(",", ":"), default=_hex_bytes).encode
+
+
 def pack(message: dict) -> bytes:
     """One frame: the length, then the message as JSON."""
-    data = json.dumps(encode(message), separators=(",", ":")).encode()
+    try:
+        data = _encode_fast(message).encode()
+    except TypeError:  # a key of another type (str() of it, as encode() writes it), or a value none can encode
+        data = json.dumps(encode(message), separators=(",", ":")).encode()
     if len(data) > MAX_FRAME:
         raise InvalidInputError(f"control message is {len(data)} bytes; at most {MAX_FRAME}")
     return _LEN.pack(len(data)) + data
