@@ -56,11 +56,47 @@ class _Lost(Exception):
     """The connection ended before the reply came (maybe reusable: retry once)."""
 
 
+class _Flag:
+    """What a waiter's ``event`` is: :class:`threading.Event`'s ``set``,
+    ``is_set`` and ``wait``, on one lock (held until set) instead of a
+    condition and a lock per wait."""
+
+    __slots__ = ("_gate", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        """Wake every waiter, once (the caller holds its waiter's lock)."""
+        if not self._set:
+            self._set = True
+            self._gate.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if timeout is None:
+            got = self._gate.acquire()
+        elif timeout > 0:
+            got = self._gate.acquire(True, timeout)
+        else:
+            got = self._gate.acquire(False)
+        if got:
+            self._gate.release()  # for the next waiter
+            return True
+        return self._set
+
+
 class _Waiter:
     __slots__ = ("event", "fds", "reply", "_callbacks", "_lock")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.event = _Flag()
         self.reply: dict | None = None
         self.fds: list[int] = []
         self._callbacks: list[Callable[[], None]] = []
@@ -109,7 +145,11 @@ class _Link(Protocol):
         self._kept: dict[int, Any] = {}  # what a request's reply frees (its buffer, pinned until then)
         self.heard = time.monotonic()  # when the exporter last sent anything
         self._ping_at: float | None = None  # when the unanswered ping went out
+        # The timer that closes the connection once idle for IDLE_LINGER: at
+        # most one, kept (not cancelled) when the connection is used again,
+        # so that a quick reopen costs no timer; it looks at ``_idle_at``.
         self._linger: Timer | None = None
+        self._idle_at: float | None = None  # since when no lease or request is held (None: busy)
 
     # -- any thread ---------------------------------------------------------
     def submit(self, message: dict, keep: Any = None) -> tuple[int, _Waiter]:
@@ -181,22 +221,27 @@ class _Link(Protocol):
             conn.send(_control.pack({"op": op, "lease": lease}))
 
     def _stop_linger(self) -> None:
-        timer, self._linger = self._linger, None
-        if timer is not None:
-            timer.cancel()
+        """The connection is in use again (lock held): it is not idle."""
+        self._idle_at = None
 
     def _maybe_linger(self) -> None:
         """Close the connection a while after its last lease and request (lock held)."""
-        if self.leases or self.pending or self.dead is not None or self._linger is not None:
+        if self.leases or self.pending or self.dead is not None or self._idle_at is not None:
             return
-        self._linger = self.importer.service.call_later(IDLE_LINGER, self._idle)
+        self._idle_at = time.monotonic()
+        if self._linger is None:
+            self._linger = self.importer.service.call_later(IDLE_LINGER, self._idle)
 
     # -- service thread -------------------------------------------------------
     def _idle(self) -> None:
         with self.lock:
-            if self.leases or self.pending or self.dead is not None:
-                return
             self._linger = None
+            if self.leases or self.pending or self.dead is not None or self._idle_at is None:
+                return  # in use again: the next idle time starts a timer
+            left = self._idle_at + IDLE_LINGER - time.monotonic()
+            if left > 0:  # used and idle again since the timer was set: wait the rest
+                self._linger = self.importer.service.call_later(left, self._idle)
+                return
             self.dead = "closed after being idle"
         self.importer._drop(self)
         if self.conn is not None:
