@@ -599,7 +599,8 @@ class _Session(Protocol):
         self.grants[lease] = grant
         conn.deadline = None
         conn.send(frame, fds)
-        log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
+        if log.isEnabledFor(logging.INFO):  # who the peer is costs a system call: asked only for the log
+            log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -610,8 +611,9 @@ class _Session(Protocol):
             return  # already ended: nothing to do
         grant = self.grants.pop(lease, None)  # copies in flight keep the memory pinned until they finish
         path = grant.path.name if grant is not None else None
-        log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
-                 " (the importer could not use the path)" if failed else "")
+        if log.isEnabledFor(logging.INFO):
+            log.info("share %s: lease of %s ended%s", export.share_id[:8], _peer(conn),
+                     " (the importer could not use the path)" if failed else "")
         with export.lock:
             _ended(grant)  # that importer's access to the memory ends now
             export.opens -= 1
