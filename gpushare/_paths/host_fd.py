@@ -89,30 +89,40 @@ def huge_page_size() -> int:
 HUGE = huge_page_size()
 
 
-def _read_only(fds: Sequence[int]) -> bool:
+def _read_only(fds: Sequence[int], seals: Sequence[int] | None = None) -> bool:
     """Whether any of ``fds`` can only be mapped read-only: opened read-only
-    (a read-only share's), or sealed against writes (:meth:`HostBuffer.seal`)."""
-    for fd in fds:
+    (a read-only share's), or sealed against writes (:meth:`HostBuffer.seal`).
+    ``seals``: each fd's seals, where the caller read them already."""
+    for i, fd in enumerate(fds):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
             return True
-        try:
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
-                return True
-        except OSError:
-            pass
+        if seals is not None:
+            sealed = seals[i]
+        else:
+            try:
+                sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                continue
+        if sealed & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+            return True
     return False
 
 
-def _map_contiguously(fds: Sequence[int], sizes: Sequence[int]) -> tuple[mmap.mmap, int]:
+def _map_contiguously(fds: Sequence[int], sizes: Sequence[int],
+                      readonly: bool | None = None) -> tuple[mmap.mmap, int]:
     """Map each fd (whole, from offset 0) back to back; returns the owning
     ``mmap`` and the base address.  A buffer of a huge page or more starts
     on a huge-page boundary, so that huge pages (hugetlb memfds, or
-    transparent ones) can back it.  On failure nothing stays mapped."""
+    transparent ones) can back it.  On failure nothing stays mapped.
+    ``readonly``: what :func:`_read_only` says of ``fds``, where the caller
+    asked it already."""
     total = sum(sizes)
     align = HUGE if total >= HUGE else PAGE
     # An fd opened read-only (a read-only share) maps read-only: the pages
     # cannot be made writable here, by mprotect or otherwise.
-    prot = mmap.PROT_READ if _read_only(fds) else mmap.PROT_READ | mmap.PROT_WRITE
+    if readonly is None:
+        readonly = _read_only(fds)
+    prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
     region = mmap.mmap(
         -1,
         total + align - PAGE,
@@ -565,10 +575,9 @@ def import_host(
             raise InvalidInputError(
                 f"exporter pid {desc.pid} sent {len(fds)} file descriptors; the descriptor names {len(desc.sizes)}"
             )
-        for i, (fd, size) in enumerate(zip(fds, desc.sizes, strict=True)):
-            _check_memfd(fd, i, size)
-        readonly = _read_only(fds)
-        region, ptr = _map_contiguously(fds, desc.sizes)
+        seals = [_check_memfd(fd, i, size) for i, (fd, size) in enumerate(zip(fds, desc.sizes, strict=True))]
+        readonly = _read_only(fds, seals)
+        region, ptr = _map_contiguously(fds, desc.sizes, readonly)
     finally:
         for fd in fds or ():
             os.close(fd)  # the mappings keep the memory; the fds are not needed
@@ -577,7 +586,9 @@ def import_host(
     return buf
 
 
-def _check_memfd(fd: int, index: int, size: int) -> None:
+def _check_memfd(fd: int, index: int, size: int) -> int:
+    """Refuse an fd that is not a memfd of ``size`` bytes sealed against
+    shrinking; returns its seals."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidInputError(f"file descriptor {index} is not a regular file (mode {st.st_mode:o})")
@@ -591,6 +602,7 @@ def _check_memfd(fd: int, index: int, size: int) -> None:
         raise InvalidInputError(
             f"file descriptor {index} is not sealed against shrinking; refusing to map it"
         )
+    return seals
 
 
 class HostFd:
