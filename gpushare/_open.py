@@ -113,8 +113,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         if _driver.unavailable_reason() is None:
             _driver.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
     order, left_out, natural = choose(share, prefer, exclude)
-    log.debug("opening share %s: candidates %s; %s", share.share_id[:8], order or "none",
-              "; ".join(left_out) or "nothing left out")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("opening share %s: candidates %s; %s", share.share_id[:8], order or "none",
+                  "; ".join(left_out) or "nothing left out")
     if not order:
         raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
     failures: list[str] = []

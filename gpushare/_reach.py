@@ -44,12 +44,45 @@ def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str
     environment's preferences."""
     env_prefer = os.environ.get("GPUSHARE_PATHS")
     env_exclude = os.environ.get("GPUSHARE_EXCLUDE_PATHS")
+    here = here_for(share)
+    # The paths' verdicts read only these (and the reasons name the exporter's pid).
+    key = (share.offers, share.device, share.strides is None, share.node, share.readonly, share.fabric,
+           share.exporter_pid, here, _as_key(prefer), _as_key(exclude), env_prefer, env_exclude)
+    try:
+        known = _chosen.get(key)
+    except TypeError:  # something unhashable in the share: nothing is remembered
+        key, known = None, None
+    if known is not None:
+        order, left_out, natural = known
+        return list(order), list(left_out), list(natural)
     prefer_l = _paths.path_list(prefer, "prefer") if prefer is not None else (
         _paths.path_list(env_prefer, "GPUSHARE_PATHS") if env_prefer else [])
     exclude_l = _paths.path_list(exclude, "exclude") if exclude is not None else []
     if env_exclude:
         exclude_l += _paths.path_list(env_exclude, "GPUSHARE_EXCLUDE_PATHS")
-    return _paths.candidates(share, here_for(share), prefer_l, exclude_l)
+    chosen = _paths.candidates(share, here, prefer_l, exclude_l)
+    if key is not None and key[8] is not _UNKEYED and key[9] is not _UNKEYED:
+        if len(_chosen) >= _CHOSEN_MAX:
+            _chosen.clear()
+        _chosen[key] = tuple(tuple(part) for part in chosen)
+    return chosen
+
+
+#: What :func:`choose` found for a kind of share in this process (each
+#: opens of one exporter's shares alike, one look-up after the first).
+_chosen: dict[tuple, tuple[tuple[str, ...], ...]] = {}
+_CHOSEN_MAX = 256
+_UNKEYED = object()
+
+
+def _as_key(paths: Any) -> Any:
+    """``prefer=``/``exclude=`` as part of a key, where it can be one
+    without consuming it (None, a str, a list or tuple of str)."""
+    if paths is None or isinstance(paths, str):
+        return paths
+    if type(paths) in (list, tuple) and all(type(p) is str for p in paths):
+        return (type(paths), tuple(paths))
+    return _UNKEYED
 
 
 def raise_refusal(reply: dict) -> None:
@@ -80,7 +113,21 @@ def unreachable(share: Share, detail: str) -> str:
 
 
 def addresses_for(share: Share) -> tuple[tuple[str, int], ...]:
-    if share.node == node_key():
-        return tuple(a for a in share.control if a[0] == "127.0.0.1") + tuple(
-            a for a in share.control if a[0] != "127.0.0.1")
-    return tuple(a for a in share.control if not a[0].startswith("127.")) or share.control
+    """The exporter's control addresses in the order to try them from here."""
+    control, near = share.control, share.node == node_key()
+    key = (control, near)
+    known = _ordered.get(key)
+    if known is None:
+        if near:
+            known = tuple(a for a in control if a[0] == "127.0.0.1") + tuple(
+                a for a in control if a[0] != "127.0.0.1")
+        else:
+            known = tuple(a for a in control if not a[0].startswith("127.")) or control
+        if len(_ordered) >= _CHOSEN_MAX:
+            _ordered.clear()
+        _ordered[key] = known
+    return known
+
+
+#: What :func:`addresses_for` found, by the share's addresses and whether its exporter is on this node.
+_ordered: dict[tuple, tuple[tuple[str, int], ...]] = {}
