@@ -292,7 +292,9 @@ class Bundle:
 
         With no ``dests``: a structure like the tree of fresh arrays (NumPy
         for host memory, :class:`gpushare.CudaArray` for CUDA memory) holding
-        the tensors' values, and returns it.  With ``dests``, a structure like
+        the tensors' values, and returns it (the fresh arrays of one host
+        allocation are views of one new buffer: tensors that overlapped in
+        the exporter overlap here too).  With ``dests``, a structure like
         (part of) the tree whose leaves are buffers: copies each tensor into
         its buffer (``len(buf)`` bytes from the tensor's start) and returns
         ``dests``.  Either way the bytes are there when it returns.
@@ -327,7 +329,7 @@ class Bundle:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
             staged = _staged(s, self._node, items)
-            return _build(self._node, lambda i: staged.get(i) or _fresh(s, i, items)), items
+            return _build(self._node, lambda i: staged[i] if i in staged else _fresh(s, i, items)), items
         _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
         return given, items
 
@@ -402,25 +404,36 @@ def _fresh(s: _State, i: int, items: list) -> Any:
 _WHOLE = 0.5
 
 
-def _staged(s: _State, node: Any, items: list) -> dict[int, _Staged]:
-    """The tensors of ``node`` that lie in copied host allocations, each
-    allocation's span of them fetched as one transfer (added to ``items``)."""
+def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
+    """Fresh arrays for the tensors of ``node`` that lie in host allocations
+    (mapped or copied), each allocation's span of them taken at once: copied
+    here from a mapping, or fetched as one transfer (added to ``items``),
+    into one new buffer the arrays are views of."""
+    if s.targets is not None:
+        return {}
+    m = s.manifest
     by_part: dict[int, list] = {}
     for i in _leaf_indices(node):
-        leaf = s.manifest.leaf(i)
-        if leaf.nbytes and s.targets is None and s.opened[leaf.part].transport is not None and (
-                s.parts[leaf.part].device == "host"):
-            by_part.setdefault(leaf.part, []).append((i, leaf))
-    out: dict[int, _Staged] = {}
+        part, offset, span, shape, dtype, strides = m.layout(i)
+        if span and s.parts[part].device == "host":
+            by_part.setdefault(part, []).append((i, offset, span, shape, dtype, strides))
+    dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
+    out: dict[int, Any] = {}
     for part, leaves in by_part.items():
-        lo = min(leaf.offset for _, leaf in leaves)
-        hi = max(leaf.offset + leaf.nbytes for _, leaf in leaves)
-        if len(leaves) < 2 or sum(leaf.nbytes for _, leaf in leaves) < _WHOLE * (hi - lo):
+        lo = min(leaf[1] for leaf in leaves)
+        hi = max(leaf[1] + leaf[2] for leaf in leaves)
+        if len(leaves) < 2 or sum(leaf[2] for leaf in leaves) < _WHOLE * (hi - lo):
             continue
-        raw = np.empty(hi - lo, dtype=np.uint8)
-        items.append((s.part_view(part), lo, raw))
-        for i, leaf in leaves:
-            out[i] = _Staged(raw, leaf.offset - lo, leaf.shape, leaf.strides, np.dtype(leaf.typestr))
+        whole = s.host_bytes(part)
+        if whole is not None:
+            raw = whole[lo:hi].copy()
+        elif s.opened[part].transport is not None:
+            raw = np.empty(hi - lo, dtype=np.uint8)
+            items.append((s.part_view(part), lo, raw))
+        else:
+            continue
+        for i, offset, _, shape, dtype, strides in leaves:
+            out[i] = np.ndarray(shape, dtype=dtypes[dtype], buffer=raw, offset=offset - lo, strides=strides)
     return out
 
 

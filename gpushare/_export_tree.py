@@ -177,21 +177,21 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly,
                                     cliques.get(p.device) if _paths.fabric.PATH.name in p.offers else None)
                      for p in parts]
-        manifest = _manifest.encode(described, leaves, shape_of)
+        manifest, made = _manifest.encode_made(described, leaves, shape_of)
         total = sum(p.nbytes for p in parts)
         union = tuple(name for name in PATHS if any(name in p.offers for p in parts))
         all_readonly = all(p.readonly for p in parts)
         record = Export(share_id=share_id, token=token, nbytes=total, device=parts[0].device,
                         memory_type=parts[0].memory_type, offers=union, descriptors={}, policy=policy,
-                        readonly=all_readonly, parts=parts, digest=_manifest.digest(manifest))
+                        readonly=all_readonly, parts=parts, digest=made.digest)
         if policy == "none":
             raise InvalidInputError("lifetime='none' holds the exported object only weakly, and a bundle's tree "
                                     "(a dict, list or tuple) cannot be; use lifetime='auto', 'closed', N or "
                                     "'revoked'")
         record.obj = tree
-        share = Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), get_exporter().addresses, total,
-                            parts[0].device, (total,), "|u1", union, lifetime_name, described[0].fabric,
-                            all_readonly, 0, None, None, None, manifest)
+        share = Share._make_bundle((SHARE_FORMAT, share_id, token, os.getpid(), node_key(), get_exporter().addresses,
+                                    total, parts[0].device, (total,), "|u1", union, lifetime_name,
+                                    described[0].fabric, all_readonly, 0, None, None, None, manifest), made)
     except BaseException:
         for part in parts:
             release_registrations(part.registrations)

@@ -18,7 +18,7 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,8 +56,7 @@ class Part:
     fabric: str | None
 
 
-@dataclass(frozen=True)
-class Leaf:
+class Leaf(NamedTuple):
     """One tensor: its part, its offset there, what its elements are."""
 
     part: int
@@ -82,9 +81,9 @@ class Manifest:
         self.parts = parts
         self.tree = tree
         self.digest = digest
-        self._part_column = columns[0]
+        self._part_column = np.asarray(columns[0])
         # Python lists: a leaf is read an element at a time
-        self._columns = tuple(c.tolist() for c in columns)
+        self._columns = tuple(c.tolist() if isinstance(c, np.ndarray) else c for c in columns)
         self._dtypes = dtypes
         self._dims_at = dims_at.tolist()
         self._strides = strides
@@ -98,6 +97,16 @@ class Manifest:
         return Leaf(part[i], offset[i], self._spans[i], tuple(dims[at:at + ndim[i]]), typestr, name, dl,
                     self._strides.get(i))
 
+    def layout(self, i: int) -> tuple[int, int, int, tuple[int, ...], int, tuple[int, ...] | None]:
+        """(part, offset, span, shape, dtype index, strides) of leaf ``i``, cheaply."""
+        part, offset, dtype, ndim, dims = self._columns
+        at = self._dims_at[i]
+        return part[i], offset[i], self._spans[i], tuple(dims[at:at + ndim[i]]), dtype[i], self._strides.get(i)
+
+    def dtypes(self) -> list[tuple[str, str | None, tuple[int, int, int] | None]]:
+        """The dtype table: (typestr, name, DLPack dtype) by index."""
+        return self._dtypes
+
     def leaves_of(self, part: int) -> list[int]:
         """The leaves that lie in ``part``."""
         return np.flatnonzero(self._part_column == part).tolist()
@@ -107,9 +116,16 @@ class Manifest:
 
 
 def encode(parts: list[Part], leaves: list[Leaf], tree: Any) -> bytes:
+    """The manifest of ``parts`` and ``leaves`` named by ``tree``, compressed
+    (see :func:`encode_made`)."""
+    return encode_made(parts, leaves, tree)[0]
+
+
+def encode_made(parts: list[Part], leaves: list[Leaf], tree: Any) -> tuple[bytes, Manifest]:
     """The manifest of ``parts`` and ``leaves`` named by ``tree`` (a nest of
     ``("d", [(key, node)...])``, ``("l", [...])``, ``("t", [...])`` and leaf
-    indices), compressed."""
+    indices), compressed; and as a :class:`Manifest` (this process made it:
+    it is not decoded again)."""
     dtypes: dict[tuple, int] = {}
     col_part, col_offset, col_dtype, col_ndim, dims, strided, strides = [], [], [], [], [], [], []
     for i, leaf in enumerate(leaves):
@@ -134,7 +150,15 @@ def encode(parts: list[Part], leaves: list[Leaf], tree: Any) -> bytes:
     if len(raw) > MAX_DECODED_BYTES:
         raise InvalidInputError(f"the bundle's manifest is {len(raw)} bytes; at most {MAX_DECODED_BYTES} "
                                 "(fewer tensors, or shorter names)")
-    return zlib.compress(raw, 1)
+    data = zlib.compress(raw, 1)
+    dims_at = np.zeros(len(leaves), dtype=np.int64)
+    if leaves:
+        np.cumsum(np.array(col_ndim[:-1], dtype=np.int64), out=dims_at[1:])
+    made = Manifest(tuple(parts), tree, digest(data),
+                    (np.array(col_part, dtype=np.int64), col_offset, col_dtype, col_ndim, dims),
+                    [k for k in dtypes], dims_at, {i: leaves[i].strides for i in strided},
+                    np.array([leaf.nbytes for leaf in leaves], dtype=np.int64))
+    return data, made
 
 
 def _mask(offers: tuple[str, ...]) -> int:

@@ -165,12 +165,27 @@ class Share:
                                      strict=True))
             if bits * lanes != 8 * int(typestr[2:]) or typestr[1] != "V":
                 raise InvalidInputError(f"share dlpack_dtype {dlpack_dtype} does not fit typestr {typestr}")
-        bundle = None if manifest is None else _bundle_of(manifest, fields)
+        bundle = None if manifest is None else _bundle_of(manifest, fields, cls._made.pop(id(manifest), None))
         self = object.__new__(Share if bundle is None else BundleShare)
         object.__setattr__(self, "_fields_", tuple(fields))
         object.__setattr__(self, "_sent", None)
         object.__setattr__(self, "_bundle", bundle)
         return self
+
+    #: Manifests this process just encoded, by id of their bytes, for the
+    #: share being made of them (not decoded again).  Filled and emptied by
+    #: :meth:`_make_bundle`.
+    _made: dict[int, _manifest.Manifest] = {}
+
+    @classmethod
+    def _make_bundle(cls, fields: tuple, made: _manifest.Manifest) -> Share:
+        """The share of a bundle this process exported: its manifest (the last
+        field) is ``made``, checked against the fields but not decoded again."""
+        cls._made[id(fields[-1])] = made
+        try:
+            return cls._make(*fields)
+        finally:
+            cls._made.pop(id(fields[-1]), None)
 
     @classmethod
     def _trusted(cls, fields: tuple) -> Share:
@@ -452,10 +467,11 @@ class BundleShare(Share):
     __slots__ = ()
 
 
-def _bundle_of(manifest: Any, fields: tuple) -> _manifest.Manifest:
-    """A bundle's manifest, validated, and checked against the share's own
-    fields (which describe the bundle as a whole)."""
-    decoded = _manifest.decode(manifest)
+def _bundle_of(manifest: Any, fields: tuple, made: _manifest.Manifest | None = None) -> _manifest.Manifest:
+    """A bundle's manifest, validated (or ``made`` here from the same bytes),
+    and checked against the share's own fields (which describe the bundle
+    as a whole)."""
+    decoded = _manifest.decode(manifest) if made is None or made.digest != _manifest.digest(manifest) else made
     parts = decoded.parts
     nbytes, device, shape, typestr, offers, fabric, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 12, 13))
     union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
