@@ -46,6 +46,20 @@ def shapes(layers: int, hidden: int, vocab: int = 512) -> dict[str, tuple[int, .
                                          for name, shape in layer.items()}
 
 
+def layout(names: dict[str, tuple[int, ...]], plain: bool) -> dict[str, torch.Tensor]:
+    """float32 weights of these shapes: each in an allocation of torch's own
+    (``plain``), else every one a view of one gpushare buffer."""
+    if plain:
+        return {name: torch.empty(shape) for name, shape in names.items()}
+    pool = torch.from_dlpack(gs.empty(sum(torch.Size(s).numel() for s in names.values()), "float32"))
+    weights, at = {}, 0
+    for name, shape in names.items():
+        n = torch.Size(shape).numel()
+        weights[name] = pool[at:at + n].view(shape)
+        at += n
+    return weights
+
+
 def expected(index: int, step: int) -> float:
     """The value every element of weight number ``index`` holds after ``step`` steps."""
     return index + step * 0.5
@@ -57,16 +71,7 @@ def make_actors(transport: str):
     @ray.remote(enable_tensor_transport=True, num_cpus=0)  # type: ignore[call-overload]  # Ray's overloads omit it
     class Trainer:
         def __init__(self, layers: int, hidden: int, plain: bool) -> None:
-            names = shapes(layers, hidden)
-            if plain:  # torch's own allocations: one each
-                self.weights = {name: torch.empty(shape) for name, shape in names.items()}
-            else:  # one gpushare buffer, every weight a view of it
-                pool = torch.from_dlpack(gs.empty(sum(torch.Size(s).numel() for s in names.values()), "float32"))
-                self.weights, at = {}, 0
-                for name, shape in names.items():
-                    n = torch.Size(shape).numel()
-                    self.weights[name] = pool[at:at + n].view(shape)
-                    at += n
+            self.weights = layout(shapes(layers, hidden), plain)
             for i, w in enumerate(self.weights.values()):
                 w.fill_(expected(i, 0))
 
