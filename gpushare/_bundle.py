@@ -301,7 +301,7 @@ class Bundle:
         """
         out, items = self._targets(dests, "get")
         _batch.get_batch(items).wait(timeout)
-        return dests if dests is not None else _finish(out)
+        return _finish(out) if dests is None else out.done(dests)
 
     def put(self, srcs: Any, *, timeout: float | None = 60.0) -> None:
         """Copy ``srcs`` (a structure like part of the tree, of buffers) into
@@ -313,7 +313,7 @@ class Bundle:
         """:meth:`get` for asyncio: awaits the batch's completion."""
         out, items = self._targets(dests, "get")
         await with_timeout(_awaited(_batch.get_batch(items)), timeout)
-        return dests if dests is not None else _finish(out)
+        return _finish(out) if dests is None else out.done(dests)
 
     async def put_async(self, srcs: Any, *, timeout: float | None = None) -> None:
         """:meth:`put` for asyncio."""
@@ -330,8 +330,12 @@ class Bundle:
                 raise InvalidInputError("put needs the buffers to copy in")
             staged = _staged(s, self._node, items)
             return _build(self._node, lambda i: staged[i] if i in staged else _fresh(s, i, items)), items
-        _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
-        return given, items
+        if direction == "put":
+            _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
+            return given, items
+        pairs: list[tuple[int, Any]] = []
+        _pair(self._node, given, lambda i, buf: pairs.append((i, buf)), "")
+        return _Copies(_into(s, pairs, items)), items
 
     # -- state ---------------------------------------------------------------
     def close(self) -> None:
@@ -357,6 +361,20 @@ class Bundle:
         state = "closed" if s.closed else "via " + ", ".join(sorted(set(s.paths)))
         return (f"<gpushare.Bundle {self.kind.__name__} of {len(self)}, {self.count} tensors in {len(s.parts)} "
                 f"allocations {state}>")
+
+
+class _Copies:
+    """Copies into NumPy destinations from a staging buffer, made once its bytes are in."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+        self.pairs = pairs
+
+    def done(self, dests: Any) -> Any:
+        for dst, src in self.pairs:
+            dst[:] = src
+        return dests
 
 
 class _Staged:
@@ -404,21 +422,21 @@ def _fresh(s: _State, i: int, items: list) -> Any:
 _WHOLE = 0.5
 
 
-def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
-    """Fresh arrays for the tensors of ``node`` that lie in host allocations
-    (mapped or copied), each allocation's span of them taken at once: copied
-    here from a mapping, or fetched as one transfer (added to ``items``),
-    into one new buffer the arrays are views of."""
-    if s.targets is not None:
-        return {}
-    m = s.manifest
-    by_part: dict[int, list] = {}
-    for i in _leaf_indices(node):
-        part, offset, span, shape, dtype, strides = m.layout(i)
-        if span and s.parts[part].device == "host":
-            by_part.setdefault(part, []).append((i, offset, span, shape, dtype, strides))
-    dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
-    out: dict[int, Any] = {}
+def _spans(s: _State, indices: list[int], items: list) -> dict[int, tuple[Any, int]]:
+    """For the tensors ``indices`` that lie in host allocations (mapped or
+    copied), each allocation's span of them taken at once: copied here from
+    a mapping, or fetched as one transfer (added to ``items``), into one new
+    byte buffer.  Tensor -> (that buffer, its offset there)."""
+    if s.targets is None:
+        m = s.manifest
+        by_part: dict[int, list] = {}
+        for i in indices:
+            part, offset, span, _, _, _ = m.layout(i)
+            if span and s.parts[part].device == "host":
+                by_part.setdefault(part, []).append((i, offset, span))
+    else:
+        by_part = {}
+    out: dict[int, tuple[Any, int]] = {}
     for part, leaves in by_part.items():
         lo = min(leaf[1] for leaf in leaves)
         hi = max(leaf[1] + leaf[2] for leaf in leaves)
@@ -432,9 +450,43 @@ def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
             items.append((s.part_view(part), lo, raw))
         else:
             continue
-        for i, offset, _, shape, dtype, strides in leaves:
-            out[i] = np.ndarray(shape, dtype=dtypes[dtype], buffer=raw, offset=offset - lo, strides=strides)
+        for i, offset, _ in leaves:
+            out[i] = (raw, offset - lo)
     return out
+
+
+def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
+    """Fresh arrays for the tensors of ``node`` that :func:`_spans` takes: views of its buffers."""
+    m = s.manifest
+    dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
+    out: dict[int, Any] = {}
+    for i, (raw, at) in _spans(s, _leaf_indices(node), items).items():
+        _, _, _, shape, dtype, strides = m.layout(i)
+        out[i] = np.ndarray(shape, dtype=dtypes[dtype], buffer=raw, offset=at, strides=strides)
+    return out
+
+
+def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[Any, Any]]:
+    """The copies of ``pairs`` (tensor, destination) as batch items; plain
+    NumPy destinations of host tensors come from :func:`_spans`' buffers
+    instead: (destination bytes, source bytes) to copy once the batch is in."""
+    np_dests = []
+    for i, buf in pairs:
+        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and (
+                s.manifest.layout(i)[5] is None and buf.nbytes <= s.manifest.layout(i)[2]):
+            np_dests.append((i, buf))
+        else:
+            items.append((s.view(i), 0, buf))
+    spans = _spans(s, [i for i, _ in np_dests], items)
+    after = []
+    for i, buf in np_dests:
+        found = spans.get(i)
+        if found is None:
+            items.append((s.view(i), 0, buf))
+            continue
+        raw, at = found
+        after.append((buf.reshape(-1).view(np.uint8), raw[at:at + buf.nbytes]))
+    return after
 
 
 def _leaf_indices(node: Any) -> list[int]:

@@ -290,3 +290,25 @@ def test_bundle_views_and_plain_views_batch_together_over_ucx_rma():
     assert [a.tolist() for a in bundle.get().values()] == [list(range(32)), list(range(32, 64))]
     bundle.close()
     view.close()
+
+
+@pytest.mark.parametrize("exclude", [["same-process"], ["same-process", "host-fd"]], ids=["host-fd", "ucx-rma"])
+def test_get_into_many_numpy_destinations_takes_the_allocation_at_once(exclude):
+    pool = gs.empty(64 * 50, "int32")
+    pool[:] = np.arange(64 * 50, dtype=np.int32)
+    share = gs.export({f"t{i}": pool[i * 64:(i + 1) * 64] for i in range(50)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.SlowPathWarning)
+        bundle = gs.open(share, exclude=exclude)
+    with bundle:
+        assert bundle.paths == (("host-fd",) if len(exclude) == 1 else ("ucx-rma",))
+        dests = {f"t{i}": np.zeros(64, np.int32) for i in range(0, 50, 2)}
+        dests["t1"] = np.zeros(10, np.int32)  # fewer bytes than the tensor: its first 40
+        dests["t3"] = np.zeros(64, np.float32)  # bytes, whatever the dtype
+        assert bundle.get(dests) is dests
+        for i in range(0, 50, 2):
+            assert dests[f"t{i}"].tolist() == list(range(i * 64, (i + 1) * 64)), i
+        assert dests["t1"].tolist() == list(range(64, 74))
+        assert dests["t3"].view(np.int32).tolist() == list(range(192, 256))
+        fresh = bundle.get()
+        assert all(fresh[f"t{i}"].tolist() == list(range(i * 64, (i + 1) * 64)) for i in range(50))
