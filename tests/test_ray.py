@@ -301,6 +301,27 @@ def test_a_process_without_the_key_is_refused(actors):
         ray.get(spoiled.describe.remote(ref), timeout=60)
 
 
+def test_receive_refuses_an_aborted_transfer_and_metadata_that_does_not_match(actors):
+    source, sink, _ = actors
+    manager = get_tensor_transport_manager("GPUSHARE")
+    assert manager.actor_has_tensor_transport(sink) and manager.actor_has_tensor_transport(source)
+    ref = ray.put([torch.arange(3), torch.ones(2)], _tensor_transport="gpushare")
+    meta = ray._private.worker.global_worker.rdt_manager.get_rdt_metadata(ref.hex()).tensor_transport_meta
+    assert isinstance(meta, gsray.GpushareTransportMetadata) and meta.share.count == 2
+    comm = manager.get_communicator_metadata(None, None)
+    got = manager.recv_multiple_tensors("some object", meta, comm)
+    assert [t.tolist() for t in got] == [[0, 1, 2], [1.0, 1.0]]
+    manager.abort_transport("aborted object", comm)
+    with pytest.raises(RuntimeError, match="aborted"):
+        manager.recv_multiple_tensors("aborted object", meta, comm)
+    assert len(manager.recv_multiple_tensors("aborted object", meta, comm)) == 2  # an abort refuses once
+    wrong = gsray.GpushareTransportMetadata(tensor_meta=meta.tensor_meta[:1], tensor_device="cpu", share=meta.share,
+                                            carried=(0,))
+    with pytest.raises(gs.InvalidInputError, match="do not match"):
+        manager.recv_multiple_tensors("some object", wrong, comm)
+    del ref
+
+
 def _cuda_reason() -> str | None:
     if not torch.cuda.is_available():
         return "this torch has no CUDA device (CPU build, or no GPU)"
