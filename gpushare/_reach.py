@@ -48,10 +48,11 @@ def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str
     # The paths' verdicts read only these (and the reasons name the exporter's pid).
     key = (share.offers, share.device, share.strides is None, share.node, share.readonly, share.fabric,
            share.exporter_pid, here, _as_key(prefer), _as_key(exclude), env_prefer, env_exclude)
+    keep = _UNKEYED not in (key[8], key[9])
     try:
         known = _chosen.get(key)
     except TypeError:  # something unhashable in the share: nothing is remembered
-        key, known = None, None
+        known, keep = None, False
     if known is not None:
         order, left_out, natural = known
         return list(order), list(left_out), list(natural)
@@ -61,15 +62,15 @@ def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str
     if env_exclude:
         exclude_l += _paths.path_list(env_exclude, "GPUSHARE_EXCLUDE_PATHS")
     chosen = _paths.candidates(share, here, prefer_l, exclude_l)
-    if key is not None and key[8] is not _UNKEYED and key[9] is not _UNKEYED:
+    if keep:
         if len(_chosen) >= _CHOSEN_MAX:
             _chosen.clear()
         _chosen[key] = tuple(tuple(part) for part in chosen)
     return chosen
 
 
-#: What :func:`choose` found for a kind of share in this process (each
-#: opens of one exporter's shares alike, one look-up after the first).
+#: What :func:`choose` found for a kind of share in this process (the
+#: shares of one exporter choose alike: a look-up after the first).
 _chosen: dict[tuple, tuple[tuple[str, ...], ...]] = {}
 _CHOSEN_MAX = 256
 _UNKEYED = object()
