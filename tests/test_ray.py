@@ -25,12 +25,6 @@ import gpushare as gs
 import gpushare.ray as gsray
 from gpushare import _auth
 
-# Importing a submodule makes it an attribute of its package, and
-# tests/test_package.py takes every attribute of gpushare for a public name
-# that __all__ must list; gpushare.ray is optional and never in __all__
-# (a star import must not import Ray).  The module stays in sys.modules.
-vars(gs).pop("ray", None)
-
 pytestmark = pytest.mark.timeout(180)
 
 
