@@ -82,6 +82,11 @@ class Arena:
     """Shareable memory for many arrays, in few :func:`gpushare.allocate`
     buffers.
 
+    Arrays from :meth:`empty` (and CuPy arrays, with :meth:`cupy_malloc` as
+    CuPy's allocator) lie in the arena's chunks: :func:`gpushare.export`
+    offers each on every path of its chunk, and a bundle of them has one offer
+    per chunk.  A block goes back to the arena when its array is gone.
+
     Parameters
     ----------
     device : "host" or int, default "host"
@@ -89,11 +94,6 @@ class Arena:
     chunk_size : int, default 64 MiB
         Bytes of each buffer the arena allocates; a larger request gets a
         buffer of its own size.
-
-    Arrays from :meth:`empty` (and CuPy arrays, with :meth:`cupy_malloc` as
-    CuPy's allocator) lie in the arena's chunks: :func:`gpushare.export`
-    offers each on every path of its chunk, and a bundle of them has one offer
-    per chunk.  A block goes back to the arena when its array is gone.
     """
 
     def __init__(self, device: _types.Device = "host", *, chunk_size: int = 64 << 20) -> None:
