@@ -86,6 +86,7 @@ def _cupy_reader(share):
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
 def test_cupy_arrays_from_the_arena_allocator_share_one_offer():
     cupy = pytest.importorskip("cupy", reason="needs CuPy (pip install 'gpushare[cupy]')")
     import multiprocessing as mp
