@@ -131,6 +131,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             raise ClosedError(f"cannot open share: {refusal_text(refusal, export.policy)}")
         why_altered = altered(share.device, share.nbytes, share.offset, share.readonly, export.device,
                               export.nbytes, export.offset, export.readonly)
+        if export.parts is not None:  # a bundle's share with its manifest taken out
+            why_altered = ("the share names a bundle of tensors but carries no manifest: the share was altered "
+                           "(forged or corrupt)")
         if why_altered:
             raise InvalidInputError(why_altered)
         why = f"{first.name}: {first.reason}"

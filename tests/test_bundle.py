@@ -312,3 +312,11 @@ def test_get_into_many_numpy_destinations_takes_the_allocation_at_once(exclude):
         assert dests["t3"].view(np.int32).tolist() == list(range(192, 256))
         fresh = bundle.get()
         assert all(fresh[f"t{i}"].tolist() == list(range(i * 64, (i + 1) * 64)) for i in range(50))
+
+
+def test_a_bundle_share_without_its_manifest_is_refused_in_the_exporting_process_too():
+    share = gs.export({"a": np.ones(4), "b": np.zeros(2)})
+    stripped = gs.Share._make(*share._fields_[:-1], None)
+    assert not stripped.is_bundle
+    with pytest.raises(gs.InvalidInputError, match="carries no manifest"):
+        gs.open(stripped)
