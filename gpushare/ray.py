@@ -37,8 +37,12 @@ import secrets
 import threading
 from typing import Any
 
-import ray
-import torch  # before anything of gpushare loads UCX (docs/ucx.md)
+try:
+    import ray
+    import torch  # before anything of gpushare loads UCX (docs/ucx.md)
+except ImportError as exc:  # an optional extra: say which
+    raise ImportError(f"gpushare.ray needs Ray and torch ({exc.name} is missing): pip install 'gpushare[ray]' "
+                      "torch") from exc
 from ray._private import ray_constants
 from ray.experimental.rdt import util as _rdt
 from ray.experimental.rdt.tensor_transport_manager import (

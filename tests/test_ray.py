@@ -80,6 +80,16 @@ def _actor_classes():
             self.pooled += 1
             self.plain += 1
 
+        @ray.method(tensor_transport="gpushare")
+        def kept(self):
+            self.held = torch.full((4,), 2.5)  # kept here after it is returned
+            return self.held
+
+        def wait_freed(self, timeout):
+            """ray.experimental.wait_tensor_freed on the kept tensor; then what the transport revoked."""
+            ray.experimental.wait_tensor_freed(self.held, timeout=timeout)
+            return gsray.stats()["revoked"]
+
         def exported(self):
             return gsray.exported()
 
@@ -214,6 +224,18 @@ def test_freed_ref_revokes_the_share(actors):
     assert obj_id not in ray.get(source.exported.remote())
     with pytest.raises(gs.ClosedError):
         gs.open(share)
+
+
+def test_wait_tensor_freed_returns_once_the_ref_is_gone_and_the_share_is_revoked(actors):
+    source, sink, _ = actors
+    ref = source.kept.remote()
+    assert ray.get(sink.describe.remote(ref), timeout=60)["t"][0] == [2.5] * 4
+    revoked = ray.get(source.stats.remote())["revoked"]
+    with pytest.raises(TimeoutError, match="not freed"):  # the ref still lives (a RayTaskError that is one)
+        ray.get(source.wait_freed.remote(0.5), timeout=60)
+    del ref
+    ray.get(source.wait_freed.remote(30), timeout=60)
+    _wait("the kept tensor's share revoked", lambda: ray.get(source.stats.remote())["revoked"] > revoked)
 
 
 def test_ray_put_in_the_driver_and_get_in_an_actor_and_in_the_driver(actors):
@@ -362,3 +384,10 @@ def test_cuda_tensors_between_two_actors(actors):
     set_target_for_ref(ref, host)
     ray.get(ref, timeout=120)
     assert host[0].tolist() == [float(i) for i in range(1000)] and host[1].tolist() == [2.5] * 1024
+
+
+def test_without_ray_the_module_says_which_extra_to_install():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "try:\n    import gpushare.ray\nexcept ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'gpushare[ray]'" in out.stdout, out.stdout + out.stderr
