@@ -23,6 +23,25 @@ COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"},
 BIG = 256 << 20  # a transfer that takes a while
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped: the
+    thread that takes the signal stops the others after it, and until then
+    they may still answer a request sent after ``kill`` returned."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+                    states.append(f.read().rsplit(b")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(state == b"T" for state in states)
+
+    assert wait_for(stopped, BOUND)
+
+
 def _timed(fn) -> tuple[BaseException | None, float]:
     start = time.monotonic()
     try:
@@ -117,13 +136,13 @@ def test_opening_a_share_of_a_frozen_exporter_fails_clearly_within_the_bound():
     try:
         first = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
         second = exporter.call("export", "numpy", 4096, {"lifetime": "revoked"})
-        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        _stop(exporter.proc.pid)
         exc, took = _timed(lambda: gs.open(first))  # a new connection: its hello is never answered
         assert isinstance(exc, gs.ExporterUnreachableError) and "stopped by a signal" in str(exc), repr(exc)
         assert took < BOUND
         os.kill(exporter.proc.pid, signal.SIGCONT)
         view = gs.open(first)
-        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        _stop(exporter.proc.pid)
         exc, took = _timed(lambda: gs.open(second))  # on the connection the first view holds
         assert isinstance(exc, gs.ExporterUnreachableError) and "stopped by a signal" in str(exc), repr(exc)
         assert took < BOUND
