@@ -226,9 +226,10 @@ class _Link(Protocol):
 
     def _maybe_linger(self) -> None:
         """Close the connection a while after its last lease and request (lock held)."""
-        if self.leases or self.pending or self.dead is not None or self._idle_at is not None:
+        if self.leases or self.pending or self.dead is not None:
             return
-        self._idle_at = time.monotonic()
+        if self._idle_at is None:
+            self._idle_at = time.monotonic()
         if self._linger is None:
             self._linger = self.importer.service.call_later(IDLE_LINGER, self._idle)
 
@@ -237,6 +238,7 @@ class _Link(Protocol):
         with self.lock:
             self._linger = None
             if self.leases or self.pending or self.dead is not None or self._idle_at is None:
+                self._idle_at = None
                 return  # in use again: the next idle time starts a timer
             left = self._idle_at + IDLE_LINGER - time.monotonic()
             if left > 0:  # used and idle again since the timer was set: wait the rest
@@ -304,6 +306,7 @@ class _Link(Protocol):
                 self.answered = True
                 if granted:
                     self.leases.add(lease)
+                    self._idle_at = None  # in use (a late grant too, until it is given back)
                 self._maybe_linger()
             if late:
                 _close_all(got)
@@ -461,6 +464,10 @@ class Importer:
             link.dead = "not needed"
             self.service.call_soon(link.conn.close)
             return other
+        if link.dead is not None:
+            # It ended before it was listed here (the exporter refused it at
+            # once): its end could not unlist it.  Its requests say why.
+            self._drop(link)
         return link
 
     def _drop(self, link: _Link) -> None:
