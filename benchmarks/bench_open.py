@@ -14,7 +14,13 @@ For host buffers of 1 MiB and 512 MiB, the time in the receiving process from
   array over it (no exporter is asked anything: the floor).
 
 Ratios are torch's time over gpushare's (above 1: gpushare is faster).
-Run: ``python benchmarks/bench_open.py [--reps N]``.
+
+Then further opens: ``--shares`` (2,000) host buffers of 1 KiB from
+``gs.empty`` exported up front, each opened once over the connection an
+earlier open made (host-fd: the memfds come with the reply), the median and
+90th percentile of ``gs.open`` alone and of open and close, against
+attaching as many ``shared_memory`` segments (the floor), as a ratio.
+Run: ``python benchmarks/bench_open.py [--reps N] [--shares N]``.
 """
 
 from __future__ import annotations
@@ -85,6 +91,60 @@ def _torch_child(queue, conn) -> None:
         del arr, tensor
 
 
+def _further_child(conn) -> None:
+    shares = conn.recv()
+    gs.open(shares[0], exclude=["same-process"]).close()  # the connection the further opens use
+    opens, both = [], []
+    for share in shares[1:]:
+        t0 = time.perf_counter()
+        view = gs.open(share, exclude=["same-process"])
+        t1 = time.perf_counter()
+        view.close()
+        opens.append(t1 - t0)
+        both.append(time.perf_counter() - t0)
+    conn.send((opens, both))
+
+
+def _attach_child(conn) -> None:
+    names = conn.recv()
+    times = []
+    for name in names:
+        t0 = time.perf_counter()
+        shm = shared_memory.SharedMemory(name=name)
+        times.append(time.perf_counter() - t0)
+        shm.close()
+    conn.send(times)
+
+
+def _ask(target, msg, ctx):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,))
+    proc.start()
+    parent.send(msg)
+    answer = parent.recv()
+    proc.join(30)
+    return answer
+
+
+def further_opens(count: int, ctx) -> tuple[list[float], list[float], list[float]]:
+    """(open, open and close, shared_memory attach) times of ``count`` shares each opened once."""
+    arrays = [gs.empty(1024) for _ in range(count + 1)]
+    shares = [gs.export(a) for a in arrays]
+    opens, both = _ask(_further_child, shares, ctx)
+    segments = [shared_memory.SharedMemory(create=True, size=1024) for _ in range(count)]
+    try:
+        floor = _ask(_attach_child, [s.name for s in segments], ctx)
+    finally:
+        for s in segments:
+            s.close()
+            s.unlink()
+    return opens, both, floor
+
+
+def _p90(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=10)[-1]
+
+
 def _run(target, reps: int, make_msg, ctx, extra=()) -> list[float]:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*extra, child))
@@ -151,6 +211,7 @@ def _fmt(samples: list[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--shares", type=int, default=2000)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     print(f"median (min-max) of {args.reps} opens in a second process; times to a usable NumPy array\n")
@@ -166,6 +227,11 @@ def main() -> int:
             ratio = statistics.median(theirs) / statistics.median(ours)
             print(f"  torch.multiprocessing queue      {_fmt(theirs)}   torch/gpushare {ratio:.2f}")
         print(f"  shared_memory attach (the floor) {_fmt(floor)}")
+    opens, both, floor = further_opens(args.shares, ctx)
+    print(f"\nfurther opens of {args.shares} shares of 1 KiB, each once, one connection: median, 90th percentile")
+    for what, samples in (("gs.open", opens), ("gs.open + close", both), ("shared_memory attach", floor)):
+        print(f"  {what:<21} {statistics.median(samples) * 1e3:.3f} ms  p90 {_p90(samples) * 1e3:.3f} ms")
+    print(f"  gs.open / attach      {statistics.median(opens) / statistics.median(floor):.1f}")
     return 0
 
 
