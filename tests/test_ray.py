@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="gpushare.ray carries torch tensors: pip install torch")
-pytest.importorskip("ray", reason="gpushare.ray needs Ray: pip install 'ray>=2.60' (the tests run a local Ray)")
+torch = pytest.importorskip("torch", reason="torch is an optional extra: gpushare.ray carries torch tensors: pip install torch")
+pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'gpushare[ray]' (the tests run a local Ray)")
 
 import ray
 from ray.experimental.rdt.util import get_tensor_transport_manager

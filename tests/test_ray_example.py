@@ -7,8 +7,8 @@ import re
 import pytest
 from test_examples import run_example
 
-pytest.importorskip("torch", reason="the Ray example carries torch tensors: pip install torch")
-pytest.importorskip("ray", reason="the Ray example needs Ray: pip install 'ray>=2.60'")
+pytest.importorskip("torch", reason="torch is an optional extra: the Ray example carries torch tensors: pip install torch")
+pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'gpushare[ray]'")
 
 
 def _median_ms(out: str) -> float:
