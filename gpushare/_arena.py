@@ -123,7 +123,8 @@ class Arena:
             else:
                 chunk = self._new_chunk(max(size, self.chunk_size))
                 offset = chunk.take(size)
-                assert offset is not None
+                if offset is None:  # a new chunk of at least ``size`` bytes always has room
+                    raise RuntimeError(f"a new chunk of {chunk.size} bytes has no room for {size}")
             self.in_use += size
         return Block(self, chunk, offset, nbytes, size)
 

@@ -73,7 +73,7 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
         if not order:
             raise UnsupportedError(f"no path can serve allocation {i} of this bundle here: " + "; ".join(left_out))
     export = registered(share) if share.node == node_key() else None
-    if export is not None and all(order[0] == same_process.PATH.name for order, _, _ in choices):
+    if export is not None and all(_paths.by_name(order[0]) is same_process.PATH for order, _, _ in choices):
         with export.lock:
             refusal = export.refusal()
             tree = export.target()
@@ -90,14 +90,14 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
                        [why] * len(parts), None, targets)
         log.info("opened bundle %s over %s", share.share_id[:8], path.name)
         return Bundle._make(state, manifest.tree)
-    orders = [[p for p in order if p != same_process.PATH.name] for order, _, _ in choices]
+    orders = [[p for p in order if _paths.by_name(p) is not same_process.PATH] for order, _, _ in choices]
     for i, order in enumerate(orders):
         if not order:
             raise UnsupportedError(f"allocation {i} of this bundle can be opened only in its exporting process")
     picks = [0] * len(parts)
     failures: list[list[str]] = [[] for _ in parts]
     deadline = time.monotonic() + timeout
-    if any(order[0] == ucx_rma.PATH.name for order in orders):
+    if any(_paths.by_name(order[0]) is ucx_rma.PATH for order in orders):
         ucx_rma.warm()
     importer = get_importer()
     addresses = addresses_for(share)
@@ -152,7 +152,7 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
         whys.append(_paths.explain(paths[i], left_out, failures[i]))
         if failures[i] and natural and paths[i] in natural and natural.index(paths[i]) > 0:
             slow.append(f"allocation {i} fell back to {paths[i]}: {'; '.join(failures[i])}")
-        elif paths[i] == ucx_rma.PATH.name and share.node == node_key() and prefer is None and exclude is None and \
+        elif _paths.by_name(paths[i]) is ucx_rma.PATH and share.node == node_key() and prefer is None and exclude is None and \
                 not (os.environ.get("GPUSHARE_PATHS") or os.environ.get("GPUSHARE_EXCLUDE_PATHS")):
             slow.append(f"allocation {i} goes over ucx-rma, a network transport, to a same-node peer: "
                         + "; ".join(left_out or ["no same-node path is offered for this memory"]))

@@ -195,7 +195,8 @@ class GpushareTransport(TensorTransportManager):
             # Read-only unless receivers map it: torch ignores DLPack's read-only
             # flag, and a write into a read-only mapping kills the process.
             made = export(flat, lifetime="revoked", readonly=not self._zero_copy)
-            assert isinstance(made, BundleShare)
+            if not isinstance(made, BundleShare):  # export of a list is always a bundle
+                raise TypeError(f"gpushare.export of a list gave a {type(made).__name__}, not a BundleShare")
             share = made
         meta = GpushareTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors], tensor_device=kind,
                                          share=share, carried=carried)
