@@ -301,7 +301,7 @@ class Bundle:
         """
         out, items = self._targets(dests, "get")
         _batch.get_batch(items).wait(timeout)
-        return _finish(out) if dests is None else out.done(dests)
+        return out.done(dests)
 
     def put(self, srcs: Any, *, timeout: float | None = 60.0) -> None:
         """Copy ``srcs`` (a structure like part of the tree, of buffers) into
@@ -313,7 +313,7 @@ class Bundle:
         """:meth:`get` for asyncio: awaits the batch's completion."""
         out, items = self._targets(dests, "get")
         await with_timeout(_awaited(_batch.get_batch(items)), timeout)
-        return _finish(out) if dests is None else out.done(dests)
+        return out.done(dests)
 
     async def put_async(self, srcs: Any, *, timeout: float | None = None) -> None:
         """:meth:`put` for asyncio."""
@@ -329,7 +329,17 @@ class Bundle:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
             staged = _staged(s, self._node, items)
-            return _build(self._node, lambda i: staged[i] if i in staged else _fresh(s, i, items)), items
+            pending: list[_Staged] = []
+
+            def fresh(i: int) -> Any:
+                got = staged.get(i)
+                if got is None:
+                    got = _fresh(s, i, items)
+                    if type(got) is _Staged:
+                        pending.append(got)
+                return got
+
+            return _Fresh(_build(self._node, fresh), pending), items
         if direction == "put":
             _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
             return given, items
@@ -361,6 +371,20 @@ class Bundle:
         state = "closed" if s.closed else "via " + ", ".join(sorted(set(s.paths)))
         return (f"<gpushare.Bundle {self.kind.__name__} of {len(self)}, {self.count} tensors in {len(s.parts)} "
                 f"allocations {state}>")
+
+
+class _Fresh:
+    """Fresh arrays, once their bytes are in (strided tensors made arrays then)."""
+
+    __slots__ = ("tree", "pending")
+
+    def __init__(self, tree: Any, pending: list[_Staged]) -> None:
+        self.tree, self.pending = tree, pending
+
+    def done(self, _: Any) -> Any:
+        if not self.pending:
+            return self.tree
+        return _build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
 
 
 class _Copies:
@@ -422,48 +446,116 @@ def _fresh(s: _State, i: int, items: list) -> Any:
 _WHOLE = 0.5
 
 
+def _span_groups(s: _State, indices: Any) -> list[tuple[int, int, int, np.ndarray, np.ndarray]]:
+    """For the tensors ``indices`` that lie in host allocations, the
+    allocations whose span of them is taken at once (two or more tensors
+    covering at least ``_WHOLE`` of it): (part, span start, span end, the
+    tensors, their offsets from the start), the tensors in ``indices``' order."""
+    if s.targets is not None:
+        return []
+    m = s.manifest
+    idx = np.asarray(indices, dtype=np.int64)
+    host = np.array([p.device == "host" for p in s.parts], dtype=bool)
+    part, offset, span = m.arrays[0][idx], m.arrays[1][idx], m.spans[idx]
+    keep = host[part] & (span > 0)
+    if not keep.all():
+        idx, part, offset, span = idx[keep], part[keep], offset[keep], span[keep]
+    out = []
+    for p in np.unique(part).tolist():
+        mine = part == p
+        leaves, at, size = (idx, offset, span) if mine.all() else (idx[mine], offset[mine], span[mine])
+        lo, hi = int(at.min()), int((at + size).max())
+        if len(leaves) >= 2 and int(size.sum()) >= _WHOLE * (hi - lo):
+            out.append((p, lo, hi, leaves, at - lo))
+    return out
+
+
+def _span_bytes(s: _State, part: int, lo: int, hi: int, items: list) -> Any:
+    """A new byte buffer that holds (or, once ``items`` have run, will hold)
+    bytes ``lo`` to ``hi`` of host allocation ``part``; None where the
+    allocation is neither mapped nor copied."""
+    whole = s.host_bytes(part)
+    if whole is not None:
+        return whole[lo:hi].copy()
+    if s.opened[part].transport is None:
+        return None
+    raw = np.empty(hi - lo, dtype=np.uint8)
+    items.append((s.part_view(part), lo, raw))
+    return raw
+
+
 def _spans(s: _State, indices: list[int], items: list) -> dict[int, tuple[Any, int]]:
     """For the tensors ``indices`` that lie in host allocations (mapped or
     copied), each allocation's span of them taken at once: copied here from
     a mapping, or fetched as one transfer (added to ``items``), into one new
     byte buffer.  Tensor -> (that buffer, its offset there)."""
-    if s.targets is None:
-        m = s.manifest
-        by_part: dict[int, list] = {}
-        for i in indices:
-            part, offset, span, _, _, _ = m.layout(i)
-            if span and s.parts[part].device == "host":
-                by_part.setdefault(part, []).append((i, offset, span))
-    else:
-        by_part = {}
     out: dict[int, tuple[Any, int]] = {}
-    for part, leaves in by_part.items():
-        lo = min(leaf[1] for leaf in leaves)
-        hi = max(leaf[1] + leaf[2] for leaf in leaves)
-        if len(leaves) < 2 or sum(leaf[2] for leaf in leaves) < _WHOLE * (hi - lo):
-            continue
-        whole = s.host_bytes(part)
-        if whole is not None:
-            raw = whole[lo:hi].copy()
-        elif s.opened[part].transport is not None:
-            raw = np.empty(hi - lo, dtype=np.uint8)
-            items.append((s.part_view(part), lo, raw))
-        else:
-            continue
-        for i, offset, _ in leaves:
-            out[i] = (raw, offset - lo)
+    for part, lo, hi, leaves, at in _span_groups(s, indices):
+        raw = _span_bytes(s, part, lo, hi, items)
+        if raw is not None:
+            out.update(zip(leaves.tolist(), ((raw, a) for a in at.tolist()), strict=True))
     return out
 
 
 def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
-    """Fresh arrays for the tensors of ``node`` that :func:`_spans` takes: views of its buffers."""
+    """Fresh arrays for the tensors of ``node`` that :func:`_spans` would
+    take: views of one new buffer per allocation.  A run of tensors of one
+    dtype and shape that lie one after another there becomes one array, and
+    its rows the tensors' arrays (made in C, not one at a time)."""
     m = s.manifest
+    indices = np.arange(m.count) if node is m.tree else _leaf_indices(node)
+    groups = _span_groups(s, indices)
+    if not groups:
+        return {}
     dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
+    strided = m.strided()
+    dims, dims_at, ndims = m._columns[4], m._dims_at, m._columns[3]
+    dtype_of = m._columns[2]
     out: dict[int, Any] = {}
-    for i, (raw, at) in _spans(s, _leaf_indices(node), items).items():
-        _, _, _, shape, dtype, strides = m.layout(i)
-        out[i] = np.ndarray(shape, dtype=dtypes[dtype], buffer=raw, offset=at, strides=strides)
+    for part, lo, hi, leaves, at in groups:
+        raw = _span_bytes(s, part, lo, hi, items)
+        if raw is None:
+            continue
+        starts = _runs(m, leaves, at)
+        bounds = starts.tolist() + [len(leaves)]
+        leaf_list, at_list = leaves.tolist(), at.tolist()
+        for k in range(len(bounds) - 1):
+            first, end = bounds[k], bounds[k + 1]
+            i = leaf_list[first]
+            shape = tuple(dims[dims_at[i]:dims_at[i] + ndims[i]])
+            dtype = dtypes[dtype_of[i]]
+            if end - first == 1:
+                out[i] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=at_list[first], strides=strided.get(i))
+            else:
+                rows = np.ndarray((end - first, *shape), dtype=dtype, buffer=raw, offset=at_list[first])
+                out.update(zip(leaf_list[first:end], rows, strict=True))
     return out
+
+
+def _runs(m: Manifest, leaves: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Where the runs of ``leaves`` begin: a run is tensors of the same
+    dtype and shape (at least one dimension, no strides), each starting
+    where the one before it ends (``at``: their offsets)."""
+    n = len(leaves)
+    if n < 2:
+        return np.zeros(min(n, 1), dtype=np.int64)
+    _, _, dtype_col, ndim_col, dims_col = m.arrays
+    ndim = ndim_col[leaves]
+    dtype = dtype_col[leaves]
+    span = m.spans[leaves]
+    joins = ((dtype[1:] == dtype[:-1]) & (ndim[1:] == ndim[:-1]) & (ndim[1:] > 0) & (ndim[1:] <= 4)
+             & (at[1:] == at[:-1] + span[:-1]))
+    if m.strided():
+        plain = np.ones(n, dtype=bool)
+        plain[np.isin(leaves, np.fromiter(m.strided(), dtype=np.int64))] = False
+        joins &= plain[1:] & plain[:-1]
+    first = m.dims_at[leaves]
+    last_dim = len(dims_col) - 1
+    for j in range(4):  # the same shape: each of (at most 4) dimensions equal
+        has = ndim > j
+        d = np.where(has, dims_col[np.minimum(first + j, last_dim)], -1)
+        joins &= d[1:] == d[:-1]
+    return np.concatenate(([0], np.flatnonzero(~joins) + 1))
 
 
 def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[Any, Any]]:
@@ -504,14 +596,9 @@ def _build(node: Any, leaf: Any) -> Any:
         return leaf(node)
     kind, items = node
     if kind == "d":
-        return {name: _build(sub, leaf) for name, sub in items}
-    out = [_build(sub, leaf) for sub in items]
+        return {name: leaf(sub) if type(sub) is int else _build(sub, leaf) for name, sub in items}
+    out = [leaf(sub) if type(sub) is int else _build(sub, leaf) for sub in items]
     return out if kind == "l" else tuple(out)
-
-
-def _finish(fresh: Any) -> Any:
-    """Fresh arrays once their bytes are in (strided tensors made arrays)."""
-    return _build_from(fresh, lambda leaf: leaf.result() if isinstance(leaf, _Staged) else leaf)
 
 
 def _build_from(given: Any, leaf: Any) -> Any:

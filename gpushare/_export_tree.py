@@ -35,14 +35,8 @@ def is_tree(obj: Any) -> bool:
 class _Tensor:
     __slots__ = ("obj", "span", "strides", "address", "nbytes", "memory_type", "device", "readonly")
 
-    def __init__(self, obj: Any, np: Any) -> None:
+    def __init__(self, obj: Any) -> None:
         self.obj = obj
-        if np is not None and type(obj) is np.ndarray and obj.flags.c_contiguous:
-            # the common case, read straight off the array (the export holds it)
-            self.span, self.strides = obj, None
-            self.address, self.nbytes = obj.__array_interface__["data"][0], obj.nbytes
-            self.memory_type, self.readonly, self.device = "host", not obj.flags.writeable, "host"
-            return
         self.span, self.strides = _arrays.span_of(obj)
         local = _buffers.resolve(self.span, writable=False)
         try:
@@ -52,6 +46,16 @@ class _Tensor:
         finally:
             local.release()
         self.device = device_ordinal(self.address, device) if self.memory_type == "cuda" else "host"
+
+    @classmethod
+    def host_array(cls, obj: Any, address: int, nbytes: int, readonly: bool) -> _Tensor:
+        """A C-contiguous NumPy array, its facts already read."""
+        t = cls.__new__(cls)
+        t.obj = t.span = obj
+        t.strides = None
+        t.address, t.nbytes, t.readonly = address, nbytes, readonly
+        t.memory_type = t.device = "host"
+        return t
 
 
 class _Allocation:
@@ -68,20 +72,38 @@ class _Allocation:
         self.key = (memory_type, device, address, nbytes) if by_span else (id(obj),)
 
 
-def _flatten(node: Any, leaves: list[Any], depth: int) -> Any:
+def _flatten(node: Any, leaves: list[Any], depth: int) -> tuple[Any, list]:
+    """``node`` as the manifest's tree nodes (leaves numbered as they are
+    appended to ``leaves``), and the same as the manifest writes it."""
     if depth > _manifest.MAX_DEPTH:
         raise InvalidInputError(f"a bundle's tree nests deeper than {_manifest.MAX_DEPTH} (or holds itself)")
     if isinstance(node, dict):
-        items = []
+        items: list[Any] = []
+        doc: list[Any] = ["d"]
         for key, value in node.items():
-            if not isinstance(key, str):
+            if type(key) is not str and not isinstance(key, str):
                 raise InvalidInputError(f"a bundle's dict keys are str; {key!r:.40} is a {type(key).__name__}")
-            items.append((key, _flatten(value, leaves, depth + 1)))
-        return ("d", items)
-    if isinstance(node, (list, tuple)):
-        return ("l" if isinstance(node, list) else "t", [_flatten(v, leaves, depth + 1) for v in node])
-    leaves.append(node)
-    return len(leaves) - 1
+            if isinstance(value, (dict, list, tuple)):
+                sub, sub_doc = _flatten(value, leaves, depth + 1)
+            else:
+                sub = sub_doc = len(leaves)
+                leaves.append(value)
+            items.append((key, sub))
+            doc.append(key)
+            doc.append(sub_doc)
+        return ("d", items), doc
+    kind = "l" if isinstance(node, list) else "t"
+    items = []
+    doc = [kind]
+    for value in node:
+        if isinstance(value, (dict, list, tuple)):
+            sub, sub_doc = _flatten(value, leaves, depth + 1)
+        else:
+            sub = sub_doc = len(leaves)
+            leaves.append(value)
+        items.append(sub)
+        doc.append(sub_doc)
+    return (kind, items), doc
 
 
 def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
@@ -122,41 +144,85 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
     return _Allocation(t.span, t.address, t.nbytes, t.memory_type, t.device, t.readonly, by_span=True)
 
 
-def _described(t: _Tensor, np: Any) -> tuple:
-    """What the manifest says of ``t``'s elements (as :func:`gpushare._arrays.describe`)."""
-    obj = t.obj
-    if t.strides is None and np is not None and type(obj) is np.ndarray and obj.dtype.kind in "biufc" and (
-            obj.dtype.fields is None):
-        return obj.shape, obj.dtype.str, None, None
-    return _arrays.describe(obj, t.nbytes, strided=t.strides is not None)
+def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
+    """The manifest's columns of the tensors ``objs``, and the allocations
+    they lie in (the parts, in the order the columns number them).
+
+    A C-contiguous NumPy array (the common case, thousands of them in a
+    state dict) has its facts read straight off it, and a tensor in the same
+    gpushare.allocate buffer as the one before it costs no search.
+    """
+    np = sys.modules.get("numpy")
+    ndarray = np.ndarray if np is not None else None
+    address_of = _arrays.host_address_reader()
+    columns = _manifest.Columns()
+    col_part, col_offset, col_span = columns.part, columns.offset, columns.spans
+    col_dtype, col_ndim, col_dims = columns.dtype, columns.ndim, columns.dims.extend
+    plain_dtypes: dict[Any, int] = {}  # a NumPy dtype that travels as it is -> its index; -1 for the others
+    found: list[_Allocation] = []
+    allocations: list[_Allocation] = []
+    by_key: dict[Any, int] = {}
+    last: _Allocation | None = None  # the gpushare.allocate buffer of the tensor before
+    last_index = 0
+    for obj in objs:
+        t: _Tensor | None = None
+        if type(obj) is ndarray and obj.flags.c_contiguous:
+            address, nbytes, ro, memory_type = address_of(obj), obj.nbytes, not obj.flags.writeable, "host"
+            dt = obj.dtype
+            dtype = plain_dtypes.get(dt)
+            if dtype is None:
+                plain = dt.kind in "biufc" and dt.fields is None
+                dtype = plain_dtypes[dt] = columns.dtype_index(dt.str) if plain else -1
+            shape = obj.shape
+            if dtype < 0:
+                shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
+                dtype = columns.dtype_index(typestr, name, dlpack)
+        else:
+            t = _Tensor(obj)
+            address, nbytes, ro, memory_type = t.address, t.nbytes, t.readonly, t.memory_type
+            shape, typestr, name, dlpack = _arrays.describe(obj, nbytes, strided=t.strides is not None)
+            dtype = columns.dtype_index(typestr, name, dlpack)
+        if not nbytes:
+            columns.add(0, 0, 0, shape, dtype)
+            continue
+        if (last is not None and last.address <= address and address + nbytes <= last.address + last.nbytes
+                and last.memory_type == memory_type):
+            index = last_index
+        else:
+            if t is None:
+                t = _Tensor.host_array(obj, address, nbytes, ro)
+            alloc = _allocation_of(t, found)
+            index = by_key.get(alloc.key)
+            if index is None:
+                index = by_key[alloc.key] = len(allocations)
+                allocations.append(alloc)
+            last, last_index = (alloc, index) if found and alloc is found[0] else (None, 0)
+        if ro:
+            allocations[index].readonly = True
+        if t is not None and t.strides is not None:
+            columns.add(index, address - allocations[index].address, nbytes, shape, dtype, t.strides)
+            continue
+        col_part.append(index)
+        col_offset.append(address - allocations[index].address)
+        col_span.append(nbytes)
+        col_dtype.append(dtype)
+        col_ndim.append(len(shape))
+        col_dims(shape)
+    return columns, allocations
 
 
 def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | None, readonly: bool) -> Share:
     """:func:`gpushare.export` of ``tree``: a bundle's share."""
+    if policy == "none":
+        raise InvalidInputError("lifetime='none' holds the exported object only weakly, and a bundle's tree "
+                                "(a dict, list or tuple) cannot be; use lifetime='auto', 'closed', N or 'revoked'")
     objs: list[Any] = []
-    shape_of = _flatten(tree, objs, 0)
+    shape_of, tree_doc = _flatten(tree, objs, 0)
     if not objs:
         raise InvalidInputError("cannot export an empty bundle: the tree holds no buffer")
     if len(objs) > _manifest.MAX_TENSORS:
         raise InvalidInputError(f"a bundle holds at most {_manifest.MAX_TENSORS} tensors; this tree has {len(objs)}")
-    np = sys.modules.get("numpy")
-    tensors = [_Tensor(obj, np) for obj in objs]
-    found: list[_Allocation] = []
-    allocations: list[_Allocation] = []
-    by_key: dict[Any, int] = {}
-    where: list[tuple[int, int]] = []
-    for t in tensors:
-        if t.nbytes == 0:
-            where.append((-1, 0))
-            continue
-        alloc = _allocation_of(t, found)
-        index = by_key.get(alloc.key)
-        if index is None:
-            index = by_key[alloc.key] = len(allocations)
-            allocations.append(alloc)
-        if t.readonly:
-            allocations[index].readonly = True
-        where.append((index, t.address - allocations[index].address))
+    columns, allocations = _columns(objs)
     if not allocations:
         raise InvalidInputError("cannot export an empty bundle: every tensor in it is empty")
     share_id, token = new_ids()
@@ -168,26 +234,17 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
             parts.append(Export(share_id=share_id, token=token, nbytes=alloc.nbytes, device=alloc.device,
                                 memory_type=alloc.memory_type, offers=tuple(offers), descriptors=descs,
                                 policy=policy, readonly=ro, registrations=regs, obj=alloc.obj))
-        leaves = []
-        for t, (index, offset) in zip(tensors, where, strict=True):
-            shape, typestr, dtype_name, dlpack = _described(t, np)
-            leaves.append(_manifest.Leaf(max(index, 0), offset, t.nbytes, shape, typestr, dtype_name, dlpack,
-                                         t.strides))
         cliques = fabric_cliques()[0] if any(_paths.fabric.PATH.name in p.offers for p in parts) else {}
         described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly,
                                     cliques.get(p.device) if _paths.fabric.PATH.name in p.offers else None)
                      for p in parts]
-        manifest, made = _manifest.encode_made(described, leaves, shape_of)
+        manifest, made = columns.encode(described, shape_of, tree_doc)
         total = sum(p.nbytes for p in parts)
         union = tuple(name for name in PATHS if any(name in p.offers for p in parts))
         all_readonly = all(p.readonly for p in parts)
         record = Export(share_id=share_id, token=token, nbytes=total, device=parts[0].device,
                         memory_type=parts[0].memory_type, offers=union, descriptors={}, policy=policy,
                         readonly=all_readonly, parts=parts, digest=made.digest)
-        if policy == "none":
-            raise InvalidInputError("lifetime='none' holds the exported object only weakly, and a bundle's tree "
-                                    "(a dict, list or tuple) cannot be; use lifetime='auto', 'closed', N or "
-                                    "'revoked'")
         record.obj = tree
         share = Share._make_bundle((SHARE_FORMAT, share_id, token, os.getpid(), node_key(), get_exporter().addresses,
                                     total, parts[0].device, (total,), "|u1", union, lifetime_name,
@@ -198,7 +255,7 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         raise
     get_exporter().add(record)
     log.info("exported bundle %s: %d tensors in %d allocations, %d bytes, offered on %s, lifetime %s%s",
-             share_id[:8], len(leaves), len(parts), total, ", ".join(union), lifetime_name,
+             share_id[:8], len(objs), len(parts), total, ", ".join(union), lifetime_name,
              ", read-only" if all_readonly else "")
     if policy == "auto":
         track_auto(tree, share, record)

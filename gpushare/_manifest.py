@@ -25,7 +25,7 @@ import numpy as np
 from ._errors import InvalidInputError
 from ._types import PATH_NAMES, strict_json
 
-__all__ = ["Manifest", "Part", "Leaf", "encode", "decode", "MAX_TENSORS", "MAX_PARTS", "MAX_MANIFEST_BYTES"]
+__all__ = ["Manifest", "Part", "Leaf", "Columns", "encode", "decode", "MAX_TENSORS", "MAX_PARTS", "MAX_MANIFEST_BYTES"]
 
 MANIFEST_FORMAT = 1
 #: The most tensors one bundle holds.
@@ -72,8 +72,8 @@ class Leaf(NamedTuple):
 class Manifest:
     """A validated manifest: its parts, its leaves (made on demand), its tree."""
 
-    __slots__ = ("parts", "tree", "digest", "_part_column", "_columns", "_dtypes", "_dims_at", "_strides", "_spans",
-                 "count")
+    __slots__ = ("parts", "tree", "digest", "arrays", "spans", "dims_at", "_columns", "_dtypes", "_dims_at",
+                 "_strides", "_spans", "count")
 
     def __init__(self, parts: tuple[Part, ...], tree: Any, digest: bytes, columns: tuple[np.ndarray, ...],
                  dtypes: list[tuple[str, str | None, tuple[int, int, int] | None]], dims_at: np.ndarray,
@@ -81,14 +81,21 @@ class Manifest:
         self.parts = parts
         self.tree = tree
         self.digest = digest
-        self._part_column = np.asarray(columns[0])
+        #: the columns (part, offset, dtype, ndim, dims) as int64 arrays, for work on many leaves at once
+        self.arrays = columns
+        self.spans = spans
+        self.dims_at = dims_at
         # Python lists: a leaf is read an element at a time
-        self._columns = tuple(c.tolist() if isinstance(c, np.ndarray) else c for c in columns)
+        self._columns = tuple(c.tolist() for c in columns)
         self._dtypes = dtypes
         self._dims_at = dims_at.tolist()
         self._strides = strides
         self._spans = spans.tolist()
         self.count = len(self._spans)
+
+    def strided(self) -> dict[int, tuple[int, ...]]:
+        """The strided leaves' strides, by leaf."""
+        return self._strides
 
     def leaf(self, i: int) -> Leaf:
         part, offset, dtype, ndim, dims = self._columns
@@ -109,7 +116,7 @@ class Manifest:
 
     def leaves_of(self, part: int) -> list[int]:
         """The leaves that lie in ``part``."""
-        return np.flatnonzero(self._part_column == part).tolist()
+        return np.flatnonzero(self.arrays[0] == part).tolist()
 
 
 # ---------------------------------------------------------------- encoding
@@ -126,39 +133,81 @@ def encode_made(parts: list[Part], leaves: list[Leaf], tree: Any) -> tuple[bytes
     ``("d", [(key, node)...])``, ``("l", [...])``, ``("t", [...])`` and leaf
     indices), compressed; and as a :class:`Manifest` (this process made it:
     it is not decoded again)."""
-    dtypes: dict[tuple, int] = {}
-    col_part, col_offset, col_dtype, col_ndim, dims, strided, strides = [], [], [], [], [], [], []
-    for i, leaf in enumerate(leaves):
-        key = (leaf.typestr, leaf.dtype_name, leaf.dlpack_dtype)
-        col_part.append(leaf.part)
-        col_offset.append(leaf.offset)
-        col_dtype.append(dtypes.setdefault(key, len(dtypes)))
-        col_ndim.append(len(leaf.shape))
-        dims.extend(leaf.shape)
-        if leaf.strides is not None:
-            strided.append(i)
-            strides.extend(leaf.strides)
-    doc = {
-        "v": MANIFEST_FORMAT,
-        "parts": [[-1 if p.device == "host" else p.device, p.nbytes, _mask(p.offers), int(p.readonly), p.fabric]
-                  for p in parts],
-        "dtypes": [[t, n, list(d) if d is not None else None] for t, n, d in dtypes],
-        "part": col_part, "offset": col_offset, "dtype": col_dtype, "ndim": col_ndim, "dims": dims,
-        "strided": strided, "strides": strides, "tree": _tree_doc(tree),
-    }
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    if len(raw) > MAX_DECODED_BYTES:
-        raise InvalidInputError(f"the bundle's manifest is {len(raw)} bytes; at most {MAX_DECODED_BYTES} "
-                                "(fewer tensors, or shorter names)")
-    data = zlib.compress(raw, 1)
-    dims_at = np.zeros(len(leaves), dtype=np.int64)
-    if leaves:
-        np.cumsum(np.array(col_ndim[:-1], dtype=np.int64), out=dims_at[1:])
-    made = Manifest(tuple(parts), tree, digest(data),
-                    (np.array(col_part, dtype=np.int64), col_offset, col_dtype, col_ndim, dims),
-                    [k for k in dtypes], dims_at, {i: leaves[i].strides for i in strided},
-                    np.array([leaf.nbytes for leaf in leaves], dtype=np.int64))
-    return data, made
+    columns = Columns()
+    for leaf in leaves:
+        columns.add(leaf.part, leaf.offset, leaf.nbytes, leaf.shape,
+                    columns.dtype_index(leaf.typestr, leaf.dtype_name, leaf.dlpack_dtype), leaf.strides)
+    return columns.encode(parts, tree)
+
+
+class Columns:
+    """A manifest's columns, filled a tensor at a time (the export of a
+    bundle appends to the lists itself); :meth:`encode` makes the manifest."""
+
+    __slots__ = ("part", "offset", "dtype", "ndim", "dims", "spans", "strided", "strides", "_dtypes")
+
+    def __init__(self) -> None:
+        self.part: list[int] = []
+        self.offset: list[int] = []
+        self.dtype: list[int] = []  # indices into the dtype table
+        self.ndim: list[int] = []
+        self.dims: list[int] = []  # every leaf's shape, one after another
+        self.spans: list[int] = []  # the bytes each leaf spans in its part
+        self.strided: list[int] = []  # the leaves with strides, in order
+        self.strides: list[int] = []  # their strides, one after another
+        self._dtypes: dict[tuple, int] = {}
+
+    def dtype_index(self, typestr: str, name: str | None = None, dlpack: tuple[int, int, int] | None = None) -> int:
+        """The index of that dtype in the manifest's table (added on first use)."""
+        return self._dtypes.setdefault((typestr, name, dlpack), len(self._dtypes))
+
+    def add(self, part: int, offset: int, nbytes: int, shape: tuple[int, ...], dtype: int,
+            strides: tuple[int, ...] | None = None) -> None:
+        """One more leaf: ``nbytes`` spanned at ``offset`` of ``part``."""
+        if strides is not None:
+            self.strided.append(len(self.part))
+            self.strides.extend(strides)
+        self.part.append(part)
+        self.offset.append(offset)
+        self.spans.append(nbytes)
+        self.dtype.append(dtype)
+        self.ndim.append(len(shape))
+        self.dims.extend(shape)
+
+    def encode(self, parts: list[Part], tree: Any, tree_doc: Any = None) -> tuple[bytes, Manifest]:
+        """The manifest of these leaves in ``parts``, named by ``tree``
+        (``tree_doc``: the tree as it is written, where the caller has it),
+        compressed; and as a :class:`Manifest`."""
+        doc = {
+            "v": MANIFEST_FORMAT,
+            "parts": [[-1 if p.device == "host" else p.device, p.nbytes, _mask(p.offers), int(p.readonly), p.fabric]
+                      for p in parts],
+            "dtypes": [[t, n, list(d) if d is not None else None] for t, n, d in self._dtypes],
+            "part": self.part, "offset": self.offset, "dtype": self.dtype, "ndim": self.ndim, "dims": self.dims,
+            "strided": self.strided, "strides": self.strides,
+            "tree": _tree_doc(tree) if tree_doc is None else tree_doc,
+        }
+        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        if len(raw) > MAX_DECODED_BYTES:
+            raise InvalidInputError(f"the bundle's manifest is {len(raw)} bytes; at most {MAX_DECODED_BYTES} "
+                                    "(fewer tensors, or shorter names)")
+        data = zlib.compress(raw, 1)
+        count = len(self.part)
+        ndim = np.array(self.ndim, dtype=np.int64)
+        dims_at = np.zeros(count, dtype=np.int64)
+        if count:
+            np.cumsum(ndim[:-1], out=dims_at[1:])
+        strides: dict[int, tuple[int, ...]] = {}
+        at = 0
+        for i in self.strided:
+            n = self.ndim[i]
+            strides[i] = tuple(self.strides[at:at + n])
+            at += n
+        made = Manifest(tuple(parts), tree, digest(data),
+                        (np.array(self.part, dtype=np.int64), np.array(self.offset, dtype=np.int64),
+                         np.array(self.dtype, dtype=np.int64), ndim, np.array(self.dims, dtype=np.int64)),
+                        list(self._dtypes), dims_at, strides, np.array(self.spans, dtype=np.int64))
+        return data, made
 
 
 def _mask(offers: tuple[str, ...]) -> int:
@@ -272,7 +321,7 @@ def _column(value: Any, what: str, count: int, lo: int, hi: int) -> np.ndarray:
     """A column of ``count`` ints in [lo, hi], as int64."""
     if not isinstance(value, list) or len(value) != count:
         raise InvalidInputError(f"a bundle's {what} column must list {count} ints")
-    if any(type(v) is not int for v in value):
+    if not set(map(type, value)) <= {int}:
         raise InvalidInputError(f"a bundle's {what} column must hold ints only")
     if not count:
         return np.zeros(0, dtype=np.int64)
@@ -349,9 +398,7 @@ def _tree(node: Any, seen: bytearray, depth: int) -> Any:
     """The tree as ("d", [(key, node)]), ("l", [...]), ("t", [...]) and leaf
     indices, each leaf named once."""
     if type(node) is int:
-        if not 0 <= node < len(seen) or seen[node]:
-            raise InvalidInputError(f"the bundle's tree names tensor {node} twice or past the {len(seen)} it has")
-        seen[node] = 1
+        _leaf(node, seen)
         return node
     if depth >= MAX_DEPTH:
         raise InvalidInputError(f"the bundle's tree nests deeper than {MAX_DEPTH}")
@@ -359,17 +406,58 @@ def _tree(node: Any, seen: bytearray, depth: int) -> Any:
         raise InvalidInputError("the bundle's tree holds something that is neither a tensor nor a dict, list or "
                                 "tuple")
     kind = node[0]
+    count = len(seen)
     if kind != "d":
-        return (kind, [_tree(sub, seen, depth + 1) for sub in node[1:]])
+        out = []
+        for sub in node[1:]:
+            if type(sub) is int and 0 <= sub < count and not seen[sub]:
+                seen[sub] = 1
+                out.append(sub)
+            else:
+                out.append(_tree(sub, seen, depth + 1))
+        return (kind, out)
     if len(node) % 2 != 1:
         raise InvalidInputError("a dict in the bundle's tree has a key without a value")
+    keys = node[1::2]
+    if not set(map(type, keys)) <= {str} or len(set(keys)) != len(keys) or max(map(len, keys), default=0) > _MAX_KEY:
+        bad = _bad_key(keys)
+        raise InvalidInputError(f"a dict in the bundle's tree has a key that is not a unique str of at most "
+                                f"{_MAX_KEY} characters: {bad!r:.40}")
+    values = node[2::2]
+    if len(values) > 64 and set(map(type, values)) == {int}:
+        _leaves(values, seen)  # a dict of tensors: checked at once
+        return ("d", list(zip(keys, values, strict=True)))
     items = []
-    keys = set()
-    for j in range(1, len(node), 2):
-        key = node[j]
-        if not isinstance(key, str) or len(key) > _MAX_KEY or key in keys:
-            raise InvalidInputError(f"a dict in the bundle's tree has a key that is not a unique str of at most "
-                                    f"{_MAX_KEY} characters: {key!r:.40}")
-        keys.add(key)
-        items.append((key, _tree(node[j + 1], seen, depth + 1)))
+    for key, sub in zip(keys, values, strict=True):
+        if type(sub) is int and 0 <= sub < count and not seen[sub]:
+            seen[sub] = 1
+            items.append((key, sub))
+        else:
+            items.append((key, _tree(sub, seen, depth + 1)))
     return ("d", items)
+
+
+def _leaves(indices: list[int], seen: bytearray) -> None:
+    """Mark the leaves ``indices`` (ints) named, each once."""
+    at = np.array(indices, dtype=np.int64) if max(indices) < 1 << 62 and min(indices) >= 0 else None
+    marks = np.frombuffer(seen, dtype=np.uint8)
+    if at is None or int(at.max()) >= len(seen) or marks[at].any() or len(np.unique(at)) != len(at):
+        for node in indices:  # which one, for the message
+            _leaf(node, seen)
+    marks[at] = 1
+
+
+def _bad_key(keys: list) -> Any:
+    """The first of ``keys`` that is not a str of at most _MAX_KEY characters, or repeats one before it."""
+    before: set[str] = set()
+    for key in keys:
+        if type(key) is not str or len(key) > _MAX_KEY or key in before:
+            return key
+        before.add(key)
+    return None
+
+
+def _leaf(node: int, seen: bytearray) -> None:
+    if not 0 <= node < len(seen) or seen[node]:
+        raise InvalidInputError(f"the bundle's tree names tensor {node} twice or past the {len(seen)} it has")
+    seen[node] = 1

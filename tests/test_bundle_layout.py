@@ -1,0 +1,142 @@
+"""A bundle's layout, made fast: the facts read off NumPy arrays at export,
+the manifest the exporter keeps (made, not decoded), and fresh arrays made
+a run of tensors at a time.  Each is checked against the slow way."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import gpushare as gs
+from gpushare import _arrays, _manifest
+
+
+def test_host_address_reader_agrees_with_the_array_interface():
+    read = _arrays.host_address_reader()
+    base = np.arange(1000, dtype=np.float64)
+    readonly = np.arange(10, dtype=np.int8)
+    readonly.flags.writeable = False
+    arrays = [base, base[7:], base[::3], base.reshape(10, 100)[3:, 5:].T, base[10:20].view(np.uint8)[1:],
+              np.frombuffer(b"0123456789", dtype=np.uint8)[4:], readonly, readonly[2:], np.zeros(0),
+              np.zeros((0, 5), np.int32), np.array(3.5), np.zeros(4, dtype=">i4"),
+              np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]), gs.empty(100, "uint8")[17:]]
+    for a in arrays:
+        assert read(a) == a.__array_interface__["data"][0], a
+
+
+def _mixed_tree() -> dict:
+    pool = gs.empty(4096, "float32")
+    pool[:] = np.arange(4096, dtype=np.float32)
+    frozen = np.arange(16, dtype=np.int16)
+    frozen.flags.writeable = False
+    return {
+        "runs": [pool[i * 8:(i + 1) * 8] for i in range(20)],
+        "mixed": (pool[200:208].reshape(4, 2), pool[208:216].view(np.int32), pool[300:301].reshape(()),
+                  pool[400:400], {"deep": [pool[500:600:5], np.full((2, 3), 9, ">i8")]}),
+        "frozen": frozen,
+        "record": np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),
+        "flags": np.array([True, False, True]),
+        "complex": np.arange(4, dtype=np.complex64),
+    }
+
+
+def test_the_exporters_manifest_is_the_one_its_bytes_decode_to():
+    share = gs.export(_mixed_tree())
+    made = share._bundle
+    decoded = _manifest.decode(share._fields_[-1])
+    assert made.digest == decoded.digest
+    assert made.parts == decoded.parts and made.tree == decoded.tree
+    for a, b in zip(made.arrays, decoded.arrays, strict=True):
+        assert a.tolist() == b.tolist()
+    assert made.spans.tolist() == decoded.spans.tolist() and made.dims_at.tolist() == decoded.dims_at.tolist()
+    assert made.dtypes() == decoded.dtypes() and made.strided() == decoded.strided()
+    assert [made.leaf(i) for i in range(made.count)] == [decoded.leaf(i) for i in range(decoded.count)]
+
+
+def _expected(tree):
+    if isinstance(tree, dict):
+        return {k: _expected(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_expected(v) for v in tree)
+    return tree.copy()
+
+
+def _check_same(got, want, where=""):
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for k in want:
+            _check_same(got[k], want[k], f"{where}/{k}")
+        return
+    if isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _check_same(g, w, f"{where}/{i}")
+        return
+    assert type(got) is np.ndarray, where
+    assert got.shape == want.shape and got.dtype == want.dtype, where
+    assert got.tobytes() == want.tobytes(), where
+
+
+@pytest.mark.parametrize("exclude", [["same-process"], ["same-process", "host-fd"]], ids=["host-fd", "ucx-rma"])
+def test_fresh_arrays_made_a_run_at_a_time_hold_each_tensor(exclude):
+    pool = gs.empty(8192, "float32")
+    pool[:] = np.arange(8192, dtype=np.float32)
+    tree = {
+        "run": [pool[i * 16:(i + 1) * 16] for i in range(40)],  # one run of 40
+        "grid": [pool[640 + i * 6:640 + (i + 1) * 6].reshape(2, 3) for i in range(10)],  # a run of 2-D tensors
+        "breaks": [pool[800:808], pool[808:816].reshape(2, 4), pool[816:824].view(np.int32),  # shape, dtype
+                   pool[830:838], pool[838:839].reshape(()), pool[839:840].reshape(()),  # a gap; 0-d ones
+                   pool[840:848], pool[844:852], pool[840:848],  # overlapping, and the same bytes twice
+                   pool[852:860], pool[860:864], pool[864:870].reshape(2, 3), pool[870:876].reshape(3, 2)],  # dims
+        "backwards": [pool[1000 + i * 4:1000 + (i + 1) * 4] for i in reversed(range(12))],
+        "column": pool[2000:2100].reshape(20, 5)[:, 1],  # strided, between runs
+        "after": [pool[3000 + i * 8:3000 + (i + 1) * 8] for i in range(5)],
+        "wide": pool[4000:4032].reshape(2, 2, 2, 2, 2),  # more dimensions than a run is joined for
+    }
+    want = _expected(tree)
+    share = gs.export(tree)
+    assert len(share._bundle.parts) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.SlowPathWarning)
+        bundle = gs.open(share, exclude=exclude)
+    with bundle:
+        fresh = bundle.get()
+        _check_same(fresh, want)
+        pool[:] = -1  # fresh arrays hold their own bytes, not the exporter's
+        _check_same(fresh, want)
+        assert all(a.flags.writeable for a in fresh["run"])
+        fresh["run"][3][:] = 0  # one tensor's array is its own: its neighbours keep their values
+        assert fresh["run"][2].tolist() == want["run"][2].tolist()
+        assert fresh["run"][4].tolist() == want["run"][4].tolist()
+        _check_same(bundle["breaks"].get(), _expected(tree["breaks"]))  # a node's get: the values now
+        _check_same(bundle["run"].get(), _expected(tree["run"]))
+
+
+def _forged_tree(mutate) -> bytes:
+    import json
+    import zlib
+
+    share = gs.export({f"t{i}": np.zeros(2) for i in range(100)})
+    doc = json.loads(zlib.decompress(share._fields_[-1]))
+    mutate(doc["tree"])
+    return zlib.compress(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.__setitem__(200, 5), "twice"),  # tensor 5 named twice, and 99 never
+    (lambda t: t.__setitem__(200, 100), "past the 100"),
+    (lambda t: t.__setitem__(200, -1), "past the 100"),
+    (lambda t: t.__setitem__(200, 1 << 70), "past the 100"),
+    (lambda t: t.__setitem__(200, True), "neither a tensor"),
+    (lambda t: t.__setitem__(200, 99.0), "neither a tensor|JSON"),
+    (lambda t: t.__setitem__(199, "t0"), "unique str"),
+    (lambda t: t.__setitem__(199, 7), "unique str"),
+    (lambda t: t.__setitem__(199, "k" * 2000), "unique str"),
+    (lambda t: t.pop(), "key without a value"),
+    (lambda t: (t.pop(), t.pop()), "leaves out tensor 99"),
+], ids=["twice", "past", "negative", "huge", "bool", "float", "dup-key", "int-key", "long-key", "odd", "missing"])
+def test_a_forged_dict_of_many_tensors_is_refused(mutate, message):
+    with pytest.raises(gs.InvalidInputError, match=message):
+        _manifest.decode(_forged_tree(mutate))
