@@ -10,6 +10,7 @@ state.  Copies of many tensors travel as one batch (:mod:`gpushare._batch`).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _batch
-from ._arrays import empty
+from ._arrays import empty, host_address_reader
 from ._errors import ClosedError, InvalidInputError, UnsupportedError
 from ._manifest import Manifest
 from ._paths import Opened
@@ -300,7 +301,9 @@ class Bundle:
         ``dests``.  Either way the bytes are there when it returns.
         """
         out, items = self._targets(dests, "get")
-        _batch.get_batch(items).wait(timeout)
+        request = _batch.get_batch(items)
+        out.prepare()  # while the bytes travel
+        request.wait(timeout)
         return out.done(dests)
 
     def put(self, srcs: Any, *, timeout: float | None = 60.0) -> None:
@@ -312,7 +315,9 @@ class Bundle:
     async def get_async(self, dests: Any = None, *, timeout: float | None = None) -> Any:
         """:meth:`get` for asyncio: awaits the batch's completion."""
         out, items = self._targets(dests, "get")
-        await with_timeout(_awaited(_batch.get_batch(items)), timeout)
+        request = _batch.get_batch(items)
+        out.prepare()
+        await with_timeout(_awaited(request), timeout)
         return out.done(dests)
 
     async def put_async(self, srcs: Any, *, timeout: float | None = None) -> None:
@@ -328,18 +333,8 @@ class Bundle:
         if given is None:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
-            staged = _staged(s, self._node, items)
-            pending: list[_Staged] = []
-
-            def fresh(i: int) -> Any:
-                got = staged.get(i)
-                if got is None:
-                    got = _fresh(s, i, items)
-                    if type(got) is _Staged:
-                        pending.append(got)
-                return got
-
-            return _Fresh(_build(self._node, fresh), pending), items
+            indices = range(s.manifest.count) if self._node is s.manifest.tree else _leaf_indices(self._node)
+            return _Fresh(s, self._node, indices, items), items
         if direction == "put":
             _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
             return given, items
@@ -374,14 +369,40 @@ class Bundle:
 
 
 class _Fresh:
-    """Fresh arrays, once their bytes are in (strided tensors made arrays then)."""
+    """Fresh arrays for the tensors ``indices`` of ``node``, in its
+    structure.  Made with their copies (added to ``items``); the arrays of
+    the allocations fetched whole, and the structure, are made by
+    :meth:`prepare`, while the bytes travel; :meth:`done` hands them out
+    once they are in (strided tensors made arrays then)."""
 
-    __slots__ = ("tree", "pending")
+    __slots__ = ("state", "node", "arrays", "groups", "pending", "tree")
 
-    def __init__(self, tree: Any, pending: list[_Staged]) -> None:
-        self.tree, self.pending = tree, pending
+    def __init__(self, s: _State, node: Any, indices: Any, items: list) -> None:
+        self.state, self.node = s, node
+        self.arrays: list[Any] = [None] * s.manifest.count  # by tensor
+        self.groups = _stage_spans(s, indices, items)
+        self.pending: list[_Staged] = []
+        self.tree: Any = None
+        rest: Any = indices
+        if self.groups:
+            covered = np.zeros(s.manifest.count, dtype=bool)
+            for _, leaves, _ in self.groups:
+                covered[leaves] = True
+            mine = _index_array(indices)
+            rest = mine[~covered[mine]].tolist()
+        for i in rest:
+            got = self.arrays[i] = _fresh(s, i, items)
+            if type(got) is _Staged:
+                self.pending.append(got)
+
+    def prepare(self) -> None:
+        if self.tree is None:
+            for raw, leaves, at in self.groups:
+                _rows(self.state.manifest, raw, leaves, at, self.arrays)
+            self.tree = _build_list(self.node, self.arrays, self.state.manifest)
 
     def done(self, _: Any) -> Any:
+        self.prepare()
         if not self.pending:
             return self.tree
         return _build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
@@ -392,12 +413,16 @@ class _Copies:
 
     __slots__ = ("pairs",)
 
-    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+    def __init__(self, pairs: list[tuple[int, int, int, Any]]) -> None:
         self.pairs = pairs
 
+    def prepare(self) -> None:
+        pass
+
     def done(self, dests: Any) -> Any:
-        for dst, src in self.pairs:
-            dst[:] = src
+        move = ctypes.memmove
+        for dst, src, n, _ in self.pairs:  # each destination checked a writable C-contiguous array of n bytes or more
+            move(dst, src, n)
         return dests
 
 
@@ -454,7 +479,7 @@ def _span_groups(s: _State, indices: Any) -> list[tuple[int, int, int, np.ndarra
     if s.targets is not None:
         return []
     m = s.manifest
-    idx = np.asarray(indices, dtype=np.int64)
+    idx = _index_array(indices)
     host = np.array([p.device == "host" for p in s.parts], dtype=bool)
     part, offset, span = m.arrays[0][idx], m.arrays[1][idx], m.spans[idx]
     keep = host[part] & (span > 0)
@@ -468,6 +493,12 @@ def _span_groups(s: _State, indices: Any) -> list[tuple[int, int, int, np.ndarra
         if len(leaves) >= 2 and int(size.sum()) >= _WHOLE * (hi - lo):
             out.append((p, lo, hi, leaves, at - lo))
     return out
+
+
+def _index_array(indices: Any) -> np.ndarray:
+    if type(indices) is range:
+        return np.arange(indices.start, indices.stop, dtype=np.int64)
+    return np.asarray(indices, dtype=np.int64)
 
 
 def _span_bytes(s: _State, part: int, lo: int, hi: int, items: list) -> Any:
@@ -497,39 +528,44 @@ def _spans(s: _State, indices: list[int], items: list) -> dict[int, tuple[Any, i
     return out
 
 
-def _staged(s: _State, node: Any, items: list) -> dict[int, Any]:
-    """Fresh arrays for the tensors of ``node`` that :func:`_spans` would
-    take: views of one new buffer per allocation.  A run of tensors of one
-    dtype and shape that lie one after another there becomes one array, and
-    its rows the tensors' arrays (made in C, not one at a time)."""
-    m = s.manifest
-    indices = np.arange(m.count) if node is m.tree else _leaf_indices(node)
-    groups = _span_groups(s, indices)
-    if not groups:
-        return {}
+def _stage_spans(s: _State, indices: Any, items: list) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+    """For the tensors ``indices`` that :func:`_spans` would take: one new
+    buffer per allocation, its copy added to ``items``; (buffer, tensors,
+    their offsets there) for :func:`_rows` to make their arrays."""
+    out = []
+    for part, lo, hi, leaves, at in _span_groups(s, indices):
+        raw = _span_bytes(s, part, lo, hi, items)
+        if raw is not None:
+            out.append((raw, leaves, at))
+    return out
+
+
+def _rows(m: Manifest, raw: Any, leaves: np.ndarray, at: np.ndarray, arrays: list[Any]) -> None:
+    """Arrays over ``raw`` for the tensors ``leaves`` (at offsets ``at``),
+    put in ``arrays``.  A run of tensors of one dtype and shape that lie one
+    after another becomes one array, and its rows the tensors' arrays (made
+    in C, not one at a time)."""
     dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
     strided = m.strided()
-    dims, dims_at, ndims = m._columns[4], m._dims_at, m._columns[3]
-    dtype_of = m._columns[2]
-    out: dict[int, Any] = {}
-    for part, lo, hi, leaves, at in groups:
-        raw = _span_bytes(s, part, lo, hi, items)
-        if raw is None:
+    _, _, dtype_of, ndims, dims = m._columns
+    dims_at = m._dims_at
+    starts = _runs(m, leaves, at)
+    bounds = starts.tolist() + [len(leaves)]
+    leaf_list, at_list = leaves.tolist(), at.tolist()
+    for k in range(len(bounds) - 1):
+        first, end = bounds[k], bounds[k + 1]
+        i = leaf_list[first]
+        shape = tuple(dims[dims_at[i]:dims_at[i] + ndims[i]])
+        dtype = dtypes[dtype_of[i]]
+        if end - first == 1:
+            arrays[i] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=at_list[first], strides=strided.get(i))
             continue
-        starts = _runs(m, leaves, at)
-        bounds = starts.tolist() + [len(leaves)]
-        leaf_list, at_list = leaves.tolist(), at.tolist()
-        for k in range(len(bounds) - 1):
-            first, end = bounds[k], bounds[k + 1]
-            i = leaf_list[first]
-            shape = tuple(dims[dims_at[i]:dims_at[i] + ndims[i]])
-            dtype = dtypes[dtype_of[i]]
-            if end - first == 1:
-                out[i] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=at_list[first], strides=strided.get(i))
-            else:
-                rows = np.ndarray((end - first, *shape), dtype=dtype, buffer=raw, offset=at_list[first])
-                out.update(zip(leaf_list[first:end], rows, strict=True))
-    return out
+        rows = np.ndarray((end - first, *shape), dtype=dtype, buffer=raw, offset=at_list[first])
+        if leaf_list[end - 1] - i == end - 1 - first and leaf_list[end - 1] > i:  # tensors numbered in order
+            arrays[i:i + end - first] = rows
+        else:
+            for j, row in zip(leaf_list[first:end], rows, strict=True):
+                arrays[j] = row
 
 
 def _runs(m: Manifest, leaves: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -558,26 +594,33 @@ def _runs(m: Manifest, leaves: np.ndarray, at: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(~joins) + 1))
 
 
-def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[Any, Any]]:
+def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[int, int, int, Any]]:
     """The copies of ``pairs`` (tensor, destination) as batch items; plain
     NumPy destinations of host tensors come from :func:`_spans`' buffers
-    instead: (destination bytes, source bytes) to copy once the batch is in."""
+    instead: (destination address, source address, bytes, and the two
+    arrays, held while the copy waits) to copy once the batch is in."""
+    spans, strided = s.manifest._spans, s.manifest.strided()
     np_dests = []
     for i, buf in pairs:
         if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and (
-                s.manifest.layout(i)[5] is None and buf.nbytes <= s.manifest.layout(i)[2]):
+                i not in strided and buf.nbytes <= spans[i]):
             np_dests.append((i, buf))
         else:
             items.append((s.view(i), 0, buf))
-    spans = _spans(s, [i for i, _ in np_dests], items)
+    found = _spans(s, [i for i, _ in np_dests], items)
+    address_of = host_address_reader()
     after = []
+    raw_address: dict[int, int] = {}
     for i, buf in np_dests:
-        found = spans.get(i)
-        if found is None:
+        hit = found.get(i)
+        if hit is None:
             items.append((s.view(i), 0, buf))
             continue
-        raw, at = found
-        after.append((buf.reshape(-1).view(np.uint8), raw[at:at + buf.nbytes]))
+        raw, at = hit
+        base = raw_address.get(id(raw))
+        if base is None:
+            base = raw_address[id(raw)] = address_of(raw)
+        after.append((address_of(buf), base + at, buf.nbytes, (buf, raw)))
     return after
 
 
@@ -589,6 +632,24 @@ def _leaf_indices(node: Any) -> list[int]:
     for item in items:
         out.extend(_leaf_indices(item[1] if kind == "d" else item))
     return out
+
+
+def _build_list(node: Any, arrays: list[Any], m: Manifest) -> Any:
+    """:func:`_build` with ``arrays`` by tensor; a node of tensors numbered
+    one after another (a state dict's) made in one step."""
+    if type(node) is int:
+        return arrays[node]
+    run = m.run_of(node)
+    if run is not None:
+        keys, first = run
+        values = arrays[first:first + len(keys if keys is not None else node[1])]
+        kind = node[0]
+        return dict(zip(keys, values, strict=True)) if kind == "d" else values if kind == "l" else tuple(values)
+    kind, items = node
+    if kind == "d":
+        return {name: arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for name, sub in items}
+    out = [arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for sub in items]
+    return out if kind == "l" else tuple(out)
 
 
 def _build(node: Any, leaf: Any) -> Any:
@@ -624,9 +685,13 @@ def _pair(node: Any, given: Any, add: Any, where: str) -> None:
             raise InvalidInputError(f"bundle item {where or '[]'} is a dict; got a {type(given).__name__}")
         names = dict(items)
         for key, value in given.items():
-            if key not in names:
+            sub = names.get(key)
+            if sub is None:
                 raise InvalidInputError(f"the bundle has no item {where}[{key!r}]")
-            _pair(names[key], value, add, f"{where}[{key!r}]")
+            if type(sub) is int and not isinstance(value, (dict, list, tuple)):
+                add(sub, value)  # a tensor's buffer, the common case: no walk down
+            else:
+                _pair(sub, value, add, f"{where}[{key!r}]")
         return
     if not isinstance(given, (list, tuple)) or len(given) != len(items):
         raise InvalidInputError(f"bundle item {where or '[]'} is a {'list' if kind == 'l' else 'tuple'} of "

@@ -73,7 +73,7 @@ class Manifest:
     """A validated manifest: its parts, its leaves (made on demand), its tree."""
 
     __slots__ = ("parts", "tree", "digest", "arrays", "spans", "dims_at", "_columns", "_dtypes", "_dims_at",
-                 "_strides", "_spans", "count")
+                 "_strides", "_spans", "count", "_runs")
 
     def __init__(self, parts: tuple[Part, ...], tree: Any, digest: bytes, columns: tuple[np.ndarray, ...],
                  dtypes: list[tuple[str, str | None, tuple[int, int, int] | None]], dims_at: np.ndarray,
@@ -92,6 +92,17 @@ class Manifest:
         self._strides = strides
         self._spans = spans.tolist()
         self.count = len(self._spans)
+        self._runs: dict[int, Any] = {}  # id of a node of the tree -> run_of(node)
+
+    def run_of(self, node: Any) -> tuple[list[str] | None, int] | None:
+        """For a node of the tree (a dict, list or tuple) whose items are all
+        tensors, numbered one after another: (its keys, or None for a list
+        or tuple; the first tensor's number).  None for any other node."""
+        key = id(node)
+        found = self._runs.get(key, 0)
+        if found == 0:
+            found = self._runs[key] = _run(node)
+        return found
 
     def strided(self) -> dict[int, tuple[int, ...]]:
         """The strided leaves' strides, by leaf."""
@@ -117,6 +128,17 @@ class Manifest:
     def leaves_of(self, part: int) -> list[int]:
         """The leaves that lie in ``part``."""
         return np.flatnonzero(self.arrays[0] == part).tolist()
+
+
+def _run(node: Any) -> tuple[list[str] | None, int] | None:
+    kind, items = node
+    if not items:
+        return None
+    keys, values = ([k for k, _ in items], [v for _, v in items]) if kind == "d" else (None, items)
+    first = values[0]
+    if type(first) is not int or values != list(range(first, first + len(values))):
+        return None
+    return keys, first
 
 
 # ---------------------------------------------------------------- encoding

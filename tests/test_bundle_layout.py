@@ -140,3 +140,24 @@ def _forged_tree(mutate) -> bytes:
 def test_a_forged_dict_of_many_tensors_is_refused(mutate, message):
     with pytest.raises(gs.InvalidInputError, match=message):
         _manifest.decode(_forged_tree(mutate))
+
+
+def test_a_run_of_tensors_numbered_out_of_order_gets_each_its_own_row():
+    from gpushare import _bundle
+
+    # tensor 1 lies first and tensor 0 right after it; the tree lists them in address order
+    leaves = [_manifest.Leaf(0, 256, 256, (64,), "<f4", None, None, None),
+              _manifest.Leaf(0, 0, 256, (64,), "<f4", None, None, None),
+              _manifest.Leaf(0, 512, 256, (64,), "<f4", None, None, None)]
+    _, m = _manifest.encode_made([_manifest.Part("host", 768, ("host-fd",), False, None)], leaves,
+                                 ("l", [1, 0, 2]))
+    raw = np.arange(192, dtype=np.float32).view(np.uint8)
+    arrays = [None] * 3
+    order = np.array([1, 0, 2])
+    _bundle._rows(m, raw, order, m.arrays[1][order], arrays)
+    assert arrays[1].tolist() == list(range(64)) and arrays[0].tolist() == list(range(64, 128))
+    assert arrays[2].tolist() == list(range(128, 192))
+    assert m.run_of(m.tree) is None  # not numbered one after another: built item by item
+    _, m2 = _manifest.encode_made([_manifest.Part("host", 768, ("host-fd",), False, None)], leaves,
+                                  ("d", [("a", 0), ("b", 1), ("c", 2)]))
+    assert m2.run_of(m2.tree) == (["a", "b", "c"], 0)
