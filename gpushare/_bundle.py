@@ -585,6 +585,8 @@ def _runs(m: Manifest, leaves: np.ndarray, at: np.ndarray) -> np.ndarray:
         plain = np.ones(n, dtype=bool)
         plain[np.isin(leaves, np.fromiter(m.strided(), dtype=np.int64))] = False
         joins &= plain[1:] & plain[:-1]
+    if not len(dims_col):  # every tensor 0-d: no runs
+        return np.arange(n, dtype=np.int64)
     first = m.dims_at[leaves]
     last_dim = len(dims_col) - 1
     for j in range(4):  # the same shape: each of (at most 4) dimensions equal

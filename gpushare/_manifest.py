@@ -461,11 +461,12 @@ def _tree(node: Any, seen: bytearray, depth: int) -> Any:
 
 def _leaves(indices: list[int], seen: bytearray) -> None:
     """Mark the leaves ``indices`` (ints) named, each once."""
-    at = np.array(indices, dtype=np.int64) if max(indices) < 1 << 62 and min(indices) >= 0 else None
-    marks = np.frombuffer(seen, dtype=np.uint8)
-    if at is None or int(at.max()) >= len(seen) or marks[at].any() or len(np.unique(at)) != len(at):
+    at = np.array(indices, dtype=np.int64) if 0 <= min(indices) and max(indices) < len(seen) else None
+    marks = np.frombuffer(seen, dtype=np.uint8) if at is not None else None
+    if at is None or marks is None or marks[at].any() or len(np.unique(at)) != len(at):
         for node in indices:  # which one, for the message
             _leaf(node, seen)
+        return
     marks[at] = 1
 
 

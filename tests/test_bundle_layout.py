@@ -161,3 +161,17 @@ def test_a_run_of_tensors_numbered_out_of_order_gets_each_its_own_row():
     _, m2 = _manifest.encode_made([_manifest.Part("host", 768, ("host-fd",), False, None)], leaves,
                                   ("d", [("a", 0), ("b", 1), ("c", 2)]))
     assert m2.run_of(m2.tree) == (["a", "b", "c"], 0)
+
+
+@pytest.mark.parametrize("exclude", [["same-process"], ["same-process", "host-fd"]], ids=["host-fd", "ucx-rma"])
+def test_a_bundle_of_0d_tensors_only_gets_each_its_value(exclude):
+    pool = gs.empty(16, "float64")
+    pool[:] = np.arange(16.0)
+    share = gs.export({f"s{i}": pool[i:i + 1].reshape(()) for i in range(16)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.SlowPathWarning)
+        bundle = gs.open(share, exclude=exclude)
+    with bundle:
+        fresh = bundle.get()
+    assert [(a.shape, float(a)) for a in fresh.values()] == [((), float(i)) for i in range(16)]
+    assert all(type(a) is np.ndarray for a in fresh.values())
