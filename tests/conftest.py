@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -127,6 +127,26 @@ def standin_children(libdir: str, **env: str | None) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def standin_peers(standin_lib: str):
+    """Start ``_procs.Child`` peers that load the stand-in:
+    ``start(setup, **env)`` with a peer module's ``setup`` and
+    :func:`standin_children`'s ``env``; each is closed after the test."""
+    from _procs import Child
+
+    children: list[Child] = []
+
+    def start(setup: Callable[[], dict], **env: str | None) -> Child:
+        with standin_children(standin_lib, **env):
+            child = Child(setup, timeout=120)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.close()
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ Each test names the defect it guards against.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,42 +23,15 @@ pytestmark = pytest.mark.cudadriver
 MiB = 1 << 20
 
 
-@contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture
-def spawn(standin_lib):
+def spawn(standin_peers):
     """Start peers that load the stand-in; each may see other devices."""
-    children: list[Child] = []
+    from _cudadriver_peer import setup
 
     def start(visible: str | None = None, **env: str) -> Child:
-        from _cudadriver_peer import setup
+        return standin_peers(setup, CUDA_VISIBLE_DEVICES=visible, **env)
 
-        lib = str(standin_lib)
-        path = lib + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else "")
-        with _env(LD_LIBRARY_PATH=path, CUDA_VISIBLE_DEVICES=visible, **env):
-            child = Child(setup, timeout=120)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.close()
+    return start
 
 
 def _pattern(n: int, seed: int = 1) -> bytes:

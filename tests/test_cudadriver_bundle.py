@@ -7,8 +7,6 @@ stand-in; the pytest process never does."""
 from __future__ import annotations
 
 import pytest
-from _procs import Child
-from conftest import standin_children
 
 pytestmark = pytest.mark.cudadriver
 
@@ -16,20 +14,11 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def spawn(standin_lib):
-    children: list[Child] = []
+def spawn(standin_peers):
+    """Start peers that load the stand-in, with the bundle steps."""
+    from _cudadriver_bundle_peer import setup
 
-    def start(**env: str) -> Child:
-        from _cudadriver_bundle_peer import setup
-
-        with standin_children(standin_lib, **env):
-            child = Child(setup, timeout=120)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.close()
+    return lambda **env: standin_peers(setup, **env)
 
 
 def _pattern(n: int, seed: int) -> bytes:

@@ -19,28 +19,17 @@ import subprocess
 import sys
 
 import pytest
-from _procs import Child
-from conftest import standin_children, standin_env
+from conftest import standin_env
 
 MiB = 1 << 20
 
 
 @pytest.fixture
-def spawn(standin_lib):
+def spawn(standin_peers):
     """Start peers that load the stand-in (2 devices unless told otherwise)."""
-    children: list[Child] = []
+    from _cudadriver_contact_peer import setup
 
-    def start(**env: str) -> Child:
-        from _cudadriver_contact_peer import setup
-
-        with standin_children(standin_lib, **env):
-            child = Child(setup, timeout=120)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.close()
+    return lambda **env: standin_peers(setup, **env)
 
 
 def _run(standin_lib: str, args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
