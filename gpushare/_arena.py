@@ -6,7 +6,9 @@ Many tensors' memory carved out of few :func:`gpushare.allocate` buffers
 a model's tensors needs one offer per chunk, not one per tensor.  A freed
 block goes back to its chunk's free list (first fit, neighbours merged);
 chunks are kept until :meth:`Arena.close`.  For CuPy, :meth:`Arena.cupy_malloc`
-is an allocator for ``cupy.cuda.set_allocator`` (or ``cupy.cuda.MemoryPool``).
+is an allocator for ``cupy.cuda.set_allocator`` (or ``cupy.cuda.MemoryPool``);
+for torch, :meth:`Arena.torch_mem_pool` is a ``torch.cuda.MemPool`` over the
+arena (:mod:`gpushare._torch_alloc`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _types
+from . import _torch_alloc, _types
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._errors import ClosedError, InvalidInputError
 from ._handles import allocate
@@ -82,8 +84,9 @@ class Arena:
     """Shareable memory for many arrays, in few :func:`gpushare.allocate`
     buffers.
 
-    Arrays from :meth:`empty` (and CuPy arrays, with :meth:`cupy_malloc` as
-    CuPy's allocator) lie in the arena's chunks: :func:`gpushare.export`
+    Arrays from :meth:`empty` (CuPy arrays, with :meth:`cupy_malloc` as
+    CuPy's allocator, and torch tensors of :meth:`torch_mem_pool`) lie in
+    the arena's chunks: :func:`gpushare.export`
     offers each on every path of its chunk, and a bundle of them has one offer
     per chunk.  A block goes back to the arena when its array is gone.
 
@@ -166,7 +169,29 @@ class Arena:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.address, max(nbytes, 1), block,
                                                                int(self.device)), 0)
 
+    def torch_mem_pool(self) -> Any:
+        """A ``torch.cuda.MemPool`` whose memory comes from this arena (CUDA
+        arenas): tensors made under ``torch.cuda.use_mem_pool(pool)`` lie in
+        the arena's chunks, so :func:`gpushare.export` offers them on
+        posix-fd and fabric, and a bundle of a model's tensors has one offer
+        per chunk.  torch's caching allocator takes segments from the arena
+        and hands out tensors inside them.  One arena serves torch on each
+        device; import torch before gpushare."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise InvalidInputError("torch_mem_pool makes a torch MemPool: import torch first")
+        if self.device == "host":
+            raise InvalidInputError("torch_mem_pool needs an arena of CUDA memory (Arena(device=N))")
+        path = _torch_alloc.serve(self)
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(path, _torch_alloc.ALLOC, _torch_alloc.FREE)
+        return torch.cuda.MemPool(allocator.allocator())
+
     # -- state --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def stats(self) -> dict[str, int]:
         """Chunks, their bytes, and the bytes handed out."""
         with self._lock:
