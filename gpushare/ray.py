@@ -52,6 +52,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from . import _auth
+from . import _paths as _paths_mod
 from ._batch import get_batch
 from ._errors import ClosedError, InvalidInputError
 from ._export import export
@@ -64,12 +65,12 @@ __all__ = ["DEFAULT_NAME", "ZERO_COPY_PATHS", "GpushareCommunicatorMetadata", "G
 #: The transport's name unless :func:`register` is given another.
 DEFAULT_NAME = "gpushare"
 
-#: Paths whose mapping holds the memory itself: a zero-copy tensor over them
-#: stays valid after the source freed or lost its tensor (the pages or CUDA
-#: physical allocation live while the mapping does).  cuda-ipc is not one
-#: (legacy CUDA IPC memory goes when the source frees it), cma and ucx-rma map
-#: nothing; their tensors are always copied.
-ZERO_COPY_PATHS = frozenset({"same-process", "host-fd", "posix-fd", "fabric"})
+#: The names of the paths whose mapping holds the memory itself (each path's
+#: ``holds_memory``): a zero-copy tensor over them stays valid after the
+#: source freed or lost its tensor.  cuda-ipc is not one (legacy CUDA IPC
+#: memory goes when the source frees it), cma and ucx-rma map nothing; their
+#: tensors are always copied.
+ZERO_COPY_PATHS = frozenset(p.name for p in _paths_mod.PATHS if p.holds_memory)
 
 _KEY_BYTES = 32
 
@@ -241,7 +242,7 @@ class GpushareTransport(TensorTransportManager):
                     view = bundle[j]
                     with _lock:
                         _paths[view.path] += 1
-                    if target_buffers is None and self._zero_copy and view.path in ZERO_COPY_PATHS:
+                    if target_buffers is None and self._zero_copy and _paths_mod.by_name(view.path).holds_memory:
                         t = torch.from_dlpack(view)  # holds the mapping past the bundle's close
                         out[i] = (t if t.dtype == dtype else t.view(dtype)).view(shape)
                         mapped += 1
@@ -291,7 +292,7 @@ def _local_device(view: Any, kind: str | None) -> Any:
     view is on, else this process's current CUDA device."""
     if kind != "cuda":
         return "cpu"
-    if view.path in ZERO_COPY_PATHS or view.path == "cuda-ipc":
+    if _paths_mod.by_name(view.path).mapped:
         return torch.device("cuda", int(view.device))
     return torch.device("cuda", torch.cuda.current_device())
 

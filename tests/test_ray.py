@@ -160,6 +160,13 @@ def test_import_gpushare_does_not_import_ray():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_zero_copy_goes_over_the_paths_whose_mapping_holds_the_memory():
+    from gpushare import _paths
+
+    assert all(isinstance(p.holds_memory, bool) and (p.mapped or not p.holds_memory) for p in _paths.PATHS)
+    assert gsray.ZERO_COPY_PATHS == {"same-process", "host-fd", "posix-fd", "fabric"}  # not cuda-ipc
+
+
 def test_register_checks_keys_and_is_idempotent(actors):
     assert gsray.register() == "GPUSHARE"  # again: nothing changes
     key = type(get_tensor_transport_manager("GPUSHARE"))._key

@@ -39,6 +39,11 @@ class Path(Protocol):
     rank: int
     #: True: the view maps the memory; False: it copies through a Transport.
     mapped: bool
+    #: True: the mapping holds the memory itself, so an array over it (a
+    #: DLPack tensor) stays valid after the exporter frees or loses its
+    #: object (the pages, or the CUDA physical allocation, live while the
+    #: mapping does).  Legacy CUDA IPC memory goes when its exporter frees it.
+    holds_memory: bool
     #: One line for ``view.why``.
     reason: str
 

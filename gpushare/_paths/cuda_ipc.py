@@ -423,6 +423,7 @@ class CudaIpc:
     name = "cuda-ipc"
     rank = 3
     mapped = True
+    holds_memory = False
     maps_strided = False
     reason = ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
               "(a legacy handle, or its pool's export)")

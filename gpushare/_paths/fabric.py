@@ -30,6 +30,7 @@ class Fabric:
     name = "fabric"
     rank = 1
     mapped = True
+    holds_memory = True
     maps_strided = False
     reason = "same fabric clique with an IMEX channel"
 

@@ -613,6 +613,7 @@ class HostFd:
     name = "host-fd"
     rank = 4
     mapped = True
+    holds_memory = True
     maps_strided = True
     reason = "same node; host memory mapped through memfds"
 

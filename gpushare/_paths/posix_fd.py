@@ -35,6 +35,7 @@ class PosixFd:
     name = "posix-fd"
     rank = 2
     mapped = True
+    holds_memory = True
     maps_strided = False
     reason = "same node; CUDA virtual memory mapped through POSIX fds"
 

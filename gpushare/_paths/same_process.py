@@ -15,6 +15,7 @@ class SameProcess:
     name = "same-process"
     rank = 0
     mapped = True
+    holds_memory = True
     maps_strided = True
     reason = "this process exported it; the original object is handed back"
 

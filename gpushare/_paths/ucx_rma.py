@@ -30,6 +30,7 @@ class UcxRma:
     name = "ucx-rma"
     rank = 6
     mapped = False
+    holds_memory = False
     maps_strided = False
     reason = "remote memory access through UCX, each transfer checked by the exporter; copies with get/put"
 
