@@ -85,10 +85,12 @@ class Arena:
     buffers.
 
     Arrays from :meth:`empty` (CuPy arrays, with :meth:`cupy_malloc` as
-    CuPy's allocator, and torch tensors of :meth:`torch_mem_pool`) lie in
-    the arena's chunks: :func:`gpushare.export`
-    offers each on every path of its chunk, and a bundle of them has one offer
-    per chunk.  A block goes back to the arena when its array is gone.
+    CuPy's allocator, and torch tensors made under
+    ``torch.cuda.use_mem_pool(arena.torch_mem_pool())``) lie in the arena's
+    chunks: :func:`gpushare.export` offers each on every path of its chunk
+    (posix-fd and fabric for CUDA memory) with its offset, and a bundle of
+    them has one offer per chunk.  A block goes back to the arena when its
+    array is gone (a torch segment, when torch gives it back).
 
     Parameters
     ----------
@@ -110,6 +112,7 @@ class Arena:
         self._lock = threading.Lock()
         self._closed = False
         self.in_use = 0  # bytes handed out and not given back
+        self._torch_allocator: Any = None  # torch_allocator()'s, made once
 
     # -- blocks -------------------------------------------------------------
     def allocate(self, nbytes: int) -> Block:
@@ -169,22 +172,39 @@ class Arena:
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.address, max(nbytes, 1), block,
                                                                int(self.device)), 0)
 
-    def torch_mem_pool(self) -> Any:
+    def torch_allocator(self) -> Any:
+        """torch's pluggable allocator over this arena (CUDA arenas): a
+        ``torch.cuda.memory.CUDAPluggableAllocator`` whose segments come out
+        of the arena's chunks, for :meth:`torch_mem_pool` (or
+        ``torch.cuda.memory.change_current_allocator``, before torch's first
+        CUDA allocation, for every tensor of the process).  One arena serves
+        torch on each device: a request for another device, or one the arena
+        cannot serve (closed, out of memory), is NULL to torch, which raises
+        its out-of-memory error, and is logged on ``gpushare.torch``.  Import
+        torch first (before gpushare, for ucx-rma: docs/ucx.md)."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise InvalidInputError("torch_allocator and torch_mem_pool are torch's: import torch first")
+        if self.device == "host":
+            raise InvalidInputError("torch_allocator and torch_mem_pool need an arena of CUDA memory "
+                                    "(Arena(device=N))")
+        if self._closed:
+            raise ClosedError("the arena is closed")
+        if self._torch_allocator is None:
+            self._torch_allocator = _torch_alloc.allocator(self, torch)
+        return self._torch_allocator
+
+    def torch_mem_pool(self, **options: Any) -> Any:
         """A ``torch.cuda.MemPool`` whose memory comes from this arena (CUDA
         arenas): tensors made under ``torch.cuda.use_mem_pool(pool)`` lie in
         the arena's chunks, so :func:`gpushare.export` offers them on
-        posix-fd and fabric, and a bundle of a model's tensors has one offer
-        per chunk.  torch's caching allocator takes segments from the arena
-        and hands out tensors inside them.  One arena serves torch on each
-        device; import torch before gpushare."""
-        torch = sys.modules.get("torch")
-        if torch is None:
-            raise InvalidInputError("torch_mem_pool makes a torch MemPool: import torch first")
-        if self.device == "host":
-            raise InvalidInputError("torch_mem_pool needs an arena of CUDA memory (Arena(device=N))")
-        path = _torch_alloc.serve(self)
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(path, _torch_alloc.ALLOC, _torch_alloc.FREE)
-        return torch.cuda.MemPool(allocator.allocator())
+        posix-fd and fabric with their offsets, and a bundle of a model's
+        tensors has one offer per chunk.  torch's caching allocator takes
+        segments from the arena (:meth:`torch_allocator`) and hands out
+        tensors inside them; ``options`` go to ``MemPool`` (``use_on_oom``,
+        ``no_split``).  Keep the pool and the arena while tensors of it live."""
+        allocator = self.torch_allocator()
+        return sys.modules["torch"].cuda.MemPool(allocator.allocator(), **options)
 
     # -- state --------------------------------------------------------------
     @property
@@ -199,7 +219,8 @@ class Arena:
                     "in_use": self.in_use}
 
     def close(self) -> None:
-        """Let go of the chunks (a chunk stays while an array of it lives)."""
+        """Let go of the chunks (a chunk stays while an array of it lives);
+        torch's requests to the arena are NULL from now on."""
         with self._lock:
             self._closed = True
             self._chunks = []

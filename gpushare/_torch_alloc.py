@@ -11,11 +11,15 @@ and :func:`gpushare.export` offers it on posix-fd and fabric with its offset.
 
 The library has one pair of entry points for the process: one arena serves
 each device.  A failure in a callback returns NULL to torch (which raises
-its out-of-memory error) and is logged; it never raises into torch.
+its out-of-memory error) and is logged; it never raises into torch.  The
+callbacks are kept for the life of the process, and unhooked at exit (before
+the interpreter goes), after which the library answers NULL and lets frees
+be: torch may give segments back while the process ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
 import logging
@@ -25,7 +29,7 @@ from typing import Any
 
 from ._errors import InvalidInputError, UnsupportedError
 
-__all__ = ["LIBRARY", "ALLOC", "FREE", "library_path", "serve", "served"]
+__all__ = ["ALLOC", "FREE", "LIBRARY", "allocator", "library_path", "serve", "served"]
 
 log = logging.getLogger("gpushare.torch")
 
@@ -57,7 +61,8 @@ class _Server:
         self.arenas: dict[int, Any] = {}
         self.blocks: dict[int, Any] = {}  # address -> the arena block torch holds
         self.library: ctypes.CDLL | None = None
-        self.hooks: tuple[Any, Any] | None = None  # the ctypes callbacks, kept alive here
+        self.hooks: tuple[Any, ...] = ()  # the ctypes callbacks, kept alive here for the process
+        self.hooked = False
 
     def serve(self, arena: Any) -> str:
         path = library_path()
@@ -69,10 +74,22 @@ class _Server:
             self.arenas[arena.device] = arena
             if self.library is None:
                 library = ctypes.CDLL(path)
-                hooks = (_AllocFn(self._alloc), _FreeFn(self._free))
-                library.gpushare_torch_set_hooks(*hooks)
-                self.library, self.hooks = library, hooks
+                library.gpushare_torch_set_hooks.argtypes = [_AllocFn, _FreeFn]
+                library.gpushare_torch_set_hooks.restype = None
+                self.library, self.hooks = library, (_AllocFn(self._alloc), _FreeFn(self._free))
+                atexit.register(self.unhook)
+            if not self.hooked:
+                self.library.gpushare_torch_set_hooks(*self.hooks)
+                self.hooked = True
         return path
+
+    def unhook(self) -> None:
+        """At exit: the library answers NULL and drops frees from now on (the
+        callbacks themselves stay alive, for a call already in them)."""
+        with self.lock:
+            if self.library is not None and self.hooked:
+                self.library.gpushare_torch_set_hooks(_AllocFn(), _FreeFn())  # NULL: unhooked
+                self.hooked = False
 
     def _alloc(self, size: int, device: int, stream: Any) -> int | None:
         try:
@@ -117,3 +134,12 @@ def serve(arena: Any) -> str:
 def served() -> int:
     """Segments torch holds from the arenas now."""
     return _SERVER.served()
+
+
+def allocator(arena: Any, torch: Any) -> Any:
+    """A ``torch.cuda.memory.CUDAPluggableAllocator`` over ``arena``."""
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise UnsupportedError(f"torch {torch.__version__} is built without CUDA: its pluggable allocator "
+                               "needs the CUDA build of torch")
+    path = serve(arena)
+    return torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC, FREE)

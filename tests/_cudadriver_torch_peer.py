@@ -81,4 +81,69 @@ def torch_refusals(state: dict) -> dict:
     return {"other_device": other_device, "too_big": too_big, "stats": state["torch_arena"].stats()}
 
 
-HANDLERS: dict[str, Any] = {"torch_pool": torch_pool, "torch_free": torch_free, "torch_refusals": torch_refusals}
+def torch_one_tensor(state: dict, name: str, address: int, nbytes: int) -> dict:
+    """gs.export of one tensor inside a segment: its share's offer and offset,
+    and its offset in the chunk as vmm.containing finds it."""
+    import gpushare as gs
+    from gpushare._cuda import vmm
+
+    share = state["shares"][name] = gs.export(_Tensor(address, nbytes))
+    found = vmm.containing(address, nbytes)
+    return {"share": share, "offers": share.offers, "offset": share.offset,
+            "chunk_offset": None if found is None else found[1]}
+
+
+def torch_empty_request(state: dict) -> dict:
+    """torch asks for 0 bytes: a pointer into a chunk all the same, and
+    given back like any other."""
+    from gpushare import _torch_alloc
+    from gpushare._cuda import vmm
+
+    arena, lib = state["torch_arena"], state["torch_lib"]
+    before = arena.stats()["in_use"]
+    ptr = lib.gpushare_torch_malloc(0, 0, None)
+    taken = {"ptr": ptr, "in_chunk": ptr is not None and vmm.containing(ptr, 1) is not None,
+             "in_use": arena.stats()["in_use"] - before, "served": _torch_alloc.served()}
+    lib.gpushare_torch_free(ptr, 0, 0, None)
+    return {**taken, "after": arena.stats()["in_use"] - before, "served_after": _torch_alloc.served()}
+
+
+def torch_threads(state: dict, threads: int, each: int, nbytes: int) -> dict:
+    """``threads`` threads take ``each`` segments at once through the entry point."""
+    import threading
+
+    from gpushare import _torch_alloc
+
+    lib = state["torch_lib"]
+    got: list[list[int | None]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads)
+
+    def take(i: int) -> None:
+        start.wait()
+        got[i] = [lib.gpushare_torch_malloc(nbytes, 0, None) for _ in range(each)]
+
+    workers = [threading.Thread(target=take, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    ptrs = [p for row in got for p in row]
+    return {"ptrs": ptrs, "stats": state["torch_arena"].stats(), "served": _torch_alloc.served()}
+
+
+def torch_close_arena(state: dict, held: int) -> dict:
+    """The arena closes while torch holds segments: new requests are NULL,
+    and a held segment still goes back when torch frees it."""
+    from gpushare import _torch_alloc
+
+    arena, lib = state["torch_arena"], state["torch_lib"]
+    arena.close()
+    refused = lib.gpushare_torch_malloc(MiB, 0, None)
+    before = arena.stats()["in_use"]
+    lib.gpushare_torch_free(held, 2 * MiB, 0, None)
+    return {"refused": refused, "given_back": before - arena.stats()["in_use"], "served": _torch_alloc.served()}
+
+
+HANDLERS: dict[str, Any] = {"torch_pool": torch_pool, "torch_free": torch_free, "torch_refusals": torch_refusals,
+                            "torch_one_tensor": torch_one_tensor, "torch_empty_request": torch_empty_request,
+                            "torch_threads": torch_threads, "torch_close_arena": torch_close_arena}

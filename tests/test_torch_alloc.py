@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import subprocess
+import sys
 
 import pytest
 
@@ -41,15 +43,35 @@ def test_one_arena_serves_torch_on_each_device():
     second.close()
 
 
-def test_torch_mem_pool_needs_cuda_memory():
+def test_torch_mem_pool_needs_cuda_memory_and_an_open_arena():
     with pytest.raises(gs.InvalidInputError, match="CUDA memory"):
         gs.Arena().torch_mem_pool()
+    with pytest.raises(gs.InvalidInputError, match="CUDA memory"):
+        gs.Arena().torch_allocator()
+    arena = gs.Arena(device=0)
+    arena.close()
+    with pytest.raises(gs.ClosedError):
+        arena.torch_mem_pool()
+
+
+@pytest.mark.skipif(torch is None or hasattr(torch._C, "_cuda_customAllocator"),
+                    reason="checks a CPU-only build of torch; this torch is absent or has CUDA")
+def test_a_cpu_only_torch_is_told_it_needs_the_cuda_build():
+    with pytest.raises(gs.UnsupportedError, match="built without CUDA"):
+        gs.Arena(device=0).torch_allocator()
+
+
+def test_importing_gpushare_imports_no_torch_and_loads_no_allocator_library():
+    code = ("import sys, gpushare as gs; gs.Arena(device=0); maps = open('/proc/self/maps').read(); "
+            "print('torch' in sys.modules, 'libgpushare_torch_alloc' in maps)")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
 
 
 def _torch_reader(share):
-    import torch
-
     import gpushare as gs
+    import torch
 
     with gs.open(share) as bundle:
         return bundle.paths, {k: float(torch.from_dlpack(v).sum()) for k, v in bundle.items()}
@@ -59,13 +81,20 @@ def _torch_reader(share):
 @pytest.mark.kernels
 def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
     if torch is None or not torch.cuda.is_available():
-        pytest.skip("needs the CUDA build of torch on a CUDA device")
+        pytest.skip("needs torch's CUDA build (torch.cuda.MemPool over a CUDA device); this torch is "
+                    + ("not installed" if torch is None else f"{torch.__version__}, which sees no CUDA device"))
     arena = gs.Arena(device=0, chunk_size=64 << 20)
     pool = arena.torch_mem_pool()
     with torch.cuda.use_mem_pool(pool):
         state = {f"layers.{i}.w": torch.full((256, 256), float(i), device="cuda:0") for i in range(32)}
     torch.cuda.synchronize()
-    assert _torch_alloc.served() >= 1
+    assert _torch_alloc.served() >= 1 and arena.stats()["in_use"] >= 32 * 256 * 256 * 4
+    from gpushare._cuda import vmm
+
+    assert all(vmm.containing(t.data_ptr(), t.nbytes) is not None for t in state.values())  # in the chunks
+    one = gs.export(state["layers.5.w"])
+    found = vmm.containing(state["layers.5.w"].data_ptr(), 1)
+    assert found is not None and one.offset == found[1] and "posix-fd" in one.offers
     share = gs.export(state)
     parts = share._bundle.parts
     assert len(parts) <= 2 and all("posix-fd" in p.offers for p in parts)  # 32 tensors, one chunk (two at most)
@@ -73,6 +102,7 @@ def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
         paths, sums = workers.apply(_torch_reader, (share,))
     assert set(paths) == {"posix-fd"} and sums == {f"layers.{i}.w": 256.0 * 256 * i for i in range(32)}
     share.revoke()
+    one.revoke()
     del state
     torch.cuda.synchronize()
     del pool

@@ -131,13 +131,18 @@ for w in keep:
     z = zipfile.ZipFile(w)
     for n in z.namelist():
         b = os.path.basename(n)
-        if (name_of(w) == "gpushare" and b.startswith("_native")) or b == "libucxx.so":
+        if (name_of(w) == "gpushare" and (b.startswith("_native") or b == "libgpushare_torch_alloc.so")) \
+                or b == "libucxx.so":
             libs = needed(z.read(n))
-            report.append(f"{n} loads: {' '.join(libs)}")
+            report.append(f"{n} loads: {' '.join(libs) or 'nothing'}")
             for lib in libs:
                 owners = shipped.get(lib, set())
                 if owners and not owners & {name_of(k) for k in keep}:
                     problems.append(f"{n} needs {lib}, found only in {sorted(owners)}, which is not carried")
+# The gpushare wheel holds both of CMakeLists.txt's targets: the native module and torch's allocator library.
+members = [os.path.basename(n) for n in zipfile.ZipFile(whl).namelist()]
+if not any(b.startswith("_native") for b in members) or "libgpushare_torch_alloc.so" not in members:
+    problems.append(f"{os.path.basename(whl)} lacks the native module or libgpushare_torch_alloc.so")
 if problems:
     sys.exit("\n".join(problems))
 
