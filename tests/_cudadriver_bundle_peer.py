@@ -37,7 +37,7 @@ def open_bundle(state: dict, name: str, share: Any, kwargs: dict | None = None) 
     bundle = gs.open(share, **(kwargs or {}))
     state["bundles"][name] = bundle
     return {"paths": bundle.paths, "count": bundle.count, "vmm_mappings": vmm_mappings(state) - before,
-            "devices": {k: v.device for k, v in bundle.items()}}
+            "devices": {k: v.device for k, v in bundle.items()}, "why": bundle.why}
 
 
 def bundle_get(state: dict, name: str) -> dict[str, tuple]:

@@ -427,13 +427,15 @@ def new_array(state: dict, name: str, shape: tuple, dtype: str, zeros: bool, fil
 
 
 class _CaiSlice:
-    """Part of a CUDA array, as CuPy or torch would hand it over: only
-    ``__cuda_array_interface__``, holding the array it is part of."""
+    """Part of a CUDA array (or of a gs.allocate buffer), as CuPy or torch
+    would hand it over: only ``__cuda_array_interface__``, holding the
+    memory it is part of."""
 
     def __init__(self, base: Any, byte_offset: int, shape: tuple, typestr: str) -> None:
         self.base = base
+        ptr = base.ptr if hasattr(base, "ptr") else int(base.handle)
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "strides": None, "version": 3,
-                                         "data": (base.ptr + byte_offset, False), "stream": None}
+                                         "data": (ptr + byte_offset, False), "stream": None}
 
 
 def slice_array(state: dict, name: str, of: str, byte_offset: int, shape: tuple, typestr: str) -> dict:

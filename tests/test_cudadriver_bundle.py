@@ -74,3 +74,49 @@ def test_arrays_of_a_cuda_arena_are_one_offer(spawn):
     got = importer.call("bundle_get", "v")
     assert all(got[f"t{i}"][3] == bytes([i]) * 4096 for i in range(20))
     importer.call("close_bundle", "v")
+
+
+def test_a_bundle_of_fabric_memory_opens_over_fabric_one_handle_per_allocation(spawn, tmp_path):
+    """With an NVLink fabric and an IMEX channel on both sides, a bundle's
+    allocations of fabric-exportable memory go over the fabric path, one
+    import each; the tensors are views into them."""
+    exporter = spawn(GPUSHARE_STANDIN_FABRIC="1")
+    importer = spawn(visible="1,0", GPUSHARE_STANDIN_FABRIC="1")
+    for p in (exporter, importer):
+        p.call("imex_channel", str(tmp_path / "imex"))
+    pool = _pattern(4 * MiB, 5)
+    exporter.call("allocate", "buf", 4 * MiB, 0, 2 * MiB, 0)
+    exporter.call("write", "buf", 0, pool)
+    exporter.call("slice_array", "lo", "buf", 0, (MiB,), "|u1")
+    exporter.call("slice_array", "hi", "buf", 3 * MiB, (256, 1024), "<f4")
+    share = exporter.call("export_tree", "bundle", {"lo": "lo", "hi": "hi"})
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("fabric",) and opened["count"] == 2
+    assert opened["vmm_mappings"] == 1  # one allocation, one mapping, both tensors in it
+    # mapped on this thread's current device (physical 1), which the fabric reaches; over posix-fd
+    # it would be the memory's own device (this process's 1), as above
+    assert opened["devices"] == {"lo": 0, "hi": 0}
+    got = importer.call("bundle_get", "v")
+    assert got["lo"] == ("CudaArray", (MiB,), "|u1", pool[:MiB])
+    assert got["hi"] == ("CudaArray", (256, 1024), "<f4", pool[3 * MiB:])
+    importer.call("bundle_put", "v", {"lo": b"\x5c" * MiB})
+    assert exporter.call("read", "buf", 0, 16) == b"\x5c" * 16
+    assert exporter.call("read", "buf", MiB, 16) == pool[MiB:MiB + 16]  # the rest untouched
+    assert importer.call("close_bundle", "v")["vmm_mappings"] == 0
+
+
+def test_a_bundle_without_an_imex_channel_says_why_and_opens_over_posix_fd(spawn, tmp_path):
+    """The exporter offers the fabric path but this importer has no IMEX
+    channel: the bundle opens over posix-fd and ``why`` says what ruled the
+    fabric out."""
+    exporter = spawn(GPUSHARE_STANDIN_FABRIC="1")
+    importer = spawn(GPUSHARE_STANDIN_FABRIC="1")
+    exporter.call("imex_channel", str(tmp_path / "imex"))
+    exporter.call("allocate", "buf", 2 * MiB, 0, 2 * MiB, 0x21)
+    exporter.call("slice_array", "a", "buf", 0, (1024,), "<f4")
+    share = exporter.call("export_tree", "bundle", {"a": "a"})
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("posix-fd",)
+    assert "not fabric" in opened["why"] and "IMEX" in opened["why"], opened["why"]
+    assert importer.call("bundle_get", "v")["a"][3] == b"\x21" * 4096
+    importer.call("close_bundle", "v")
