@@ -516,22 +516,19 @@ def _span_bytes(s: _State, part: int, lo: int, hi: int, items: list) -> Any:
 
 
 def _spans(s: _State, indices: list[int], items: list) -> dict[int, tuple[Any, int]]:
-    """For the tensors ``indices`` that lie in host allocations (mapped or
-    copied), each allocation's span of them taken at once: copied here from
-    a mapping, or fetched as one transfer (added to ``items``), into one new
-    byte buffer.  Tensor -> (that buffer, its offset there)."""
+    """:func:`_stage_spans` by tensor: tensor -> (its span's buffer, its offset there)."""
     out: dict[int, tuple[Any, int]] = {}
-    for part, lo, hi, leaves, at in _span_groups(s, indices):
-        raw = _span_bytes(s, part, lo, hi, items)
-        if raw is not None:
-            out.update(zip(leaves.tolist(), ((raw, a) for a in at.tolist()), strict=True))
+    for raw, leaves, at in _stage_spans(s, indices, items):
+        out.update(zip(leaves.tolist(), ((raw, a) for a in at.tolist()), strict=True))
     return out
 
 
 def _stage_spans(s: _State, indices: Any, items: list) -> list[tuple[Any, np.ndarray, np.ndarray]]:
-    """For the tensors ``indices`` that :func:`_spans` would take: one new
-    buffer per allocation, its copy added to ``items``; (buffer, tensors,
-    their offsets there) for :func:`_rows` to make their arrays."""
+    """For the tensors ``indices`` that lie in host allocations (mapped or
+    copied), each allocation's span of them taken at once: copied here from
+    a mapping, or fetched as one transfer (added to ``items``), into one new
+    byte buffer.  (That buffer, its tensors, their offsets there), for
+    :func:`_rows` to make their arrays."""
     out = []
     for part, lo, hi, leaves, at in _span_groups(s, indices):
         raw = _span_bytes(s, part, lo, hi, items)
@@ -547,16 +544,14 @@ def _rows(m: Manifest, raw: Any, leaves: np.ndarray, at: np.ndarray, arrays: lis
     in C, not one at a time)."""
     dtypes = [np.dtype(t) for t, _, _ in m.dtypes()]
     strided = m.strided()
-    _, _, dtype_of, ndims, dims = m._columns
-    dims_at = m._dims_at
     starts = _runs(m, leaves, at)
     bounds = starts.tolist() + [len(leaves)]
     leaf_list, at_list = leaves.tolist(), at.tolist()
     for k in range(len(bounds) - 1):
         first, end = bounds[k], bounds[k + 1]
         i = leaf_list[first]
-        shape = tuple(dims[dims_at[i]:dims_at[i] + ndims[i]])
-        dtype = dtypes[dtype_of[i]]
+        shape = m.shape(i)
+        dtype = dtypes[m.dtype_index(i)]
         if end - first == 1:
             arrays[i] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=at_list[first], strides=strided.get(i))
             continue
@@ -572,27 +567,9 @@ def _runs(m: Manifest, leaves: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Where the runs of ``leaves`` begin: a run is tensors of the same
     dtype and shape (at least one dimension, no strides), each starting
     where the one before it ends (``at``: their offsets)."""
-    n = len(leaves)
-    if n < 2:
-        return np.zeros(min(n, 1), dtype=np.int64)
-    _, _, dtype_col, ndim_col, dims_col = m.arrays
-    ndim = ndim_col[leaves]
-    dtype = dtype_col[leaves]
-    span = m.spans[leaves]
-    joins = ((dtype[1:] == dtype[:-1]) & (ndim[1:] == ndim[:-1]) & (ndim[1:] > 0) & (ndim[1:] <= 4)
-             & (at[1:] == at[:-1] + span[:-1]))
-    if m.strided():
-        plain = np.ones(n, dtype=bool)
-        plain[np.isin(leaves, np.fromiter(m.strided(), dtype=np.int64))] = False
-        joins &= plain[1:] & plain[:-1]
-    if not len(dims_col):  # every tensor 0-d: no runs
-        return np.arange(n, dtype=np.int64)
-    first = m.dims_at[leaves]
-    last_dim = len(dims_col) - 1
-    for j in range(4):  # the same shape: each of (at most 4) dimensions equal
-        has = ndim > j
-        d = np.where(has, dims_col[np.minimum(first + j, last_dim)], -1)
-        joins &= d[1:] == d[:-1]
+    if len(leaves) < 2:
+        return np.zeros(len(leaves), dtype=np.int64)
+    joins = m.alike(leaves) & (at[1:] == at[:-1] + m.spans[leaves[:-1]])
     return np.concatenate(([0], np.flatnonzero(~joins) + 1))
 
 
@@ -601,11 +578,12 @@ def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[in
     NumPy destinations of host tensors come from :func:`_spans`' buffers
     instead: (destination address, source address, bytes, and the two
     arrays, held while the copy waits) to copy once the batch is in."""
-    spans, strided = s.manifest._spans, s.manifest.strided()
+    m = s.manifest
+    strided = m.strided()
     np_dests = []
     for i, buf in pairs:
         if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and (
-                i not in strided and buf.nbytes <= spans[i]):
+                i not in strided and buf.nbytes <= m.span(i)):
             np_dests.append((i, buf))
         else:
             items.append((s.view(i), 0, buf))

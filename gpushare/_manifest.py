@@ -115,11 +115,39 @@ class Manifest:
         return Leaf(part[i], offset[i], self._spans[i], tuple(dims[at:at + ndim[i]]), typestr, name, dl,
                     self._strides.get(i))
 
-    def layout(self, i: int) -> tuple[int, int, int, tuple[int, ...], int, tuple[int, ...] | None]:
-        """(part, offset, span, shape, dtype index, strides) of leaf ``i``, cheaply."""
-        part, offset, dtype, ndim, dims = self._columns
+    def shape(self, i: int) -> tuple[int, ...]:
+        """Leaf ``i``'s shape."""
         at = self._dims_at[i]
-        return part[i], offset[i], self._spans[i], tuple(dims[at:at + ndim[i]]), dtype[i], self._strides.get(i)
+        return tuple(self._columns[4][at:at + self._columns[3][i]])
+
+    def dtype_index(self, i: int) -> int:
+        """Leaf ``i``'s dtype, as an index into :meth:`dtypes`."""
+        return self._columns[2][i]
+
+    def span(self, i: int) -> int:
+        """The bytes leaf ``i`` spans in its part."""
+        return self._spans[i]
+
+    def alike(self, leaves: np.ndarray) -> np.ndarray:
+        """For each two leaves one after the other in ``leaves``: whether
+        they are of one dtype and one shape of 1 to 4 dimensions, neither
+        strided (``len(leaves) - 1`` bools)."""
+        n = len(leaves)
+        if n < 2:
+            return np.zeros(0, dtype=bool)
+        _, _, dtype_col, ndim_col, dims_col = self.arrays
+        ndim, dtype = ndim_col[leaves], dtype_col[leaves]
+        same = (dtype[1:] == dtype[:-1]) & (ndim[1:] == ndim[:-1]) & (ndim[1:] > 0) & (ndim[1:] <= 4)
+        if self._strides:
+            plain = ~np.isin(leaves, np.fromiter(self._strides, dtype=np.int64))
+            same &= plain[1:] & plain[:-1]
+        if not len(dims_col):  # every leaf 0-d
+            return np.zeros(n - 1, dtype=bool)
+        first, last_dim = self.dims_at[leaves], len(dims_col) - 1
+        for j in range(4):  # each of (at most 4) dimensions equal
+            d = np.where(ndim > j, dims_col[np.minimum(first + j, last_dim)], -1)
+            same &= d[1:] == d[:-1]
+        return same
 
     def dtypes(self) -> list[tuple[str, str | None, tuple[int, int, int] | None]]:
         """The dtype table: (typestr, name, DLPack dtype) by index."""
