@@ -30,8 +30,8 @@ from ._importer import get_importer
 from ._offering import PathList
 from ._open_tree import open_tree
 from ._paths import same_process, ucx_rma
-from ._reach import addresses_for, choose, here_for, raise_refusal, unreachable
-from ._share import BundleShare, Share, altered, node_key
+from ._reach import addresses_for, choose, here_for, raise_refusal, slow_reason, unreachable
+from ._share import BundleShare, Share, altered
 from ._view import View
 
 __all__ = ["open", "open_async", "choose", "here_for"]
@@ -193,14 +193,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             why = _paths.explain(path, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(lease, why)
-            slow = None
-            if failures and natural and natural.index(path) > 0:
-                slow = f"gpushare fell back to {path}: {'; '.join(failures)}"
-            elif _paths.by_name(path) is ucx_rma.PATH and share.node == node_key() and prefer is None and (
-                    exclude is None) and not (os.environ.get("GPUSHARE_PATHS")
-                                              or os.environ.get("GPUSHARE_EXCLUDE_PATHS")):
-                slow = ("gpushare serves this same-node peer over ucx-rma, a network transport: "
-                        + "; ".join(left_out or ["no same-node path is offered for this memory"]))
+            slow = slow_reason(share, path, failures, left_out, natural, prefer, exclude, "gpushare")
             if slow is not None:
                 try:
                     warnings.warn(SlowPathWarning(slow), stacklevel=2)

@@ -32,7 +32,7 @@ from ._errors import (
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
 from ._paths import same_process, ucx_rma
-from ._reach import addresses_for, choose, raise_refusal, unreachable
+from ._reach import addresses_for, choose, raise_refusal, slow_reason, unreachable
 from ._share import Share, node_key
 
 __all__ = ["open_tree"]
@@ -146,16 +146,10 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
         raise
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(unreachable(share, f"it stopped answering: {exc}")) from None
-    whys = []
-    slow = []
-    for i, (order, left_out, natural) in enumerate(choices):
-        whys.append(_paths.explain(paths[i], left_out, failures[i]))
-        if failures[i] and natural and paths[i] in natural and natural.index(paths[i]) > 0:
-            slow.append(f"allocation {i} fell back to {paths[i]}: {'; '.join(failures[i])}")
-        elif _paths.by_name(paths[i]) is ucx_rma.PATH and share.node == node_key() and prefer is None and exclude is None and \
-                not (os.environ.get("GPUSHARE_PATHS") or os.environ.get("GPUSHARE_EXCLUDE_PATHS")):
-            slow.append(f"allocation {i} goes over ucx-rma, a network transport, to a same-node peer: "
-                        + "; ".join(left_out or ["no same-node path is offered for this memory"]))
+    whys = [_paths.explain(paths[i], left_out, failures[i]) for i, (_, left_out, _) in enumerate(choices)]
+    slow = [why for i, (_, left_out, natural) in enumerate(choices)
+            if (why := slow_reason(share, paths[i], failures[i], left_out, natural, prefer, exclude,
+                                   f"allocation {i}")) is not None]
     state = _State(share, manifest, parts, paths, opened, whys, lease, None)
     bundle = Bundle._make(state, manifest.tree)
     log.info("opened bundle %s: %d tensors in %d allocations over %s", share.share_id[:8], manifest.count,

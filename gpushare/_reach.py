@@ -12,11 +12,11 @@ from ._cuda import _driver
 from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import AccessDeniedError, ClosedError, InvalidInputError
 from ._exporter import registered
-from ._paths import cma
+from ._paths import cma, ucx_rma
 from ._paths.base import exporter_exited
 from ._share import Share, node_key
 
-__all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for"]
+__all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason"]
 
 
 def here_for(share: Share) -> _paths.Here:
@@ -84,6 +84,21 @@ def _as_key(paths: Any) -> Any:
     if type(paths) in (list, tuple) and all(type(p) is str for p in paths):
         return (type(paths), tuple(paths))
     return _UNKEYED
+
+
+def slow_reason(share: Share, path: str, failures: list[str], left_out: list[str], natural: list[str],
+                prefer: Any, exclude: Any, subject: str) -> str | None:
+    """Why opening ``share`` (``subject``: "gpushare", "allocation 3") over
+    ``path`` deserves a :class:`SlowPathWarning`, or None: it fell back from
+    a faster path that failed (``failures``), or it reaches a same-node
+    exporter over ucx-rma, a network transport, without being asked to."""
+    if failures and natural and path in natural and natural.index(path) > 0:
+        return f"{subject} fell back to {path}: {'; '.join(failures)}"
+    if (_paths.by_name(path) is ucx_rma.PATH and share.node == node_key() and prefer is None and exclude is None
+            and not (os.environ.get("GPUSHARE_PATHS") or os.environ.get("GPUSHARE_EXCLUDE_PATHS"))):
+        return (f"{subject} goes over ucx-rma, a network transport, to a same-node peer: "
+                + "; ".join(left_out or ["no same-node path is offered for this memory"]))
+    return None
 
 
 def raise_refusal(reply: dict) -> None:
