@@ -120,3 +120,29 @@ def test_a_bundle_without_an_imex_channel_says_why_and_opens_over_posix_fd(spawn
     assert "not fabric" in opened["why"] and "IMEX" in opened["why"], opened["why"]
     assert importer.call("bundle_get", "v")["a"][3] == b"\x21" * 4096
     importer.call("close_bundle", "v")
+
+
+def test_a_bundle_of_cuda_tensors_over_ucx_rma_gets_and_puts_in_one_batch(spawn):
+    """Asked for ucx-rma, a bundle of CUDA tensors (one gs.allocate buffer of
+    two 2 MiB allocations, and a cuMemAlloc block) opens one region per
+    allocation and moves their bytes over UCX (cuda_copy), both ways."""
+    exporter, importer = spawn(), spawn()
+    pool = _pattern(4 * MiB, 11)
+    exporter.call("allocate", "buf", 4 * MiB, 0, 2 * MiB, 0)
+    exporter.call("write", "buf", 0, pool)
+    exporter.call("slice_array", "x", "buf", 2 * MiB - 4096, (2048,), "<f4")  # across the two allocations
+    exporter.call("slice_array", "y", "buf", 3 * MiB, (64, 64), "<i4")
+    exporter.call("legacy_alloc", "leg", 8192, 0x6B)
+    share = exporter.call("export_tree", "bundle", {"x": "x", "y": "y", "leg": "leg"})
+    opened = importer.call("open_bundle", "v", share, {"prefer": ["ucx-rma"]})
+    assert opened["paths"] == ("ucx-rma", "ucx-rma") and opened["count"] == 3
+    assert opened["vmm_mappings"] == 0  # nothing mapped here: every byte travels
+    got = importer.call("bundle_get", "v")
+    assert got["x"] == ("CudaArray", (2048,), "<f4", pool[2 * MiB - 4096:2 * MiB + 4096])
+    assert got["y"] == ("CudaArray", (64, 64), "<i4", pool[3 * MiB:3 * MiB + 16384])
+    assert got["leg"][3] == b"\x6b" * 8192
+    importer.call("bundle_put", "v", {"x": b"\x0f" * 8192, "leg": b"\x70" * 8192})
+    assert exporter.call("read", "buf", 2 * MiB - 4096, 8192) == b"\x0f" * 8192
+    assert exporter.call("read", "buf", 2 * MiB - 4104, 8) == pool[2 * MiB - 4104:2 * MiB - 4096]  # not past it
+    assert exporter.call("read", "leg", 0, 8192) == b"\x70" * 8192
+    importer.call("close_bundle", "v")
