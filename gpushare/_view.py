@@ -83,9 +83,15 @@ class _Pin:
     __slots__ = ("__weakref__",)
 
 
-def _end_lease(lease: list) -> None:
+#: The lease of a bundle's view: none (the bundle holds the one lease).
+_NO_LEASE: tuple = ()
+
+
+def _end_lease(lease: list | tuple) -> None:
     """End the view's lease: the exporter revokes what it granted (a ucx-rma
     view's key stops working at once)."""
+    if type(lease) is not list:
+        return  # a bundle's view: its bundle ends the lease
     for held in lease:
         held.close()
     lease.clear()
@@ -110,7 +116,7 @@ class _Once:
             use.drop()
 
 
-def _release_view(use: MappingUse | None, lease: list) -> None:
+def _release_view(use: MappingUse | None, lease: list | tuple) -> None:
     _end_lease(lease)
     if use is not None:
         use.drop()
@@ -155,6 +161,11 @@ class View:
         The share this view opened.
     """
 
+    # No __dict__: a bundle makes a view per tensor, thousands at once.
+    __slots__ = ("share", "path", "why", "nbytes", "device", "shape", "typestr", "strides", "_target", "_mapped",
+                 "_transport", "_lease", "_closed", "_cai_taken", "_use", "_fast_ok", "_fast", "_finalizer",
+                 "__weakref__")
+
     share: Share
     path: PathName
     why: str
@@ -188,7 +199,7 @@ class View:
         self._target = target
         self._mapped = mapped
         self._transport = transport
-        self._lease: list = []
+        self._lease: list | tuple = [] if use is None else _NO_LEASE
         self._closed = False
         self._cai_taken = False
         if use is not None:

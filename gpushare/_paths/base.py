@@ -72,7 +72,7 @@ class Grant:
     parts: list | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Opened:
     """An importer's side of an open path: a mapping or a transport (or, for
     same-process, the exporter's own object)."""
