@@ -19,6 +19,7 @@ from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError
 from ._exporter import Export, get_exporter, new_ids, track_auto
 from ._offering import device_ordinal, memory_of
+from ._paths import cuda_ipc
 from ._paths.broker import release_registrations
 from ._share import PATHS, SHARE_FORMAT, Share, node_key
 
@@ -61,15 +62,18 @@ class _Tensor:
 class _Allocation:
     """One part: the object the paths serve, and its span."""
 
-    __slots__ = ("obj", "address", "nbytes", "memory_type", "device", "readonly", "key")
+    __slots__ = ("obj", "address", "nbytes", "memory_type", "device", "readonly", "key", "hull")
 
     def __init__(self, obj: Any, address: int, nbytes: int, memory_type: str, device: Any, readonly: bool,
-                 by_span: bool = False) -> None:
+                 by_span: bool = False, hull: bool = False) -> None:
         self.obj, self.address, self.nbytes = obj, address, nbytes
         self.memory_type, self.device, self.readonly = memory_type, device, readonly
         # tensors with the same key lie in one allocation: the same object, or (a torch
-        # storage, a tensor's own memory) the same bytes
+        # storage, a CUDA allocation, a tensor's own memory) the same bytes
         self.key = (memory_type, device, address, nbytes) if by_span else (id(obj),)
+        #: a CUDA allocation of another allocator (CuPy's pool, cudaMalloc): once every
+        #: tensor is placed, it shrinks to their span, and ``obj`` is made over that
+        self.hull = hull
 
 
 def _flatten(node: Any, leaves: list[Any], depth: int) -> tuple[Any, list]:
@@ -141,7 +145,40 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
         start = int(store.data_ptr())
         if store.nbytes() and start <= t.address and t.address + t.nbytes <= start + store.nbytes():
             return _Allocation(whole, start, store.nbytes(), t.memory_type, t.device, False, by_span=True)
+    if t.memory_type == "cuda" and isinstance(t.device, int):
+        # Memory of CuPy's pool, cudaMalloc or an exportable pool: the tensors in one
+        # allocation are one part (CUDA IPC exports the whole allocation anyway).
+        found_range = cuda_ipc.base_allocation(t.address, t.device)
+        if found_range is not None:
+            alloc = _Allocation(None, *found_range, "cuda", t.device, t.readonly, by_span=True, hull=True)
+            found.insert(0, alloc)
+            return alloc
     return _Allocation(t.span, t.address, t.nbytes, t.memory_type, t.device, t.readonly, by_span=True)
+
+
+def _shrink_hulls(objs: list[Any], columns: _manifest.Columns, allocations: list[_Allocation]) -> None:
+    """Each CUDA allocation of another allocator becomes the span of its
+    tensors (what ucx-rma exposes), their offsets counted from its start;
+    the part is a Buffer over that span that holds the tensors."""
+    hulls = {i: alloc for i, alloc in enumerate(allocations) if alloc.hull}
+    if not hulls:
+        return
+    lo = {i: alloc.nbytes for i, alloc in hulls.items()}
+    hi = dict.fromkeys(hulls, 0)
+    members: dict[int, list[Any]] = {i: [] for i in hulls}
+    for obj, part, offset, span in zip(objs, columns.part, columns.offset, columns.spans, strict=True):
+        if span and part in hulls:
+            lo[part], hi[part] = min(lo[part], offset), max(hi[part], offset + span)
+            members[part].append(obj)
+    for k, (part, offset, span) in enumerate(zip(columns.part, columns.offset, columns.spans, strict=True)):
+        if span and part in hulls:
+            columns.offset[k] = offset - lo[part]
+    from cuda.core import Buffer
+
+    for i, alloc in hulls.items():
+        alloc.address += lo[i]
+        alloc.nbytes = hi[i] - lo[i]
+        alloc.obj = Buffer.from_handle(alloc.address, alloc.nbytes, owner=tuple(members[i]))
 
 
 def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
@@ -208,6 +245,7 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
         col_dtype.append(dtype)
         col_ndim.append(len(shape))
         col_dims(shape)
+    _shrink_hulls(objs, columns, allocations)
     return columns, allocations
 
 

@@ -146,3 +146,56 @@ def test_a_bundle_of_cuda_tensors_over_ucx_rma_gets_and_puts_in_one_batch(spawn)
     assert exporter.call("read", "buf", 2 * MiB - 4104, 8) == pool[2 * MiB - 4104:2 * MiB - 4096]  # not past it
     assert exporter.call("read", "leg", 0, 8192) == b"\x70" * 8192
     importer.call("close_bundle", "v")
+
+
+def test_a_bundle_of_exportable_pool_memory_goes_over_the_pools_own_export(spawn):
+    """Tensors in memory of an IPC-enabled stream-ordered pool (cuda.core's
+    DeviceMemoryResource) go over cuda-ipc with the pool's own export, one
+    offer for the pool allocation they share."""
+    exporter, importer = spawn(), spawn()
+    exporter.call("ipc_pool_alloc", "blk", 64 << 10, 4096, 0x3C)
+    exporter.call("write", "blk", 8192, _pattern(4096, 2))
+    exporter.call("slice_array", "p", "blk", 0, (1024,), "<f4")
+    exporter.call("slice_array", "q", "blk", 8192, (16, 64), "<i4")
+    share = exporter.call("export_tree", "bundle", {"p": "p", "q": "q"})
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("cuda-ipc",) and opened["count"] == 2, opened  # one pool allocation
+    got = importer.call("bundle_get", "v")
+    assert got["p"] == ("CudaArray", (1024,), "<f4", b"\x3c" * 4096)
+    assert got["q"] == ("CudaArray", (16, 64), "<i4", _pattern(4096, 2))
+    importer.call("bundle_put", "v", {"p": b"\x01" * 4096})
+    assert exporter.call("read", "blk", 0, 4096) == b"\x01" * 4096
+    importer.call("close_bundle", "v")
+    assert importer.call("ipc_handles") == 0
+
+
+def test_tensors_of_one_cudamalloc_block_are_one_offer_of_their_span(spawn):
+    """CuPy's pool and torch's caching allocator hand out parts of
+    cudaMalloc blocks: tensors in one block are one allocation of the
+    bundle, one CUDA IPC handle, and the part is the span from the first
+    tensor to the end of the last (what a ucx-rma region would expose)."""
+    exporter, importer = spawn(), spawn()
+    exporter.call("legacy_alloc", "chunk", 1 << 20, 0x11)
+    exporter.call("write", "chunk", 65536, _pattern(8192, 4))
+    exporter.call("slice_array", "a", "chunk", 4096, (1024,), "<f4")  # bytes 4096..8192
+    exporter.call("slice_array", "b", "chunk", 65536, (2048,), "<f4")  # bytes 65536..73728
+    exporter.call("legacy_alloc", "other", 8192, 0x22)
+    share = exporter.call("export_tree", "bundle", {"a": "a", "b": "b", "c": "other"})
+    assert [p.nbytes for p in share._bundle.parts] == [73728 - 4096, 8192]
+    opened = importer.call("open_bundle", "v", share)
+    assert opened["paths"] == ("cuda-ipc", "cuda-ipc") and opened["count"] == 3
+    assert importer.call("ipc_handles") == 2  # one per cudaMalloc block
+    got = importer.call("bundle_get", "v")
+    assert got["a"] == ("CudaArray", (1024,), "<f4", b"\x11" * 4096)
+    assert got["b"] == ("CudaArray", (2048,), "<f4", _pattern(8192, 4))
+    assert got["c"][3] == b"\x22" * 8192
+    importer.call("bundle_put", "v", {"b": b"\x33" * 8192})
+    assert exporter.call("read", "chunk", 65536, 8192) == b"\x33" * 8192
+    assert exporter.call("read", "chunk", 65536 - 8, 8) == b"\x11" * 8  # the bytes before it untouched
+    importer.call("close_bundle", "v")
+    assert importer.call("ipc_handles") == 0
+    # over ucx-rma the first block's region is the tensors' span, not the whole 1 MiB block
+    opened = importer.call("open_bundle", "w", share, {"prefer": ["ucx-rma"]})
+    assert opened["paths"] == ("ucx-rma", "ucx-rma")
+    assert importer.call("bundle_get", "w")["b"][3] == b"\x33" * 8192
+    importer.call("close_bundle", "w")

@@ -49,7 +49,7 @@ from .base import (
 )
 from .broker import fetch_fds, node_identity
 
-__all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count"]
+__all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count", "base_allocation"]
 
 _lock = threading.Lock()
 #: (exporter pid, handle bytes, device) -> [base pointer, mapped size, users]
@@ -85,6 +85,25 @@ def _pointer_and_size(obj: Any) -> tuple[int, int]:
         f"cannot export {type(obj).__name__}: expected a cuda.core Buffer or an object "
         "with __cuda_array_interface__"
     )
+
+
+def base_allocation(ptr: int, device: int) -> tuple[int, int] | None:
+    """(base, size) of the allocation CUDA IPC exports for CUDA memory at
+    ``ptr`` on ``device``: the ``cudaMalloc`` block (a CuPy pool chunk,
+    a torch caching-allocator segment) or the pool allocation; None for
+    memory it cannot export (virtual memory not from gpushare.allocate)."""
+    drv = _driver.driver()
+    attrs = drv.CUpointer_attribute
+    with _driver.on_device(device):
+        capable = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+                                "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
+        if not int(capable):
+            pool = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
+                                 "cuPointerGetAttribute(MEMPOOL_HANDLE)")
+            if pool is None or not int(pool):
+                return None
+        base, size = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    return int(base), int(size)
 
 
 def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
