@@ -87,21 +87,29 @@ def _pointer_and_size(obj: Any) -> tuple[int, int]:
     )
 
 
+def _ipc_kind(drv: Any, ptr: int) -> Any:
+    """How CUDA IPC exports the memory at ``ptr`` (its device's context
+    current): True through legacy IPC, a pool handle through that pool's
+    own export, None not at all (virtual memory not from gpushare.allocate)."""
+    attrs = drv.CUpointer_attribute
+    capable = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
+                            "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
+    if int(capable):
+        return True
+    pool = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
+                         "cuPointerGetAttribute(MEMPOOL_HANDLE)")
+    return pool if pool is not None and int(pool) else None
+
+
 def base_allocation(ptr: int, device: int) -> tuple[int, int] | None:
     """(base, size) of the allocation CUDA IPC exports for CUDA memory at
     ``ptr`` on ``device``: the ``cudaMalloc`` block (a CuPy pool chunk,
     a torch caching-allocator segment) or the pool allocation; None for
     memory it cannot export (virtual memory not from gpushare.allocate)."""
     drv = _driver.driver()
-    attrs = drv.CUpointer_attribute
     with _driver.on_device(device):
-        capable = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
-                                "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
-        if not int(capable):
-            pool = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
-                                 "cuPointerGetAttribute(MEMPOOL_HANDLE)")
-            if pool is None or not int(pool):
-                return None
+        if _ipc_kind(drv, ptr) is None:
+            return None
         base, size = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
     return int(base), int(size)
 
@@ -121,20 +129,16 @@ def export_ipc(obj: Any) -> CudaIpcBufferDescriptor:
     ptr, size = _pointer_and_size(obj)
     hint = getattr(obj, "device_id", None)
     ordinal = _driver.pointer_ordinal(ptr, hint if isinstance(hint, int) and hint >= 0 else None)
-    attrs = drv.CUpointer_attribute
     with _driver.on_device(ordinal):
-        capable = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr),
-                              "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)")
-        if not int(capable):
-            pool = _driver.check(drv.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr),
-                               "cuPointerGetAttribute(MEMPOOL_HANDLE)")
-            if pool is not None and int(pool):
-                return _export_pool(drv, pool, ptr, size, ordinal)
+        kind = _ipc_kind(drv, ptr)
+        if kind is None:
             raise UnsupportedError(
                 "legacy CUDA IPC cannot export this memory: it is CUDA virtual memory not from "
                 "gpushare.allocate; allocate it with gpushare.allocate(size, device=N) to share it on "
                 "this node, or share it over ucx-rma"
             )
+        if kind is not True:
+            return _export_pool(drv, kind, ptr, size, ordinal)
         base, base_size = _driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
         handle = _driver.check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
     return CudaIpcBufferDescriptor._from_fields(
