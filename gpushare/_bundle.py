@@ -579,14 +579,16 @@ def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[in
     instead: (destination address, source address, bytes, and the two
     arrays, held while the copy waits) to copy once the batch is in."""
     m = s.manifest
-    strided = m.strided()
+    strided, spans = m.strided(), m.span_list()
+    ndarray = np.ndarray
     np_dests = []
     for i, buf in pairs:
-        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and (
-                i not in strided and buf.nbytes <= m.span(i)):
-            np_dests.append((i, buf))
-        else:
-            items.append((s.view(i), 0, buf))
+        if type(buf) is ndarray:
+            flags = buf.flags
+            if flags.c_contiguous and flags.writeable and buf.nbytes <= spans[i] and i not in strided:
+                np_dests.append((i, buf))
+                continue
+        items.append((s.view(i), 0, buf))
     found = _spans(s, [i for i, _ in np_dests], items)
     address_of = host_address_reader()
     after = []

@@ -128,6 +128,10 @@ class Manifest:
         """The bytes leaf ``i`` spans in its part."""
         return self._spans[i]
 
+    def span_list(self) -> list[int]:
+        """Every leaf's :meth:`span`, by leaf (for reading many one at a time)."""
+        return self._spans
+
     def alike(self, leaves: np.ndarray) -> np.ndarray:
         """For each two leaves one after the other in ``leaves``: whether
         they are of one dtype and one shape of 1 to 4 dimensions, neither
