@@ -179,16 +179,18 @@ def test_tensors_of_one_cudamalloc_block_are_one_offer_of_their_span(spawn):
     exporter.call("write", "chunk", 65536, _pattern(8192, 4))
     exporter.call("slice_array", "a", "chunk", 4096, (1024,), "<f4")  # bytes 4096..8192
     exporter.call("slice_array", "b", "chunk", 65536, (2048,), "<f4")  # bytes 65536..73728
+    exporter.call("slice_array", "z", "chunk", 512, (0,), "<f4")  # empty: in no allocation
     exporter.call("legacy_alloc", "other", 8192, 0x22)
-    share = exporter.call("export_tree", "bundle", {"a": "a", "b": "b", "c": "other"})
+    share = exporter.call("export_tree", "bundle", {"a": "a", "b": "b", "c": "other", "z": "z"})
     assert [p.nbytes for p in share._bundle.parts] == [73728 - 4096, 8192]
     opened = importer.call("open_bundle", "v", share)
-    assert opened["paths"] == ("cuda-ipc", "cuda-ipc") and opened["count"] == 3
+    assert opened["paths"] == ("cuda-ipc", "cuda-ipc") and opened["count"] == 4
     assert importer.call("ipc_handles") == 2  # one per cudaMalloc block
     got = importer.call("bundle_get", "v")
     assert got["a"] == ("CudaArray", (1024,), "<f4", b"\x11" * 4096)
     assert got["b"] == ("CudaArray", (2048,), "<f4", _pattern(8192, 4))
     assert got["c"][3] == b"\x22" * 8192
+    assert got["z"][1:] == ((0,), "<f4", b"")
     importer.call("bundle_put", "v", {"b": b"\x33" * 8192})
     assert exporter.call("read", "chunk", 65536, 8192) == b"\x33" * 8192
     assert exporter.call("read", "chunk", 65536 - 8, 8) == b"\x11" * 8  # the bytes before it untouched
