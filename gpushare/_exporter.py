@@ -101,6 +101,8 @@ class Export:
     #: (ucx-rma: the share's region in this process's region server, made on
     #: the first ucx-rma open; every lease over it holds a key of its own).
     state: dict[str, Any] = field(default_factory=dict)
+    #: Each path's grant payload, made on its first open (:func:`gpushare._paths.base.descriptor_payload`).
+    payloads: dict[str, Any] = field(default_factory=dict)
     #: A bundle's allocations, each an export of its own that only the
     #: bundle's leases reach (None: a share of one buffer); and the digest
     #: of its manifest, which an open must name.

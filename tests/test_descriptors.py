@@ -367,3 +367,24 @@ def test_unpickling_anything_gives_a_descriptor_or_value_error(kind, picks, nois
         return
     assert d.handle_type == kind
     assert roundtrip(d) == d
+
+
+def test_a_descriptor_seen_before_is_validated_again_when_its_types_differ():
+    """The importer rebuilds a further open's descriptor from fields it has
+    seen once; fields that are equal but not of the same types (True for
+    1) are validated anew, and refused as before."""
+    import gpushare as gs
+    from gpushare._paths import base
+
+    buf = gs.allocate(4096, device="host")
+    desc = gs.export_buffer(buf)
+    fields = (desc.handle_type, *desc._fields())
+    assert base._rebuilt(fields) == desc
+    assert base._rebuilt(fields) is base._rebuilt(fields)  # seen: validated once
+    forged = (fields[0], True, *fields[2:])  # the format version as a bool
+    assert forged == fields
+    with pytest.raises(gs.InvalidInputError):
+        base._rebuilt(forged)
+    with pytest.raises(gs.InvalidInputError):
+        base._rebuilt((fields[0], [1], *fields[2:]))  # unhashable: refused, not cached
+    buf.close()

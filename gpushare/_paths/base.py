@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import _control
 from .._buffers import LocalBuffer
 from .._descriptors import _rebuild
 from .._errors import InvalidInputError
@@ -173,7 +174,7 @@ def descriptor_of(share: Share, payload: dict, kinds: tuple[type, ...]) -> Any:
     fields = payload.get("descriptor")
     if not isinstance(fields, tuple) or not fields:
         raise InvalidInputError("exporter sent a malformed descriptor")
-    desc = _rebuild(*fields)
+    desc = _rebuilt(fields)
     if not isinstance(desc, kinds):
         raise InvalidInputError(f"exporter sent a {type(desc).__name__} with a {payload.get('path', 'mapped')} offer")
     size = getattr(desc, "size", None)
@@ -184,9 +185,50 @@ def descriptor_of(share: Share, payload: dict, kinds: tuple[type, ...]) -> Any:
     return desc
 
 
+#: Descriptors rebuilt from an exporter's fields: fields -> (those fields, the descriptor).
+#: A further open of a share gets the same fields again.
+_rebuilt_from: dict[tuple, tuple[tuple, Any]] = {}
+_REBUILT_MAX = 256
+
+
+def _rebuilt(fields: tuple) -> Any:
+    """``_rebuild(*fields)``, validated once for fields seen before (the very
+    same values of the very same types: ``True`` is not ``1`` here)."""
+    try:
+        hit = _rebuilt_from.get(fields)
+    except TypeError:  # something unhashable: validated (and refused) below
+        hit = None
+    if hit is not None and _same(hit[0], fields):
+        return hit[1]
+    desc = _rebuild(*fields)
+    if hit is None:
+        if len(_rebuilt_from) >= _REBUILT_MAX:
+            _rebuilt_from.clear()
+        try:
+            _rebuilt_from[fields] = (fields, desc)
+        except TypeError:  # unhashable, yet valid: not remembered
+            pass
+    return desc
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and of the same type all the way down (tuples item by item)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
 def descriptor_payload(export: Any, name: str) -> dict:
-    desc = export.descriptors[name]
-    return {"descriptor": [desc.handle_type, *desc._fields()]}
+    """The payload of a grant of ``name``: the export's descriptor for it,
+    made once per export (a descriptor never changes), its bytes already
+    as the control channel writes them."""
+    made = export.payloads.get(name)
+    if made is None:
+        desc = export.descriptors[name]
+        made = export.payloads[name] = {"descriptor": _control.encode([desc.handle_type, *desc._fields()])}
+    return made
 
 
 def no_fds(name: str, fds: list[int]) -> None:
