@@ -211,13 +211,11 @@ def _rebuilt(fields: tuple) -> Any:
     return desc
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal, and of the same type all the way down (tuples item by item)."""
-    if type(a) is not type(b):
+def _same(a: tuple, b: tuple) -> bool:
+    """Equal tuples whose items are of the same types, nested tuples too."""
+    if a != b or list(map(type, a)) != list(map(type, b)):
         return False
-    if type(a) is tuple:
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+    return all(_same(x, y) for x, y in zip(a, b, strict=True) if type(x) is tuple)
 
 
 def descriptor_payload(export: Any, name: str) -> dict:
