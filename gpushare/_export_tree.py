@@ -112,8 +112,8 @@ def _flatten(node: Any, leaves: list[Any], depth: int) -> tuple[Any, list]:
 
 def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
     """The allocation ``t`` lies in: the one its offers name.  ``found``:
-    gpushare.allocate buffers found so far, most recent first (the next
-    tensor most likely lies in one of them)."""
+    gpushare.allocate buffers and CUDA blocks found so far, most recent
+    first (the next tensor most likely lies in one of them)."""
     for alloc in found:
         if (alloc.memory_type == t.memory_type and alloc.address <= t.address
                 and t.address + t.nbytes <= alloc.address + alloc.nbytes):

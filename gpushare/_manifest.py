@@ -124,12 +124,8 @@ class Manifest:
         """Leaf ``i``'s dtype, as an index into :meth:`dtypes`."""
         return self._columns[2][i]
 
-    def span(self, i: int) -> int:
-        """The bytes leaf ``i`` spans in its part."""
-        return self._spans[i]
-
     def span_list(self) -> list[int]:
-        """Every leaf's :meth:`span`, by leaf (for reading many one at a time)."""
+        """The bytes each leaf spans in its part, by leaf (a list, for reading many one at a time)."""
         return self._spans
 
     def alike(self, leaves: np.ndarray) -> np.ndarray:

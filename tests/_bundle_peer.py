@@ -15,6 +15,25 @@ def setup() -> dict:
     return {"_handlers": HANDLERS, "bundles": {}, "_reply": {"pid": os.getpid()}}
 
 
+def cuda_sums(share: Any, framework: str) -> tuple[tuple[str, ...], dict[str, float]]:
+    """In a worker process: open a bundle of CUDA tensors and sum each one
+    zero-copy with ``framework`` ("cupy" or "torch"): (its paths, the sums)."""
+    import gpushare as gs
+
+    if framework == "cupy":
+        import cupy
+
+        def as_array(v: Any) -> Any:
+            return cupy.asarray(v)
+    else:
+        import torch
+
+        def as_array(v: Any) -> Any:
+            return torch.from_dlpack(v)
+    with gs.open(share) as bundle:
+        return bundle.paths, {k: float(as_array(v).sum()) for k, v in bundle.items()}
+
+
 def memfd_mappings() -> int:
     """Mappings of memfds in this process (host-fd maps one per memfd)."""
     with open("/proc/self/maps") as f:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
+from _bundle_peer import cuda_sums
 from _procs import Child
 
 
@@ -76,15 +77,6 @@ def test_arena_refuses_bad_arguments_and_use_after_close():
         gs.Arena(device=0).cupy_malloc(16)
 
 
-def _cupy_reader(share):
-    import cupy
-
-    import gpushare as gs
-
-    with gs.open(share) as bundle:
-        return bundle.paths, {k: float(cupy.asarray(v).sum()) for k, v in bundle.items()}
-
-
 @pytest.mark.gpu
 @pytest.mark.kernels
 def test_cupy_arrays_from_the_arena_allocator_share_one_offer():
@@ -98,5 +90,5 @@ def test_cupy_arrays_from_the_arena_allocator_share_one_offer():
     share = gs.export(state)
     assert len(share._bundle.parts) == 1 and "posix-fd" in share._bundle.parts[0].offers
     with mp.get_context("spawn").Pool(1) as workers:
-        paths, sums = workers.apply(_cupy_reader, (share,))
+        paths, sums = workers.apply(cuda_sums, (share, "cupy"))
     assert paths == ("posix-fd",) and sums == {f"w{i}": 256.0 * 256 * i for i in range(8)}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _bundle_peer import cuda_sums
 
 try:  # torch is optional; imported before UCX loads (see docs/ucx.md)
     import torch
@@ -69,14 +70,6 @@ def test_importing_gpushare_imports_no_torch_and_loads_no_allocator_library():
     assert r.stdout.split() == ["False", "False"]
 
 
-def _torch_reader(share):
-    import gpushare as gs
-    import torch
-
-    with gs.open(share) as bundle:
-        return bundle.paths, {k: float(torch.from_dlpack(v).sum()) for k, v in bundle.items()}
-
-
 @pytest.mark.gpu
 @pytest.mark.kernels
 def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
@@ -99,7 +92,7 @@ def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
     parts = share._bundle.parts
     assert len(parts) <= 2 and all("posix-fd" in p.offers for p in parts)  # 32 tensors, one chunk (two at most)
     with mp.get_context("spawn").Pool(1) as workers:
-        paths, sums = workers.apply(_torch_reader, (share,))
+        paths, sums = workers.apply(cuda_sums, (share, "torch"))
     assert set(paths) == {"posix-fd"} and sums == {f"layers.{i}.w": 256.0 * 256 * i for i in range(32)}
     share.revoke()
     one.revoke()
