@@ -199,6 +199,7 @@ _BY_GS_STATUS: dict[str, type[GpuShareError]] = {
     "GS_ERR_CLOSED": ClosedError,
     "GS_ERR_BAD_REQUEST": InvalidInputError,
     "GS_ERR_BAD_REPLY": InvalidInputError,
+    "GS_ERR_FORKED": UnsupportedError,  # UCX in a child forked after its parent started UCX
 }
 
 

@@ -15,6 +15,7 @@ from ._exporter import registered
 from ._paths import cma, ucx_rma
 from ._paths.base import exporter_exited
 from ._share import Share, node_key
+from ._ucx import _loader
 
 __all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason"]
 
@@ -35,7 +36,8 @@ def here_for(share: Share) -> _paths.Here:
     cma_reason = cma.available() if near and cma.PATH.name in share.offers else None
     here = os.getpid()
     exported = share.exporter_pid == here and near and registered(share) is not None
-    return _paths.Here(node, here, exported, cuda_reason, cliques, fabric_reason, cma_reason)
+    ucx_reason = _loader.refusal() if ucx_rma.PATH.name in share.offers else None
+    return _paths.Here(node, here, exported, cuda_reason, cliques, fabric_reason, cma_reason, ucx_reason)
 
 
 def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:

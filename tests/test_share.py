@@ -410,6 +410,9 @@ def test_views_refuse_use_after_fork_and_the_child_starts_fresh(how, path):
                         out = bytearray(8)
                         again.get(out)
                         code = 0 if out == bytes(range(8)) else 4
+                        # UCX does not survive fork: the child goes over cma and says why
+                        if path == "ucx-rma" and (again.path != "cma" or "forked from" not in again.why):
+                            code = 5
             except BaseException:
                 code = 3
             os._exit(code)

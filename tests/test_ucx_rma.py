@@ -575,6 +575,14 @@ def test_agent_refuses_use_after_fork(peer):
                 code = 3
             finally:
                 a.close()  # must not touch the parent's UCX state or hang
+            if code == 0:  # nor does a new agent start UCX here: it would hang
+                try:
+                    ucx.Agent()
+                    code = 4
+                except gpushare.UnsupportedError as exc:
+                    code = 0 if f"forked from process {os.getppid()}" in str(exc) else 5
+                except BaseException:
+                    code = 6
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0

@@ -35,6 +35,8 @@ class Here:
     fabric_reason: str | None = None
     #: Why this process cannot use cross-memory attach, or None.
     cma_reason: str | None = None
+    #: Why this process cannot start UCX (forked after its parent did), or None.
+    ucx_reason: str | None = None
 
 
 @dataclass

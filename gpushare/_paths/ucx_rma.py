@@ -57,7 +57,7 @@ class UcxRma:
         return None
 
     def unavailable(self, share: Any, here: Here) -> str | None:
-        return None
+        return here.ucx_reason
 
     def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)

@@ -8,6 +8,7 @@ import functools
 import os
 import socket
 import struct
+import sys
 import types
 from typing import Any
 
@@ -167,6 +168,16 @@ def native() -> types.ModuleType:
     from . import _native
 
     return _native
+
+
+def refusal() -> str | None:
+    """Why UCX cannot start in this process, or None: it was forked from a
+    process that had started UCX, whose state of the whole process does not
+    survive fork (making an Agent or the region server's worker here raises
+    :class:`UnsupportedError` with this message).  Loads nothing: a process
+    whose ancestors never loaded the native module has not started UCX."""
+    mod = sys.modules.get(__package__ + "._native")
+    return (mod.ucx_refusal() or None) if mod is not None else None
 
 
 def keep_forever(obj: Any) -> None:

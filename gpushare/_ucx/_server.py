@@ -406,7 +406,8 @@ class Server:
 
 
 def server() -> Server:
-    """This process's :class:`Server`, made on first use (again in a forked child)."""
+    """This process's :class:`Server`, made on first use (in a forked child, anew, or
+    :class:`UnsupportedError` where the parent had started UCX)."""
     return Server._make(_NODE.get())
 
 
@@ -711,7 +712,8 @@ class Client:
 
 
 def client() -> Client:
-    """This process's :class:`Client`, made on first use (again in a forked child)."""
+    """This process's :class:`Client`, made on first use (in a forked child, anew, or
+    :class:`UnsupportedError` where the parent had started UCX)."""
     return Client._make(_NODE.get())
 
 

@@ -11,6 +11,7 @@
 
 #include <dlfcn.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdarg>
@@ -261,8 +262,13 @@ class PinnedBuffer {
   bool readonly() const { return held && view.readonly != 0; }
 };
 
-// Before any ucp_init in this process: send UCX's log to stderr and resolve
-// libucm's lookups (see rma.cpp).  Called by the Agent and the Node.
+// Before any ucp_init in this process: refuse in a process forked from one
+// that started UCX (see rma.cpp), send UCX's log to stderr and resolve
+// libucm's lookups.  Called by the Agent and the Node.
 void beforeUcpInit();
+
+// Why UCX cannot start in this process (it was forked from one that had
+// started UCX), or an empty string.
+std::string ucxRefusal();
 
 }  // namespace gpushare::native

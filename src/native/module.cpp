@@ -66,6 +66,8 @@ NB_MODULE(_native, m)
   m.def("remote_key_problem", &remoteKeyProblem, "blob"_a,
         "What is wrong with the layout of a serialized remote key; empty when nothing is.");
   m.def("quarantine", &quarantine, "address"_a, "length"_a);
+  m.def("ucx_refusal", &ucxRefusal,
+        "Why UCX cannot start in this process (forked after its parent started UCX); empty when it can.");
 
   nb::class_<PinnedBuffer>(m, "PinnedBuffer")
     .def(nb::init<nb::handle, bool>(), "obj"_a, "writable"_a)

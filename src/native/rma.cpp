@@ -293,8 +293,33 @@ static void resolveUcmOriginals()
   });
 }
 
+// UCX keeps state of the whole process that fork does not reset: one
+// asynchronous-event thread serves every worker, found through a global
+// counter and pointer, with its epoll set and its lock.  A forked child
+// inherits the counter, the pointer and the epoll set but not the thread: a
+// context made there adds its sockets to the parent's epoll set, whose
+// events the parent's thread then handles with the parent's descriptors,
+// and the child's own events are never handled (connections stall for
+// good), or it waits for ever on a lock a parent's thread held at the fork.
+// So a process forked after its parent (or an ancestor) started UCX never
+// starts it; the process that did is remembered here, and fork copies it.
+static std::atomic<pid_t> ucxStartedBy{0};
+
+std::string ucxRefusal()
+{
+  pid_t by = ucxStartedBy.load(std::memory_order_relaxed);
+  if (by == 0 || by == getpid()) return {};
+  return "UCX cannot start in this process: it was forked from process " + std::to_string(by) +
+         " after that process had started UCX, and UCX's state of the whole process (its event thread, "
+         "its locks) does not survive fork. Start the child with the 'spawn' or 'forkserver' start method, "
+         "or fork before the parent first uses UCX";
+}
+
 void beforeUcpInit()
 {
+  std::string refusal = ucxRefusal();
+  if (!refusal.empty()) throw NativeError("GS_ERR_FORKED", refusal);
+  ucxStartedBy.store(getpid(), std::memory_order_relaxed);
   logToStderr();
   resolveUcmOriginals();
 }
