@@ -30,7 +30,7 @@ from ._importer import get_importer
 from ._offering import PathList
 from ._open_tree import open_tree
 from ._paths import same_process, ucx_rma
-from ._reach import addresses_for, choose, here_for, raise_refusal, slow_reason, unreachable
+from ._reach import MESSAGE_CHARS, addresses_for, choose, here_for, raise_refusal, slow_reason, unreachable
 from ._share import BundleShare, Share, altered
 from ._view import View
 
@@ -164,7 +164,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
                 raise ExporterUnreachableError(unreachable(share, str(exc))) from None
             if lease is None:
                 if reply.get("code") == "path":
-                    failures.append(f"{path} failed: {str(reply.get('message'))[:200]}")
+                    failures.append(f"{path} failed: {str(reply.get('message'))[:MESSAGE_CHARS]}")
                     log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
                     continue
                 raise_refusal(reply)

@@ -32,7 +32,7 @@ from ._errors import (
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
 from ._paths import same_process, ucx_rma
-from ._reach import addresses_for, choose, raise_refusal, slow_reason, unreachable
+from ._reach import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
 from ._share import Share, node_key
 
 __all__ = ["open_tree"]
@@ -104,7 +104,7 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
     said = {"device": share.device, "nbytes": share.nbytes, "offset": share.offset, "readonly": share.readonly}
 
     def next_path(i: int, why: str) -> None:
-        failures[i].append(f"{orders[i][picks[i]]} failed: {why[:200]}")
+        failures[i].append(f"{orders[i][picks[i]]} failed: {why[:MESSAGE_CHARS]}")
         log.info("bundle %s allocation %d: %s; trying the next path", share.share_id[:8], i, failures[i][-1])
         picks[i] += 1
         if picks[i] >= len(orders[i]):

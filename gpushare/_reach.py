@@ -17,7 +17,7 @@ from ._paths.base import exporter_exited
 from ._share import Share, node_key
 from ._ucx import _loader
 
-__all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason"]
+__all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason", "MESSAGE_CHARS"]
 
 
 def here_for(share: Share) -> _paths.Here:
@@ -103,8 +103,13 @@ def slow_reason(share: Share, path: str, failures: list[str], left_out: list[str
     return None
 
 
+#: How much of an exporter's message a refusal or a path's failure keeps
+#: (an exporter is untrusted: what it says is bounded).
+MESSAGE_CHARS = 300
+
+
 def raise_refusal(reply: dict) -> None:
-    code, message = reply.get("code"), str(reply.get("message", ""))[:300]
+    code, message = reply.get("code"), str(reply.get("message", ""))[:MESSAGE_CHARS]
     if code == "denied":
         raise AccessDeniedError(f"exporter refused: {message}")
     if code in ("revoked", "retired", "exhausted", "unknown"):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -157,3 +159,56 @@ def test_a_child_forked_before_its_parent_used_ucx_starts_ucx():
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "True"], r.stdout + r.stderr
+
+
+def test_an_exporter_forked_after_its_parent_started_ucx_refuses_ucx_rma_and_says_why(monkeypatch):
+    monkeypatch.setenv("GPUSHARE_AUTHKEY", os.urandom(16).hex())  # this process and the forked exporter
+    from gpushare import _ucx
+
+    _ucx.server()  # this process has started UCX (the suite's earlier tests may have too)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the forked exporter; killed by the parent
+        try:
+            os.close(r)
+            src = np.arange(256, dtype=np.uint8)
+            os.write(w, gs.export(src, lifetime="revoked").to_bytes().hex().encode() + b"\n")
+            os.close(w)
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as pipe:
+            share = gs.Share.from_bytes(bytes.fromhex(pipe.readline().strip()))
+        assert "ucx-rma" in share.offers
+        importer = subprocess.run([sys.executable, "-c", _ASK_UCX, share.to_bytes().hex()], capture_output=True,
+                                  text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert importer.returncode == 0, importer.stderr
+        path, why, refused = importer.stdout.splitlines()
+        # ucx-rma asked first, refused by the exporter with the whole reason; cma serves the right bytes
+        assert path == "cma 0 1 2 3", importer.stdout
+        said = f"exporter cannot serve ucx-rma: UCX cannot start in this process: it was forked from process {os.getpid()}"
+        assert said in why and "fork first)" in why, why
+        assert refused.startswith("GpuShareError every path failed") and said in refused, refused
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+#: An importer of its own (UCX fresh): asks for ucx-rma first, then with cma excluded.
+_ASK_UCX = r"""
+import sys
+import gpushare as gs
+share = gs.Share.from_bytes(bytes.fromhex(sys.argv[1]))
+with gs.open(share, prefer="ucx-rma") as view:
+    out = bytearray(4)
+    view.get(out)
+    print(view.path, *out)
+    print(view.why)
+try:
+    gs.open(share, prefer="ucx-rma", exclude="cma")
+    print("opened")
+except gs.GpuShareError as exc:
+    print(type(exc).__name__, exc)
+"""

@@ -309,10 +309,10 @@ std::string ucxRefusal()
 {
   pid_t by = ucxStartedBy.load(std::memory_order_relaxed);
   if (by == 0 || by == getpid()) return {};
+  // Short enough to travel whole in an exporter's refusal of a ucx-rma open.
   return "UCX cannot start in this process: it was forked from process " + std::to_string(by) +
-         " after that process had started UCX, and UCX's state of the whole process (its event thread, "
-         "its locks) does not survive fork. Start the child with the 'spawn' or 'forkserver' start method, "
-         "or fork before the parent first uses UCX";
+         " after that one started UCX, which does not survive fork (use the 'spawn' or 'forkserver' "
+         "start method, or fork first)";
 }
 
 void beforeUcpInit()
