@@ -24,6 +24,13 @@ import _share_peer
 COPIED = [pytest.param({}, "cma", id="cma"), pytest.param({"prefer": "ucx-rma"}, "ucx-rma", id="ucx-rma"),
           pytest.param({}, "host-fd", id="host-fd")]
 
+def _program(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``code`` as a program of its own (a fresh interpreter, this
+    process's environment and import path), its output captured."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+
 #: The importer: a program of its own (a forked child's sys.exit runs the
 #: interpreter's whole exit there, as in any program).
 _IMPORTER = r"""
@@ -67,9 +74,7 @@ def test_a_child_that_exits_with_sys_exit_leaves_the_parents_view_working(how, p
     src = gs.empty(64 * 1024, np.uint8) if path == "host-fd" else np.zeros(64 * 1024, np.uint8)
     src[:256] = np.arange(256)
     share = gs.export(src)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", _IMPORTER, share.to_bytes().hex(), json.dumps(how)],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = _program(_IMPORTER, share.to_bytes().hex(), json.dumps(how))
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["path"] == path and got["child"] == 0
@@ -117,8 +122,7 @@ print(os.waitstatus_to_exitcode(status), took, agent.address == agent.address, e
 
 
 def test_a_child_exiting_never_destroys_its_parents_ucx_agents():
-    r = subprocess.run([sys.executable, "-c", _AGENT_FORK], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    r = _program(_AGENT_FORK)
     assert r.returncode == 0, r.stderr
     code, took, works, closed = r.stdout.split()
     assert code == "0" and float(took) < 5 and works == "True" and closed == "False"
@@ -155,8 +159,7 @@ print(os.waitstatus_to_exitcode(status), round_trip() == b"fresh ucx")
 
 
 def test_a_child_forked_before_its_parent_used_ucx_starts_ucx():
-    r = subprocess.run([sys.executable, "-c", _FORK_FIRST], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    r = _program(_FORK_FIRST)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "True"], r.stdout + r.stderr
 
@@ -182,8 +185,7 @@ def test_an_exporter_forked_after_its_parent_started_ucx_refuses_ucx_rma_and_say
         with os.fdopen(r) as pipe:
             share = gs.Share.from_bytes(bytes.fromhex(pipe.readline().strip()))
         assert "ucx-rma" in share.offers
-        importer = subprocess.run([sys.executable, "-c", _ASK_UCX, share.to_bytes().hex()], capture_output=True,
-                                  text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        importer = _program(_ASK_UCX, share.to_bytes().hex())
         assert importer.returncode == 0, importer.stderr
         path, why, refused = importer.stdout.splitlines()
         # ucx-rma asked first, refused by the exporter with the whole reason; cma serves the right bytes
