@@ -171,8 +171,14 @@ class _Link(Protocol):
     def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
         """Send one request and wait for its reply, and the fds that came with it."""
         rid, waiter = self.submit(message)
+        conn, done = self.conn, waiter.event.is_set
+
+        def wait(seconds: float) -> bool:  # the reply read in this thread where no other thread does so
+            got = conn.read_until(done, seconds)
+            return waiter.event.wait(seconds) if got is None else got
+
         try:
-            answered = wait_alive(waiter.event.wait, Stopped(self.exporter_pid, self.key[1]), timeout)
+            answered = wait_alive(wait, Stopped(self.exporter_pid, self.key[1]), timeout)
         except ExporterUnreachableError:
             answered = False
             if waiter.reply is None:

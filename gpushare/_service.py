@@ -10,7 +10,11 @@ Every socket is non-blocking and every connection has its own read buffer,
 write queue and deadline: a silent or slow peer is dropped at its deadline
 and never delays another.  What a connection does with its bytes is its
 :class:`Protocol`'s business; protocol callbacks run in the service thread
-and must not block on the network.
+and must not block on the network.  A thread that waits for a reply may read
+its connection itself instead (:meth:`Connection.read_until`): the service
+thread stops watching that connection for reads meanwhile, so the reply
+reaches the waiting thread without waking another one; the callbacks then
+run in that thread, under the same per-connection read lock.
 
 The service starts on first use (an export, an open, a broker registration;
 never on ``import gpushare``), stops at interpreter exit, and is made anew in
@@ -26,6 +30,7 @@ import collections
 import heapq
 import itertools
 import os
+import select
 import selectors
 import socket
 import threading
@@ -45,6 +50,21 @@ MAX_FDS = 250
 #: until it holds _COALESCE_LIMIT bytes; larger ones are queued as they are.
 _COALESCE = 4096
 _COALESCE_LIMIT = 256 * 1024
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+#: What the epoll watches for a connection's wants (read, write: 1, 2).
+_EPOLL = (0, select.EPOLLIN, select.EPOLLOUT, select.EPOLLIN | select.EPOLLOUT)
+_NOT_OUT, _NOT_IN = ~select.EPOLLOUT, ~select.EPOLLIN
+#: Longest wait of a reading caller without looking whether the connection closed.
+_DIRECT_STEP = 0.1
+_local = threading.local()
+
+
+def _direct_buffer() -> memoryview:
+    """This thread's buffer for reading a connection itself."""
+    buf = getattr(_local, "into", None)
+    if buf is None:
+        buf = _local.into = memoryview(bytearray(64 * 1024))
+    return buf
 
 
 class Protocol:
@@ -94,6 +114,13 @@ class Connection:
         self._flushing = False
         self._writing = False
         self._close_when_sent = False
+        # Reads (``rbuf`` and the protocol's data_received) happen under
+        # ``_rlock``, in the service thread or in a thread that waits for a
+        # reply and reads it itself (:meth:`read_until`, one at a time:
+        # ``_claim``), while the service thread does not watch for reads.
+        self._rlock = threading.Lock()
+        self._claim = threading.Lock()
+        self._direct = False
         self.deadline = deadline
 
     @property
@@ -180,6 +207,45 @@ class Connection:
         """File descriptors queued with those bytes (held open until sent)."""
         return self._unsent_fds
 
+    def read_until(self, done: Callable[[], bool], timeout: float) -> bool | None:
+        """Read and handle this connection's bytes in the calling thread
+        (not the service thread) until ``done()`` is true or ``timeout``
+        seconds pass (False); the service thread does not read them
+        meanwhile, so the bytes a waiting caller wants reach it without
+        waking another thread.  None when another thread reads it so already
+        (or this is the service thread): wait for ``done`` some other way."""
+        if self.service.in_service_thread() or not self._claim.acquire(False):
+            return None
+        try:
+            self._direct = True
+            self.service._interest(self)
+            poller = select.poll()
+            poller.register(self.fileno, select.POLLIN)
+            into = _direct_buffer()
+            end = time.monotonic() + timeout
+            while not done():
+                left = end - time.monotonic()
+                if self.closed or left <= 0:
+                    return done()
+                # in steps: a close by another thread does not end a poll
+                if poller.poll(min(left, _DIRECT_STEP) * 1000.0):
+                    try:
+                        self._on_readable(into)
+                    except BaseException as exc:
+                        # A signal handler's exception (KeyboardInterrupt) cut
+                        # the read short: what was read may be lost, so the
+                        # stream is dropped, as a broken one, and every waiter hears it.
+                        self.close(exc)
+                        raise
+            return True
+        finally:
+            self._direct = False
+            self.service._interest(self)
+            self._claim.release()
+
+    def _events(self) -> int:
+        return (0 if self._direct else selectors.EVENT_READ) | (selectors.EVENT_WRITE if self._writing else 0)
+
     def close_when_sent(self) -> None:
         """Close once the queued bytes are sent."""
         with self._wlock:
@@ -236,7 +302,7 @@ class Connection:
 
     def _want_write(self) -> None:
         if not self.closed:
-            self.service._modify(self, selectors.EVENT_READ | selectors.EVENT_WRITE)
+            self.service._interest(self)
 
     def _on_writable(self) -> None:
         with self._wlock:
@@ -246,13 +312,18 @@ class Connection:
                 self._writing = False
             close = done and self._close_when_sent
         if done and not self.closed:
-            self.service._modify(self, selectors.EVENT_READ)
+            self.service._interest(self)
         if close:
             self.close()
 
-    def _on_readable(self) -> None:
+    def _on_readable(self, into: memoryview | None = None) -> None:
+        with self._rlock:
+            if not self.closed:
+                self._read(self.service._read_into if into is None else into)
+
+    def _read(self, into: memoryview) -> None:
+        """One read into ``into`` (the reading thread's buffer, copied out at once)."""
         fds: list[int] = []
-        into = self.service._read_into  # the service thread's one read buffer, copied out at once
         try:
             if self.protocol.wants_fds:
                 n, fds = _recv_fds(self.sock, into)
@@ -292,6 +363,11 @@ class Connection:
             return
         self._stop_serving()
         try:
+            if self._direct:  # a thread polls it: a close alone would not end that poll
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self.sock.close()
         except OSError:
             pass
@@ -318,11 +394,14 @@ class Service:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._selector = selectors.DefaultSelector()
+        self._epoll = select.epoll()
+        # Held to register, unregister or change what the epoll watches: a
+        # thread reading a connection itself changes it too (:meth:`_interest`).
+        self._reg_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._epoll.register(self._wake_r.fileno(), select.EPOLLIN)
         # What every connection reads into (in the service thread only): a
         # fresh buffer of this size per read would be mapped and unmapped each time.
         self._read_into = memoryview(bytearray(_READ_CHUNK))
@@ -385,7 +464,8 @@ class Service:
 
         def add() -> None:
             self._listeners[sock.fileno()] = (sock, on_accept)
-            self._selector.register(sock, selectors.EVENT_READ, sock.fileno())
+            with self._reg_lock:
+                self._epoll.register(sock.fileno(), select.EPOLLIN)
 
         self.run(add)
 
@@ -393,7 +473,8 @@ class Service:
         """Stop serving ``sock`` and close it."""
         def remove() -> None:
             if self._listeners.pop(sock.fileno(), None) is not None:
-                self._selector.unregister(sock)
+                with self._reg_lock:
+                    self._epoll.unregister(sock.fileno())
             sock.close()
 
         if not self._stopping:
@@ -431,7 +512,7 @@ class Service:
         self._listeners.clear()
         for s in (self._wake_r, self._wake_w):
             s.close()
-        self._selector.close()
+        self._epoll.close()
 
     def abandon(self) -> None:
         """In a forked child: close every inherited socket, touching nothing
@@ -448,7 +529,7 @@ class Service:
         for s in (self._wake_r, self._wake_w):
             s.close()
         try:
-            os.close(self._selector.fileno())
+            self._epoll.close()  # this process's reference only: nothing it watches changes
         except OSError:
             pass
         self._conns, self._listeners, self._calls = {}, {}, collections.deque()
@@ -460,33 +541,42 @@ class Service:
         if self._stopping:
             conn.close()
             return
-        self._conns[conn.fileno] = conn
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn._writing else 0)
-        self._selector.register(conn.sock, events, conn.fileno)
+        with self._reg_lock:
+            self._conns[conn.fileno] = conn
+            self._epoll.register(conn.fileno, _EPOLL[conn._events()])
         conn._on_readable()  # bytes may have arrived before it was registered
 
     def _forget(self, conn: Connection) -> None:
-        if self._conns.get(conn.fileno) is conn:
-            del self._conns[conn.fileno]
-            try:
-                self._selector.unregister(conn.sock)
-            except (KeyError, ValueError, OSError):
-                pass
+        with self._reg_lock:
+            if self._conns.get(conn.fileno) is conn:
+                del self._conns[conn.fileno]
+                try:
+                    self._epoll.unregister(conn.fileno)
+                except OSError:
+                    pass
 
-    def _modify(self, conn: Connection, events: int) -> None:
-        if self._conns.get(conn.fileno) is conn:
-            self._selector.modify(conn.sock, events, conn.fileno)
+    def _interest(self, conn: Connection) -> None:
+        """Watch ``conn`` for what it wants now (any thread): reads unless a
+        thread reads it itself, writes while bytes wait to be sent."""
+        with self._reg_lock:
+            if self._conns.get(conn.fileno) is conn and not conn.closed:
+                try:
+                    self._epoll.modify(conn.fileno, _EPOLL[conn._events()])
+                except (OSError, ValueError):
+                    pass  # the service stopped (at exit)
 
     def _run(self) -> None:
         while not self._stopping:
             timeout = self._next_timeout()
             try:
-                ready = self._selector.select(timeout)
+                ready = self._epoll.poll(-1 if timeout is None else timeout)
+            except InterruptedError:
+                continue
             except (OSError, ValueError):
                 return
-            for key, events in ready:
-                fd = key.data
-                if fd is None:
+            wake = self._wake_r.fileno()
+            for fd, mask in ready:
+                if fd == wake:
                     self._drain_wake()
                     continue
                 listener = self._listeners.get(fd)
@@ -495,16 +585,17 @@ class Service:
                     continue
                 conn = self._conns.get(fd)
                 if conn is not None:
-                    self._serve(conn, events)
+                    # as selectors reads epoll: a hang-up or an error is both readable and writable
+                    self._serve(conn, (_READ if mask & _NOT_OUT else 0) | (_WRITE if mask & _NOT_IN else 0))
             self._run_calls()
             self._run_timers()
             self._check_deadlines()
 
     def _serve(self, conn: Connection, events: int) -> None:
         try:
-            if events & selectors.EVENT_WRITE:
+            if events & _WRITE:
                 conn._on_writable()
-            if events & selectors.EVENT_READ and not conn.closed:
+            if events & _READ and not conn.closed and not conn._direct:
                 conn._on_readable()
         except Exception as exc:  # noqa: BLE001 - one connection never stops the service
             conn.close(exc)
