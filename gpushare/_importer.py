@@ -172,10 +172,9 @@ class _Link(Protocol):
         """Send one request and wait for its reply, and the fds that came with it."""
         rid, waiter = self.submit(message)
         conn, done = self.conn, waiter.event.is_set
-        assert conn is not None  # submit sent on it
 
         def wait(seconds: float | None) -> bool:  # the reply read in this thread where no other thread does so
-            got = None if seconds is None else conn.read_until(done, seconds)
+            got = None if seconds is None or conn is None else conn.read_until(done, seconds)
             return waiter.event.wait(seconds) if got is None else got
 
         try:

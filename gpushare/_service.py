@@ -244,7 +244,7 @@ class Connection:
             self._claim.release()
 
     def _events(self) -> int:
-        return (0 if self._direct else selectors.EVENT_READ) | (selectors.EVENT_WRITE if self._writing else 0)
+        return (0 if self._direct else _READ) | (_WRITE if self._writing else 0)
 
     def close_when_sent(self) -> None:
         """Close once the queued bytes are sent."""
