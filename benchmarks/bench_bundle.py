@@ -40,7 +40,10 @@ fit), as an allocator hands out tensors:
    collection the hand-over's own objects set off is timed.
 2. Opening: ``gs.open`` of the bundle alone (from the runs above); a further
    ``gs.open`` of a single small share (the connection made) next to
-   attaching a ``multiprocessing.shared_memory`` segment (the floor).
+   attaching a ``multiprocessing.shared_memory`` segment (the floor): of a
+   ``lifetime="revoked"`` share (each open reopens the view closed before
+   it, with no message: docs/lifetimes.md) and of an ``"auto"`` one (each
+   open a round trip to the exporter).
 3. Bytes per tensor of the pickled bundle share.
 4. Across two network namespaces (root and iproute2; one veth pair,
    198.18.7.1 and 198.18.7.2, deleted on the way out, also on an error or
@@ -591,6 +594,9 @@ def open_section(runner: Runner, results: dict, big: str, count: int, reps: int)
         single = runner.ask("single", pickle.dumps(share), reps)
     finally:
         share.revoke()
+    asking = gs.export(buf)  # "auto": a close can end it, so every open asks the exporter
+    asked = runner.ask("single", pickle.dumps(asking), reps)
+    del asking
     shm = shared_memory.SharedMemory(create=True, size=buf.nbytes)
     try:
         floor = runner.ask("shm", shm.name, buf.nbytes, reps)["usable"]
@@ -599,6 +605,8 @@ def open_section(runner: Runner, results: dict, big: str, count: int, reps: int)
         shm.unlink()
     print(f"  further gs.open of one 4 KiB share ({single['path']}, {reps} opens)      {_ms(single['open'], 3)}")
     print(f"  ... + np.asarray of it (usable)                          {_ms(single['usable'], 3)}")
+    print("    (lifetime='revoked': each reopens the closed view's kept lease and mapping, no message)")
+    print(f"  the same, lifetime='auto' (each open asks the exporter)  {_ms(asked['open'], 3)}")
     print(f"  shared_memory.SharedMemory(name) + np.ndarray (floor)    {_ms(floor, 3)}\n")
     bundle_open, one_open = statistics.median(opens), statistics.median(single["open"])
     first = f"gs.open of a {count:,}-tensor bundle <= 50 ms: {bundle_open * 1e3:.2f} ms  {_verdict(bundle_open <= 0.05)}"

@@ -27,7 +27,7 @@ __all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frame", "t
 
 MAX_FRAME = 64 * 1024
 #: The control protocol both ends speak; a ``hello`` names it.
-PROTOCOL = 3
+PROTOCOL = 4
 #: Seconds one exchange on the control channel may take.
 TIMEOUT = 10.0
 _LEN = struct.Struct("!I")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _auth, _control, _paths, _share
+from . import _auth, _control, _paths, _reopen, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._paths import cma
 from ._paths.broker import (
@@ -108,6 +108,9 @@ class Export:
     #: of its manifest, which an open must name.
     parts: list[Export] | None = None
     digest: bytes | None = None
+    #: (slot, epoch) on the exporter's state page, while importers may keep
+    #: closed views of it for a reopen (:mod:`gpushare._reopen`).
+    slot: tuple[int, int] | None = None
     #: Set by the exporter's registry: called once when the share's lifetime ends.
     on_end: Callable[[Export, str], None] | None = None
     # Re-entrant: releasing the last reference to the object (closing the
@@ -211,6 +214,9 @@ class Exporter:
         # open hears "revoked" rather than "no such share".  Bounded.
         self._ended: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
         self._sessions: set[_Session] = set()
+        #: The state page (:mod:`gpushare._reopen`): one fd for the process;
+        #: None where this kernel cannot make one (no view is kept then).
+        self._page = _reopen.make_page()
         self.messages = 0  # control messages served, for tests and benchmarks
         self._stopped = False
         self._service = get_service()
@@ -253,12 +259,35 @@ class Exporter:
             return self._exports.get(share_id)
 
     def _forget(self, export: Export, reason: str) -> None:
+        slot, export.slot = export.slot, None
+        if slot is not None and self._page is not None:
+            self._page.clear(slot[0])  # no importer reopens it from a kept view from now on
         with self._lock:
             if self._exports.get(export.share_id) is export:
                 del self._exports[export.share_id]
             self._ended[export.share_id] = (export.token, reason, export.policy)
             while len(self._ended) > MAX_ENDED:
                 self._ended.popitem(last=False)
+
+    def keep_slot(self, export: Export) -> tuple[int, int] | None:
+        """For an open of ``export`` that the importer may keep after its view
+        closes: the share's slot and epoch on the state page; None when the
+        page is full or cannot be made (in the service thread, the export's
+        lock held)."""
+        if self._page is None:
+            return None
+        if export.slot is None:
+            export.slot = self._page.assign()
+        return export.slot
+
+    def page_fd(self) -> int:
+        """A duplicate of the state page's fd (the caller owns it; after :meth:`keep_slot` gave a slot)."""
+        if self._page is None:
+            raise GpuShareError("the exporter has no state page")
+        try:
+            return self._page.give()
+        except OSError as exc:
+            raise GpuShareError(f"cannot duplicate the state page's fd: {exc.strerror}") from None
 
     def ended(self, share_id: str) -> tuple[bytes, str, Any] | None:
         with self._lock:
@@ -370,6 +399,7 @@ class _Session(Protocol):
         #: payload per message (each path at most once per counted import).
         self.retries: dict[str, list[Any]] = {}
         self._next_lease = 1
+        self.page_sent = False  # the state page went to this importer
 
     # -- protocol ---------------------------------------------------------
     def data_received(self, conn: Connection, fds: list[int]) -> None:
@@ -579,6 +609,9 @@ class _Session(Protocol):
             try:
                 lease = self._next_lease
                 reply = {"id": rid, "ok": True, "lease": lease, "payload": grant.payload}
+                page_fd = self._keep(export, path, reply)
+                if page_fd is not None:
+                    fds = [*fds, page_fd]
                 if fds:
                     reply["fds"] = len(fds)
                 frame = _control.pack(reply)
@@ -601,8 +634,28 @@ class _Session(Protocol):
         self.grants[lease] = grant
         conn.deadline = None
         conn.send(frame, fds)
+        if "page" in reply:
+            self.page_sent = True
         if log.isEnabledFor(logging.INFO):  # who the peer is costs a system call: asked only for the log
             log.info("share %s: lease opened over %s by %s", export.share_id[:8], path, _peer(conn))
+
+    def _keep(self, export: Export, path: Any, reply: dict) -> int | None:
+        """Let the importer keep this lease after its view closes, where
+        closing changes nothing here: a same-node importer, a share of one
+        buffer that lives until revoked, a path whose mapping holds the
+        memory (:mod:`gpushare._reopen`).  Adds ``keep`` to ``reply`` and
+        returns the state page's fd to send with it, the first time."""
+        if not (self.local and export.parts is None and export.policy == "revoked"
+                and _paths.by_name(path).reopens):
+            return None
+        got = self.exporter.keep_slot(export)
+        if got is None:
+            return None
+        reply["keep"] = list(got)
+        if self.page_sent:
+            return None
+        reply["page"] = True  # the last fd
+        return self.exporter.page_fd()
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _auth, _control
+from . import _auth, _control, _reopen
 from ._errors import (
     AccessDeniedError,
     ClosedError,
@@ -150,6 +151,8 @@ class _Link(Protocol):
         # so that a quick reopen costs no timer; it looks at ``_idle_at``.
         self._linger: Timer | None = None
         self._idle_at: float | None = None  # since when no lease or request is held (None: busy)
+        #: Closed views kept for a reopen, and the exporter's state page (:mod:`gpushare._reopen`).
+        self.kept = _reopen.Kept(importer.service.call_later, self._kept_due)
 
     # -- any thread ---------------------------------------------------------
     def submit(self, message: dict, keep: Any = None) -> tuple[int, _Waiter]:
@@ -215,14 +218,17 @@ class _Link(Protocol):
                 self._abandoned.add(rid)
                 self._maybe_linger()
 
-    def end_lease(self, lease: int, op: str) -> None:
-        """Tell the exporter a lease ended (``close``) or was not used (``failed``)."""
+    def end_lease(self, lease: int, op: str, closed_at: float | None = None) -> None:
+        """Tell the exporter a lease ended (``close``) or was not used
+        (``failed``); ``closed_at``: when its view closed, for a lease that
+        was kept (:mod:`gpushare._reopen`): the connection's linger counts
+        from then."""
         with self.lock:
             if lease not in self.leases:
                 return
             self.leases.discard(lease)
             conn = None if self.dead is not None else self.conn
-            self._maybe_linger()
+            self._maybe_linger(closed_at)
         if conn is not None:
             conn.send(_control.pack({"op": op, "lease": lease}))
 
@@ -230,14 +236,16 @@ class _Link(Protocol):
         """The connection is in use again (lock held): it is not idle."""
         self._idle_at = None
 
-    def _maybe_linger(self) -> None:
-        """Close the connection a while after its last lease and request (lock held)."""
+    def _maybe_linger(self, since: float | None = None) -> None:
+        """Close the connection a while after its last lease and request, or
+        after ``since`` (lock held)."""
         if self.leases or self.pending or self.dead is not None:
             return
         if self._idle_at is None:
-            self._idle_at = time.monotonic()
+            self._idle_at = time.monotonic() if since is None else since
         if self._linger is None:
-            self._linger = self.importer.service.call_later(IDLE_LINGER, self._idle)
+            self._linger = self.importer.service.call_later(
+                max(0.0, self._idle_at + IDLE_LINGER - time.monotonic()), self._idle)
 
     # -- service thread -------------------------------------------------------
     def _idle(self) -> None:
@@ -301,6 +309,8 @@ class _Link(Protocol):
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self._fds):
                 raise InvalidInputError(f"exporter pid {self.exporter_pid} announced fds it did not send")
             got, self._fds = self._fds[:count], self._fds[count:]
+            if message.get("page") is True and got:
+                self._take_page(got.pop())
             with self.lock:
                 waiter = self.pending.pop(rid, None)  # type: ignore[arg-type]
                 self._kept.pop(rid, None)  # type: ignore[arg-type]
@@ -325,6 +335,76 @@ class _Link(Protocol):
         if self._fds and not conn.rbuf:
             raise InvalidInputError(f"exporter pid {self.exporter_pid} sent fds with no reply")
 
+    def _take_page(self, fd: int) -> None:
+        """The exporter's state page, sent once (the fd is closed here).  One
+        that is not a sealed memfd of the page's size is not used: no view
+        of this exporter is kept then."""
+        try:
+            if self.kept.page is None:
+                self.kept.page = _reopen.PageReader(fd)
+        except (OSError, ValueError, GpuShareError):
+            pass
+        finally:
+            os.close(fd)
+
+    # -- kept views (any thread) -------------------------------------------
+    def keep(self, lease: Lease) -> bool:
+        """Keep ``lease`` (its view closed) and its mapping for a reopen;
+        False when it cannot be (the caller ends the lease)."""
+        use, key, keep = lease.use, lease.key, lease.keep
+        if key is None or keep is None:
+            return False
+        try:
+            use.acquire()
+        except GpuShareError:
+            return False  # unmapped already
+        with self.lock:
+            ok = self.dead is None and lease.id in self.leases and self.kept.page is not None
+            out = self.kept.put(key, lease, use, *keep) if ok else []
+        if not ok:
+            use.drop()
+        self._end_kept(out)
+        return ok
+
+    def reopen(self, key: tuple) -> tuple[Lease, Any] | None:
+        """The lease and mapping users of a kept view of ``key`` whose share
+        still lives (its exporter too), taken out; else None."""
+        with self.lock:
+            entry, ended = self.kept.take(key) if self.dead is None else (None, None)
+        if ended is not None:
+            self._end_kept([ended])
+        if entry is None:
+            return None
+        if self._hung_up():  # the exporter is gone, and the service thread has not heard yet
+            self._end_kept([entry])
+            return None
+        return entry[0], entry[1]
+
+    def _hung_up(self) -> bool:
+        conn = self.conn
+        if conn is None or conn.closed:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(conn.sock, select.POLLRDHUP)
+            return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                       for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def _end_kept(self, entries: list[tuple]) -> None:
+        """End kept views: their leases end and their mappings go (unless in use)."""
+        for entry in entries:
+            lease, use = entry[0], entry[1]
+            self.end_lease(lease.id, "close", entry[4])
+            use.drop()
+
+    def _kept_due(self) -> None:  # the service thread's timer
+        with self.lock:
+            out = self.kept.expired()
+            self.kept.rearm()
+        self._end_kept(out)
+
     def connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         fds, self._fds = self._fds, []
         _close_all(fds)
@@ -339,6 +419,10 @@ class _Link(Protocol):
                 self.importer.service.call_later(KEEP_AFTER_LOSS, kept.clear)
             self.leases.clear()  # the exporter ended them with the connection
             self._stop_linger()
+            kept_views = self.kept.clear()
+            if self.kept.page is not None:
+                self.kept.page.close()
+        self._end_kept(kept_views)  # their leases ended with the connection: only the mappings go
         self.importer._drop(self)
         for waiter in waiters:
             waiter.set()
@@ -351,15 +435,29 @@ class Lease:
     """One open granted by an exporter; :meth:`close` ends it (idempotent,
     and a no-op in a forked child)."""
 
-    __slots__ = ("_link", "_pid", "id")
+    __slots__ = ("_link", "_pid", "id", "keep", "key", "use")
 
-    def __init__(self, link: _Link, lease_id: int) -> None:
+    def __init__(self, link: _Link, lease_id: int, keep: tuple[int, int] | None = None) -> None:
         self._link = link
         self._pid = os.getpid()
         self.id = lease_id
+        #: The share's (slot, epoch) on the exporter's state page, where the
+        #: exporter lets this lease be kept after its view closes; the view's
+        #: key and mapping users (:meth:`may_keep`) where it is.
+        self.keep = keep
+        self.key: tuple | None = None
+        self.use: Any = None
+
+    def may_keep(self, key: tuple, use: Any) -> None:
+        """When the view closes, keep this lease and the mapping (``use``) for
+        a reopen of ``key`` (:mod:`gpushare._reopen`), if the exporter lets it."""
+        if self.keep is not None:
+            self.key, self.use = key, use
 
     def close(self) -> None:
         if self._pid == os.getpid():
+            if self.key is not None and self._link.keep(self):
+                return
             self._link.end_lease(self.id, "close")
 
     def failed(self) -> None:
@@ -413,6 +511,12 @@ class Importer:
             links = list(self._links.values())
         return {"connections": len(links), "leases": sum(len(link.leases) for link in links)}
 
+    def kept(self) -> int:
+        """Closed views kept for a reopen (:mod:`gpushare._reopen`), on every connection."""
+        with self._lock:
+            links = list(self._links.values())
+        return sum(len(link.kept.entries) for link in links)
+
     def open(self, share: Any, addresses: tuple, message: dict,
              deadline: float) -> tuple[dict, Lease | None, list[int]]:
         """Send an open request for ``share``: the reply, its lease if granted,
@@ -439,7 +543,20 @@ class Importer:
         if isinstance(lease, bool) or not isinstance(lease, int):
             _close_all(fds)
             raise InvalidInputError(f"exporter pid {share.exporter_pid} granted a malformed lease")
-        return reply, Lease(link, lease), fds
+        try:
+            keep = _reopen.check_keep(reply.get("keep")) if link.kept.page is not None else None
+        except InvalidInputError:
+            keep = None  # not kept, nothing else changes
+        return reply, Lease(link, lease, keep), fds
+
+    def reopen(self, share: Any, key: tuple) -> tuple[Lease, Any] | None:
+        """A kept view's lease and mapping for another open of ``share``
+        (:mod:`gpushare._reopen`), or None: no round trip either way."""
+        with self._lock:
+            link = self._links.get((share.exporter_pid, share.node, share.control))
+        if link is None or not link.kept.entries:
+            return None
+        return link.reopen(key)
 
     def _link(self, share: Any, addresses: tuple, deadline: float) -> _Link:
         key = (share.exporter_pid, share.node, share.control)

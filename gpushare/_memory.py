@@ -5,14 +5,19 @@ A memfd or anonymous mapping of any size is accepted by the kernel at once
 (it commits nothing until a page is touched), so a size beyond the machine
 would only fail when written: the process filling memory until the
 out-of-memory killer ends it.  :func:`check_host` refuses such a size
-before anything is made.
+before anything is made.  :func:`check_memfd` checks a memfd that came
+from another process before it is mapped.
 """
 
 from __future__ import annotations
 
-from ._errors import OutOfMemoryError
+import fcntl
+import os
+import stat
 
-__all__ = ["check_host", "host_limit", "human"]
+from ._errors import InvalidInputError, OutOfMemoryError
+
+__all__ = ["check_host", "check_memfd", "host_limit", "human"]
 
 _MEMINFO = "/proc/meminfo"
 
@@ -58,3 +63,22 @@ def human(n: int) -> str:
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} PiB"
+
+
+def check_memfd(fd: int, size: int, what: str, says: str) -> int:
+    """Refuse ``fd`` (``what``, for the message) unless it is a regular file
+    of ``size`` bytes sealed against shrinking (so that a mapping of it
+    cannot lose pages under it); returns its seals.  ``says``: where the
+    size was told, for the message."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidInputError(f"{what} is not a regular file (mode {st.st_mode:o})")
+    if st.st_size != size:
+        raise InvalidInputError(f"{what} is {st.st_size} bytes; {says} {size}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidInputError(f"{what} is not sealed against shrinking; refusing to map it")
+    return seals

@@ -54,7 +54,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     The best path for this pair is tried first, then the next ones if a
     probe fails (within ``timeout`` in all); a fallback to a slower path than
     the pair could use emits :class:`SlowPathWarning` and ``view.why`` says
-    what failed.
+    what failed.  A further open of a ``lifetime="revoked"`` share whose
+    host-fd view closed less than two seconds ago reuses that view's lease
+    and mapping, with no message to the exporter (never once it revoked the
+    share; see docs/lifetimes.md).
 
     Parameters
     ----------
@@ -139,6 +142,12 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         why = f"{first.name}: {first.reason}"
         log.info("opened share %s over %s", share.share_id[:8], why)
         return View._make(share, first.name, why, first.open(share, {"target": target}, [], None, _paths.Options()))
+    key = (share.share_id, share.token, share.device, share.nbytes, share.offset, share.readonly, first.name,
+           prefault) if first.reopens else None
+    if key is not None:
+        kept = get_importer().reopen(share, key)
+        if kept is not None:
+            return _reopened(share, first.name, kept, left_out, natural, prefer, exclude)
     deadline = time.monotonic() + timeout
     if first is ucx_rma.PATH:
         ucx_rma.warm()  # load UCX here while the exporter prepares its offer
@@ -193,6 +202,8 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             why = _paths.explain(path, left_out, failures)
             log.info("opened share %s over %s", share.share_id[:8], why)
             view._attach_lease(lease, why)
+            if key is not None and path == first.name:
+                lease.may_keep(key, view._use)
             slow = slow_reason(share, path, failures, left_out, natural, prefer, exclude, "gpushare")
             if slow is not None:
                 try:
@@ -206,6 +217,24 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     except (EOFError, OSError, TimeoutError) as exc:
         raise ExporterUnreachableError(unreachable(share, f"it stopped answering: {exc}")) from None
     raise GpuShareError("every path failed: " + "; ".join(failures))
+
+
+def _reopened(share: Share, path: str, kept: tuple, left_out: list[str], natural: list[str],
+              prefer: PathList | None, exclude: PathList | None) -> View:
+    """A view over a closed view's kept lease and mapping (:mod:`gpushare._reopen`)."""
+    lease, use = kept
+    view = View._make(share, path, "", _paths.Opened(mapping=use.mapped), kept=use)
+    view._attach_lease(lease, _paths.explain(path, left_out, []))
+    if log.isEnabledFor(logging.INFO):
+        log.info("opened share %s over %s (reopened a closed view's lease)", share.share_id[:8], view.why)
+    slow = slow_reason(share, path, [], left_out, natural, prefer, exclude, "gpushare")
+    if slow is not None:
+        try:
+            warnings.warn(SlowPathWarning(slow), stacklevel=3)
+        except BaseException:
+            view.close()
+            raise
+    return view
 
 
 def _bundle_device(device: Any) -> int | None:

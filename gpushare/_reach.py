@@ -5,7 +5,7 @@ the exporter's refusal or silence means."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from . import _paths
 from ._cuda import _driver
@@ -108,7 +108,7 @@ def slow_reason(share: Share, path: str, failures: list[str], left_out: list[str
 MESSAGE_CHARS = 300
 
 
-def raise_refusal(reply: dict) -> None:
+def raise_refusal(reply: dict) -> NoReturn:
     code, message = reply.get("code"), str(reply.get("message", ""))[:MESSAGE_CHARS]
     if code == "denied":
         raise AccessDeniedError(f"exporter refused: {message}")

@@ -174,16 +174,20 @@ class View:
     shape: tuple[int, ...]
     typestr: str
     strides: tuple[int, ...] | None
+    _use: MappingUse | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("View objects are made by gpushare.open")
 
     @classmethod
-    def _make(cls, share: Share, path: str, why: str, opened: Any, use: MappingUse | None = None) -> View:
+    def _make(cls, share: Share, path: str, why: str, opened: Any, use: MappingUse | None = None,
+              kept: MappingUse | None = None) -> View:
         """A view of ``share`` over ``path``: ``opened`` holds the path's
         mapping or transport (or, in the exporting process, its object).
         ``use``: the mapping's users, where other views share the mapping
-        (a bundle's tensors of one allocation); this view becomes one."""
+        (a bundle's tensors of one allocation); this view becomes one.
+        ``kept``: the users of a closed view's mapping, kept for a reopen
+        (:mod:`gpushare._reopen`), whose count this view takes over."""
         target, mapped, transport = opened.target, opened.mapping, opened.transport
         self = object.__new__(cls)
         self.share = share
@@ -204,7 +208,9 @@ class View:
         self._cai_taken = False
         if use is not None:
             use.acquire()
-            self._use: MappingUse | None = use
+            self._use = use
+        elif kept is not None:
+            self._use = kept
         else:
             self._use = MappingUse(mapped) if mapped is not None else None
         # Mapped host memory: get/put of NumPy arrays take a short path (see _fast_array).

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
+from gpushare import _control
 from gpushare._exporter import registered
 
 from _procs import Box, Child, wait_for as _wait_for
@@ -562,9 +563,9 @@ def test_control_channel_survives_garbage(payload):
         return json.loads(s.recv(n))
 
     with socket.create_connection((host, port), timeout=5) as s:
-        assert ask(s, {"op": "hello", "v": 3})["code"] == "denied"  # no nonce, no challenge
+        assert ask(s, {"op": "hello", "v": _control.PROTOCOL})["code"] == "denied"  # no nonce, no challenge
     with socket.create_connection((host, port), timeout=5) as s:
-        hello = ask(s, {"op": "hello", "v": 3, "nonce": {"b": "00" * 16}})
+        hello = ask(s, {"op": "hello", "v": _control.PROTOCOL, "nonce": {"b": "00" * 16}})
         assert hello["ok"] is True and "proof" in hello
         reply = ask(s, {"op": "open", "id": 7, "share": share.share_id, "token": share.token.hex(),
                         "path": "ucx-rma"})  # the right token, but no proof of the key first

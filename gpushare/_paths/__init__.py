@@ -44,6 +44,12 @@ class Path(Protocol):
     #: object (the pages, or the CUDA physical allocation, live while the
     #: mapping does).  Legacy CUDA IPC memory goes when its exporter frees it.
     holds_memory: bool
+    #: True: a closed view's lease and mapping may serve a further open of a
+    #: share that lives until revoked, with no message to the exporter
+    #: (:mod:`gpushare._reopen`): host memory whose mapping holds it and
+    #: needs nothing of the opening thread (CUDA mappings depend on the
+    #: device the open asks for: not kept).
+    reopens: bool
     #: One line for ``view.why``.
     reason: str
 

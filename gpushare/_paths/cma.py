@@ -260,6 +260,7 @@ class Cma:
     rank = 5
     mapped = False
     holds_memory = False
+    reopens = False
     maps_strided = False
     reason = ("same node; the exporter copies with the kernel's cross-memory attach (process_vm_readv/writev), "
               "checking each transfer; copies with get/put")

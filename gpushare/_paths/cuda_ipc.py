@@ -447,6 +447,7 @@ class CudaIpc:
     rank = 3
     mapped = True
     holds_memory = False
+    reopens = False
     maps_strided = False
     reason = ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
               "(a legacy handle, or its pool's export)")

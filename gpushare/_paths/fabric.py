@@ -31,6 +31,7 @@ class Fabric:
     rank = 1
     mapped = True
     holds_memory = True
+    reopens = False
     maps_strided = False
     reason = "same fabric clique with an IMEX channel"
 

@@ -21,7 +21,6 @@ import errno
 import fcntl
 import mmap
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
+from .._memory import check_memfd
 from .._process import check_same_node
 from .._types import round_up
 from . import broker as _broker
@@ -589,20 +589,7 @@ def import_host(
 def _check_memfd(fd: int, index: int, size: int) -> int:
     """Refuse an fd that is not a memfd of ``size`` bytes sealed against
     shrinking; returns its seals."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidInputError(f"file descriptor {index} is not a regular file (mode {st.st_mode:o})")
-    if st.st_size != size:
-        raise InvalidInputError(f"file descriptor {index} is {st.st_size} bytes; the descriptor says {size}")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise InvalidInputError(
-            f"file descriptor {index} is not sealed against shrinking; refusing to map it"
-        )
-    return seals
+    return check_memfd(fd, size, f"file descriptor {index}", "the descriptor says")
 
 
 class HostFd:
@@ -614,6 +601,7 @@ class HostFd:
     rank = 4
     mapped = True
     holds_memory = True
+    reopens = True
     maps_strided = True
     reason = "same node; host memory mapped through memfds"
 

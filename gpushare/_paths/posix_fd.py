@@ -36,6 +36,7 @@ class PosixFd:
     rank = 2
     mapped = True
     holds_memory = True
+    reopens = False
     maps_strided = False
     reason = "same node; CUDA virtual memory mapped through POSIX fds"
 

@@ -16,6 +16,7 @@ class SameProcess:
     rank = 0
     mapped = True
     holds_memory = True
+    reopens = False
     maps_strided = True
     reason = "this process exported it; the original object is handed back"
 

@@ -31,6 +31,7 @@ class UcxRma:
     rank = 6
     mapped = False
     holds_memory = False
+    reopens = False
     maps_strided = False
     reason = "remote memory access through UCX, each transfer checked by the exporter; copies with get/put"
 
