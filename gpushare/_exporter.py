@@ -30,7 +30,7 @@ from typing import Any
 
 from . import _auth, _control, _paths, _reopen, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError
-from ._paths import cma
+from ._paths import cma, host_fd
 from ._paths.broker import (
     control_address,
     may_share,
@@ -327,6 +327,19 @@ class Exporter:
         self._exports = {}
         self._sessions = set()
         self._lock = threading.Lock()
+        self._page = None  # the parent's: this process writes no word of it
+
+    def sealed(self) -> None:
+        """A buffer was sealed: a writable share of it now opens over a path
+        that copies, so no kept view of a writable share may be reopened
+        (each gets a new slot at its next open)."""
+        with self._lock:
+            exports = [e for e in self._exports.values() if e.slot is not None and not e.readonly]
+        for export in exports:
+            with export.lock:
+                slot, export.slot = export.slot, None
+                if slot is not None and self._page is not None:
+                    self._page.clear(slot[0])
 
     # -- serving (in the service thread) ----------------------------------
     def _accept(self, sock: socket.socket) -> None:
@@ -651,11 +664,15 @@ class _Session(Protocol):
         got = self.exporter.keep_slot(export)
         if got is None:
             return None
-        reply["keep"] = list(got)
         if self.page_sent:
+            reply["keep"] = list(got)
             return None
-        reply["page"] = True  # the last fd
-        return self.exporter.page_fd()
+        try:
+            fd = self.exporter.page_fd()
+        except GpuShareError:
+            return None  # out of descriptors, say: this lease is not kept, the open goes on
+        reply["keep"], reply["page"] = list(got), True  # the page: the last fd
+        return fd
 
     def _end(self, conn: Connection, lease: Any, *, failed: bool) -> None:
         """A lease ends: the view closed, or the importer could not use the
@@ -837,6 +854,15 @@ def revoke(share: Any) -> None:
 
 
 _share.set_revoke_hook(revoke)
+
+
+def _sealed() -> None:
+    exp = _instance.current()
+    if exp is not None:
+        exp.sealed()
+
+
+host_fd.on_seal(_sealed)
 
 
 def _peer(conn: Any) -> str:

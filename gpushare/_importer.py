@@ -153,6 +153,7 @@ class _Link(Protocol):
         self._idle_at: float | None = None  # since when no lease or request is held (None: busy)
         #: Closed views kept for a reopen, and the exporter's state page (:mod:`gpushare._reopen`).
         self.kept = _reopen.Kept(importer.service.call_later, self._kept_due)
+        self._used_at = time.monotonic()  # the last request, or view kept or reopened
 
     # -- any thread ---------------------------------------------------------
     def submit(self, message: dict, keep: Any = None) -> tuple[int, _Waiter]:
@@ -164,6 +165,7 @@ class _Link(Protocol):
             if self.dead is not None:
                 raise self._lost()
             self._stop_linger()
+            self._used_at = time.monotonic()
             self.pending[rid] = waiter
             if keep is not None:
                 self._kept[rid] = keep
@@ -218,17 +220,17 @@ class _Link(Protocol):
                 self._abandoned.add(rid)
                 self._maybe_linger()
 
-    def end_lease(self, lease: int, op: str, closed_at: float | None = None) -> None:
+    def end_lease(self, lease: int, op: str, kept: bool = False) -> None:
         """Tell the exporter a lease ended (``close``) or was not used
-        (``failed``); ``closed_at``: when its view closed, for a lease that
-        was kept (:mod:`gpushare._reopen`): the connection's linger counts
-        from then."""
+        (``failed``); ``kept``: a lease kept after its view closed
+        (:mod:`gpushare._reopen`): the connection's linger counts from its
+        last use, not from now."""
         with self.lock:
             if lease not in self.leases:
                 return
             self.leases.discard(lease)
             conn = None if self.dead is not None else self.conn
-            self._maybe_linger(closed_at)
+            self._maybe_linger(self._used_at if kept else None)
         if conn is not None:
             conn.send(_control.pack({"op": op, "lease": lease}))
 
@@ -359,8 +361,16 @@ class _Link(Protocol):
         except GpuShareError:
             return False  # unmapped already
         with self.lock:
-            ok = self.dead is None and lease.id in self.leases and self.kept.page is not None
-            out = self.kept.put(key, lease, use, *keep) if ok else []
+            ok = (self.dead is None and lease.id in self.leases and self.kept.page is not None
+                  and not self.kept.busy)
+            out = []
+            if ok:
+                self.kept.busy = True
+                try:
+                    out = self.kept.put(key, lease, use, *keep)
+                finally:
+                    self.kept.busy = False
+                self._used_at = time.monotonic()
         if not ok:
             use.drop()
         self._end_kept(out)
@@ -370,7 +380,14 @@ class _Link(Protocol):
         """The lease and mapping users of a kept view of ``key`` whose share
         still lives (its exporter too), taken out; else None."""
         with self.lock:
-            entry, ended = self.kept.take(key) if self.dead is None else (None, None)
+            entry, ended = None, None
+            if self.dead is None and not self.kept.busy:
+                self.kept.busy = True
+                try:
+                    entry, ended = self.kept.take(key)
+                finally:
+                    self.kept.busy = False
+                self._used_at = time.monotonic()
         if ended is not None:
             self._end_kept([ended])
         if entry is None:
@@ -396,12 +413,16 @@ class _Link(Protocol):
         """End kept views: their leases end and their mappings go (unless in use)."""
         for entry in entries:
             lease, use = entry[0], entry[1]
-            self.end_lease(lease.id, "close", entry[4])
+            self.end_lease(lease.id, "close", kept=True)
             use.drop()
 
     def _kept_due(self) -> None:  # the service thread's timer
         with self.lock:
-            out = self.kept.expired()
+            self.kept.busy = True
+            try:
+                out = self.kept.expired()
+            finally:
+                self.kept.busy = False
             self.kept.rearm()
         self._end_kept(out)
 
@@ -419,6 +440,7 @@ class _Link(Protocol):
                 self.importer.service.call_later(KEEP_AFTER_LOSS, kept.clear)
             self.leases.clear()  # the exporter ended them with the connection
             self._stop_linger()
+            self.kept.busy = True  # for good: nothing is kept on a connection that ended
             kept_views = self.kept.clear()
             if self.kept.page is not None:
                 self.kept.page.close()
@@ -599,9 +621,17 @@ class Importer:
                 del self._links[link.key]
 
     def abandon(self) -> None:
-        """In a forked child: the service closed the inherited connections; forget them."""
-        self._links = {}
+        """In a forked child: the service closed the inherited connections;
+        forget them, and unmap what they kept for a reopen (the parent's
+        views: the child never reopens them)."""
+        links, self._links = list(self._links.values()), {}
         self._lock = threading.Lock()
+        for link in links:
+            for entry in link.kept.clear():
+                entry[1].forget_in_child()
+            if link.kept.page is not None:
+                link.kept.page.close()
+            link.kept.busy = True
 
     def stop(self) -> None:
         """At exit: the service closes the connections."""

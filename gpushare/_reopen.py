@@ -106,7 +106,8 @@ class StatePage:
         #: The memfd (sealed), kept to send duplicates of; the one fd the page costs.
         self.fd = fd
         self._words = (ctypes.c_uint64 * SLOTS).from_address(address)
-        weakref.finalize(self, _unmap, address)
+        # Not at exit: another thread may still write a word then (the kernel unmaps it with the process).
+        weakref.finalize(self, _unmap, address).atexit = False
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._next_slot = 0
@@ -160,6 +161,7 @@ class PageReader:
         address = _map_page(fd, mmap.PROT_READ)
         self._words: Any = (ctypes.c_uint64 * SLOTS).from_address(address)
         self._unmap = weakref.finalize(self, _unmap, address)
+        self._unmap.atexit = False  # another thread may still read it at exit
 
     def holds(self, slot: int, epoch: int) -> bool:
         """Whether the share of ``slot`` still lives with ``epoch`` (False once closed)."""
@@ -188,7 +190,7 @@ class Kept:
     here) and the share's slot and epoch on the page.  Its caller holds the
     connection's lock around every method but :meth:`expire`'s callbacks."""
 
-    __slots__ = ("page", "entries", "_timer", "_call_later", "_on_tick")
+    __slots__ = ("page", "entries", "busy", "_timer", "_call_later", "_on_tick")
 
     def __init__(self, call_later: Callable[[float, Callable[[], Any]], Any], on_tick: Callable[[], None]) -> None:
         """``call_later(seconds, fn)`` sets a timer; ``on_tick`` is what it
@@ -196,6 +198,10 @@ class Kept:
         self.page: PageReader | None = None
         #: key -> (lease, use, slot, epoch, when it was kept)
         self.entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+        #: Set while a method changes :attr:`entries`: a view closed by the
+        #: garbage collector in the middle of it (in the same thread, under
+        #: the connection's re-entrant lock) is not kept, it ends.
+        self.busy = False
         self._timer: Any = None
         self._call_later = call_later
         self._on_tick = on_tick
@@ -203,11 +209,12 @@ class Kept:
     def put(self, key: tuple, lease: Any, use: Any, slot: int, epoch: int) -> list[tuple]:
         """Keep ``lease`` and a count of ``use`` under ``key``; returns the
         entries pushed out (the caller ends them, outside the lock)."""
+        entry = (lease, use, slot, epoch, time.monotonic())
         out = []
         old = self.entries.pop(key, None)
         if old is not None:
             out.append(old)
-        self.entries[key] = (lease, use, slot, epoch, time.monotonic())
+        self.entries[key] = entry
         while len(self.entries) > MAX_KEPT:
             out.append(self.entries.popitem(last=False)[1])
         if self._timer is None:
@@ -228,10 +235,11 @@ class Kept:
         """Remove and return the entries kept :data:`KEEP_FOR` seconds or more."""
         now, out = time.monotonic(), []
         while self.entries:
-            key, entry = next(iter(self.entries.items()))
+            key, entry = self.entries.popitem(last=False)
             if now - entry[4] < KEEP_FOR:
+                self.entries[key] = entry
+                self.entries.move_to_end(key, last=False)
                 break
-            del self.entries[key]
             out.append(entry)
         return out
 
@@ -241,11 +249,12 @@ class Kept:
         return out
 
     def _tick(self) -> None:
-        self._timer = None
         self._on_tick()
 
     def rearm(self) -> None:
-        """After a tick: wake again when the oldest entry is due (caller holds the lock)."""
-        if self.entries and self._timer is None:
+        """After a tick (caller holds the lock): the timer that fired is
+        gone; wake again when the oldest entry is due."""
+        self._timer = None
+        if self.entries:
             oldest = next(iter(self.entries.values()))[4]
             self._timer = self._call_later(max(0.0, oldest + KEEP_FOR - time.monotonic()), self._tick)

@@ -53,6 +53,12 @@ class MappingUse:
                 raise ClosedError("view is closed")
             self.users += 1
 
+    def forget_in_child(self) -> None:
+        """In a forked child: drop the parent's count (a thread of the parent
+        may have held the lock at the fork: a new one)."""
+        self.lock = threading.Lock()
+        self.drop()
+
     def drop(self) -> None:
         with self.lock:
             self.users -= 1
@@ -136,7 +142,10 @@ class View:
     :meth:`close` ends the lease at once, but never unmaps memory that arrays
     made from the view still use: a DLPack tensor keeps the mapping until it
     is released, and an array made through ``__cuda_array_interface__`` (which
-    keeps the view object alive) until the view object is gone.
+    keeps the view object alive) until the view object is gone.  A host-fd
+    view of a ``lifetime="revoked"`` share is the exception: its lease and
+    mapping are kept two seconds after the close, for a reopen of the share
+    that asks the exporter nothing (docs/lifetimes.md).
 
     Attributes
     ----------
@@ -218,7 +227,7 @@ class View:
         self._fast: Any = None
         # A bundle's tensor (``use`` given) lives in its bundle until the bundle
         # closes it: no finalizer of its own is needed, only the call once.
-        self._finalizer = _Once(self._use) if use is not None else weakref.finalize(
+        self._finalizer = _Once(use) if use is not None else weakref.finalize(
             self, _release_view, self._use, self._lease)
         return self
 
@@ -240,7 +249,8 @@ class View:
 
         Memory that arrays made from the view still use stays mapped until
         the last of them is gone (see the class notes); the view refuses any
-        further use at once.
+        further use at once.  A host-fd view of a ``lifetime="revoked"``
+        share keeps its lease and mapping two seconds more, for a reopen.
         """
         self._target = None
         self._fast_ok = False

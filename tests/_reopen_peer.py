@@ -28,11 +28,15 @@ def open_close(state: dict, blob: bytes, times: int) -> dict:
     firsts, ids = [], []
     for _ in range(times):
         with gs.open(share) as view:
-            a = np.asarray(view)
-            firsts.append(int(a.reshape(-1).view(np.uint8)[0]))
+            if view.path == "host-fd":
+                a = np.asarray(view).reshape(-1).view(np.uint8)
+            else:  # a path that copies
+                a = np.empty(view.nbytes, np.uint8)
+                view.get(a)
+            firsts.append(int(a[0]))
             ids.append(view._lease[0].id)
-            why = view.why
-    return {"firsts": firsts, "leases": ids, "why": why, "kept": get_importer().kept()}
+            why, path = view.why, view.path
+    return {"firsts": firsts, "leases": ids, "why": why, "path": path, "kept": get_importer().kept()}
 
 
 def open_keep_array(state: dict, blob: bytes) -> int:
@@ -90,8 +94,9 @@ def fork_open(state: dict, blob: bytes) -> dict:
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
+            inherited = memfd_maps()  # the parent's kept view was unmapped at the fork
             with gs.open(share) as view:
-                ok = view._lease[0]._link is not None and get_importer().kept() == 0
+                ok = view._lease[0]._link is not None and get_importer().kept() == 0 and inherited == 0
                 os.write(w, pickle.dumps((ok, int(np.asarray(view).reshape(-1).view(np.uint8)[0]))))
             code = 0
         finally:

@@ -139,6 +139,20 @@ def test_reopen_after_the_exporter_died_is_refused():
         importer.close()
 
 
+def test_a_sealed_buffer_is_not_reopened_writable(child):
+    hb = gs.allocate(4096, device="host")
+    np.asarray(hb)[:] = 2
+    share = gs.export(hb, lifetime="revoked")
+    blob = pickle.dumps(share)
+    assert child.call("open_close", blob, 1)["path"] == "host-fd"
+    assert child.call("status")["kept"] == 1
+    hb.seal()  # a writable share of a sealed buffer goes by copies from now on
+    got = child.call("open_close", blob, 1)
+    assert got["path"] != "host-fd" and got["firsts"] == [2]  # asked: the exporter refused host-fd
+    assert child.call("status")["kept"] == 0
+    share.revoke()
+
+
 def test_a_forked_child_asks_the_exporter_itself(child):
     buf, share, blob = _share(8)
     before = _messages()

@@ -196,6 +196,16 @@ def _release(resources: _Resources) -> None:
     resources.release(strict=False)
 
 
+#: Called after any buffer was sealed (the exporter: a kept view of a
+#: writable share may not be reopened writable any more; docs/design.md).
+_SEAL_HOOKS: list[Any] = []
+
+
+def on_seal(hook: Any) -> None:
+    """Call ``hook()`` after each :meth:`HostBuffer.seal`."""
+    _SEAL_HOOKS.append(hook)
+
+
 class HostBuffer:
     """Host memory that another process on this node can map: made by
     :func:`gpushare.allocate` with ``device="host"`` or returned by
@@ -268,6 +278,8 @@ class HostBuffer:
                     raise UnsupportedError("the buffer's memfds take no more seals: a process holding them (an "
                                            "importer of a writable share) sealed them already") from None
                 raise UnsupportedError(f"this kernel cannot seal a memfd against writes ({exc.strerror})") from None
+        for hook in _SEAL_HOOKS:
+            hook()
 
     @property
     def sealed(self) -> bool:
