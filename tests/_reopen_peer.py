@@ -111,7 +111,40 @@ def fork_open(state: dict, blob: bytes) -> dict:
             "kept": get_importer().kept()}
 
 
+def close_inside_keep(state: dict, blob: bytes) -> dict:
+    """Two views of the share; while closing the first keeps it (right
+    after the kept views' table was read for its key), the second is
+    closed in the same thread, under the connection's re-entrant lock, as
+    the garbage collector would close a view caught in a cycle.  The second
+    must not be kept: kept there and then overwritten, its lease and
+    mapping would never end."""
+    import collections
+
+    share = pickle.loads(blob)
+    a, b = gs.open(share), gs.open(share)
+    ids = (a._lease[0].id, b._lease[0].id)
+    link = get_importer()._links[(share.exporter_pid, share.node, share.control)]
+    nested: list[bool] = []
+
+    class Collecting(collections.OrderedDict):
+        def pop(self, *args: Any) -> Any:
+            got = super().pop(*args)
+            if not nested:
+                nested.append(link.kept.busy)
+                b.close()
+            return got
+
+    link.kept.entries = Collecting(link.kept.entries)
+    a.close()
+    kept = [entry[0].id for entry in link.kept.entries.values()]
+    with gs.open(share) as again:  # the kept one
+        reopened = again._lease[0].id
+    return {"busy_inside": nested, "ids": ids, "kept_ids": kept, "reopened": reopened,
+            "lease_ids": sorted(link.leases), **status(state)}
+
+
 HANDLERS: dict[str, Any] = {
+    "close_inside_keep": close_inside_keep,
     "open_close": open_close, "try_open": try_open, "status": status, "open_many": open_many,
     "export_revoked": export_revoked, "open_keep_array": open_keep_array,
     "first_byte_of_kept_array": first_byte_of_kept_array, "write_through": write_through, "fork_open": fork_open,

@@ -91,6 +91,17 @@ def test_an_array_over_a_closed_view_outlives_the_kept_view(child):
     share.revoke()
 
 
+def test_a_view_closed_while_a_keep_is_under_way_is_not_kept(child):
+    buf, share, blob = _share(1)
+    got = child.call("close_inside_keep", blob)
+    first, second = got["ids"]
+    assert got["busy_inside"] == [True]
+    assert got["kept_ids"] == [first] and got["reopened"] == first  # the first kept, and reopened
+    assert got["lease_ids"] == [first] and got["kept"] == 1  # the second's lease ended: nothing lost, nothing kept twice
+    assert wait_for(lambda: child.call("status") == {"kept": 0, "leases": 0, "maps": 0}, _reopen.KEEP_FOR + 5)
+    share.revoke()
+
+
 @pytest.mark.parametrize("lifetime", ["auto", "closed", 3, "none"])
 def test_policies_where_a_close_counts_are_not_kept(child, lifetime):
     holder = _reopen_peer  # a weak-referenceable object stays alive for "none" below
