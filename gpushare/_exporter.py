@@ -259,9 +259,7 @@ class Exporter:
             return self._exports.get(share_id)
 
     def _forget(self, export: Export, reason: str) -> None:
-        slot, export.slot = export.slot, None
-        if slot is not None and self._page is not None:
-            self._page.clear(slot[0])  # no importer reopens it from a kept view from now on
+        self._free_slot(export)
         with self._lock:
             if self._exports.get(export.share_id) is export:
                 del self._exports[export.share_id]
@@ -337,9 +335,13 @@ class Exporter:
             exports = [e for e in self._exports.values() if e.slot is not None and not e.readonly]
         for export in exports:
             with export.lock:
-                slot, export.slot = export.slot, None
-                if slot is not None and self._page is not None:
-                    self._page.clear(slot[0])
+                self._free_slot(export)
+
+    def _free_slot(self, export: Export) -> None:
+        """No importer reopens ``export`` from a kept view from now on (its lock held)."""
+        slot, export.slot = export.slot, None
+        if slot is not None and self._page is not None:
+            self._page.clear(slot[0])
 
     # -- serving (in the service thread) ----------------------------------
     def _accept(self, sock: socket.socket) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import select
 import socket
 import threading
 import time
@@ -361,53 +360,30 @@ class _Link(Protocol):
         except GpuShareError:
             return False  # unmapped already
         with self.lock:
-            ok = (self.dead is None and lease.id in self.leases and self.kept.page is not None
-                  and not self.kept.busy)
-            out = []
-            if ok:
-                self.kept.busy = True
-                try:
-                    out = self.kept.put(key, lease, use, *keep)
-                finally:
-                    self.kept.busy = False
+            out = self.kept.put(key, lease, use, *keep) if self.dead is None and lease.id in self.leases else None
+            if out is not None:
                 self._used_at = time.monotonic()
-        if not ok:
+        if out is None:
             use.drop()
+            return False
         self._end_kept(out)
-        return ok
+        return True
 
     def reopen(self, key: tuple) -> tuple[Lease, Any] | None:
         """The lease and mapping users of a kept view of ``key`` whose share
         still lives (its exporter too), taken out; else None."""
         with self.lock:
-            entry, ended = None, None
-            if self.dead is None and not self.kept.busy:
-                self.kept.busy = True
-                try:
-                    entry, ended = self.kept.take(key)
-                finally:
-                    self.kept.busy = False
-                self._used_at = time.monotonic()
+            entry, ended = self.kept.take(key) if self.dead is None else (None, None)
+            self._used_at = time.monotonic()
         if ended is not None:
             self._end_kept([ended])
         if entry is None:
             return None
-        if self._hung_up():  # the exporter is gone, and the service thread has not heard yet
+        conn = self.conn
+        if conn is None or conn.hung_up():  # the exporter is gone, and the service thread has not heard yet
             self._end_kept([entry])
             return None
         return entry[0], entry[1]
-
-    def _hung_up(self) -> bool:
-        conn = self.conn
-        if conn is None or conn.closed:
-            return True
-        poller = select.poll()
-        try:
-            poller.register(conn.sock, select.POLLRDHUP)
-            return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
-                       for _, ev in poller.poll(0))
-        except (OSError, ValueError):
-            return True
 
     def _end_kept(self, entries: list[tuple]) -> None:
         """End kept views: their leases end and their mappings go (unless in use)."""
@@ -418,11 +394,7 @@ class _Link(Protocol):
 
     def _kept_due(self) -> None:  # the service thread's timer
         with self.lock:
-            self.kept.busy = True
-            try:
-                out = self.kept.expired()
-            finally:
-                self.kept.busy = False
+            out = self.kept.expired()
             self.kept.rearm()
         self._end_kept(out)
 
@@ -440,8 +412,7 @@ class _Link(Protocol):
                 self.importer.service.call_later(KEEP_AFTER_LOSS, kept.clear)
             self.leases.clear()  # the exporter ended them with the connection
             self._stop_linger()
-            self.kept.busy = True  # for good: nothing is kept on a connection that ended
-            kept_views = self.kept.clear()
+            kept_views = self.kept.clear()  # and nothing is kept on it from now on
             if self.kept.page is not None:
                 self.kept.page.close()
         self._end_kept(kept_views)  # their leases ended with the connection: only the mappings go
@@ -631,7 +602,6 @@ class Importer:
                 entry[1].forget_in_child()
             if link.kept.page is not None:
                 link.kept.page.close()
-            link.kept.busy = True
 
     def stop(self) -> None:
         """At exit: the service closes the connections."""

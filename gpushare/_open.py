@@ -204,13 +204,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
             view._attach_lease(lease, why)
             if key is not None and path == first.name:
                 lease.may_keep(key, view._use)
-            slow = slow_reason(share, path, failures, left_out, natural, prefer, exclude, "gpushare")
-            if slow is not None:
-                try:
-                    warnings.warn(SlowPathWarning(slow), stacklevel=2)
-                except BaseException:
-                    view.close()  # the warning was turned into an error: leave nothing open
-                    raise
+            _warn_slow(view, slow_reason(share, path, failures, left_out, natural, prefer, exclude, "gpushare"))
             return view
     except GpuShareError:
         raise
@@ -227,14 +221,20 @@ def _reopened(share: Share, path: str, kept: tuple, left_out: list[str], natural
     view._attach_lease(lease, _paths.explain(path, left_out, []))
     if log.isEnabledFor(logging.INFO):
         log.info("opened share %s over %s (reopened a closed view's lease)", share.share_id[:8], view.why)
-    slow = slow_reason(share, path, [], left_out, natural, prefer, exclude, "gpushare")
-    if slow is not None:
-        try:
-            warnings.warn(SlowPathWarning(slow), stacklevel=3)
-        except BaseException:
-            view.close()
-            raise
+    _warn_slow(view, slow_reason(share, path, [], left_out, natural, prefer, exclude, "gpushare"), 4)
     return view
+
+
+def _warn_slow(view: View, slow: str | None, stacklevel: int = 3) -> None:
+    """Warn of a slower path than the pair could use (``SlowPathWarning``,
+    at ``open``'s caller); a warning turned into an error leaves nothing open."""
+    if slow is None:
+        return
+    try:
+        warnings.warn(SlowPathWarning(slow), stacklevel=stacklevel)
+    except BaseException:
+        view.close()
+        raise
 
 
 def _bundle_device(device: Any) -> int | None:

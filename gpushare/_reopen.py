@@ -188,9 +188,13 @@ class Kept:
     """One connection's closed views kept for a reopen: by key, the lease,
     the mapping's users (:class:`gpushare._view.MappingUse`, one count held
     here) and the share's slot and epoch on the page.  Its caller holds the
-    connection's lock around every method but :meth:`expire`'s callbacks."""
+    connection's (re-entrant) lock around every method.
 
-    __slots__ = ("page", "entries", "busy", "_timer", "_call_later", "_on_tick")
+    A view closed by the garbage collector while a method changes the
+    entries (in the same thread, so under the same lock) is not kept:
+    :meth:`put` refuses it then (:attr:`busy`), and after :meth:`clear`."""
+
+    __slots__ = ("page", "entries", "busy", "_closed", "_timer", "_call_later", "_on_tick")
 
     def __init__(self, call_later: Callable[[float, Callable[[], Any]], Any], on_tick: Callable[[], None]) -> None:
         """``call_later(seconds, fn)`` sets a timer; ``on_tick`` is what it
@@ -198,25 +202,31 @@ class Kept:
         self.page: PageReader | None = None
         #: key -> (lease, use, slot, epoch, when it was kept)
         self.entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-        #: Set while a method changes :attr:`entries`: a view closed by the
-        #: garbage collector in the middle of it (in the same thread, under
-        #: the connection's re-entrant lock) is not kept, it ends.
+        #: Set while a method changes :attr:`entries`.
         self.busy = False
+        self._closed = False
         self._timer: Any = None
         self._call_later = call_later
         self._on_tick = on_tick
 
-    def put(self, key: tuple, lease: Any, use: Any, slot: int, epoch: int) -> list[tuple]:
+    def put(self, key: tuple, lease: Any, use: Any, slot: int, epoch: int) -> list[tuple] | None:
         """Keep ``lease`` and a count of ``use`` under ``key``; returns the
-        entries pushed out (the caller ends them, outside the lock)."""
+        entries pushed out (the caller ends them, outside the lock), or None
+        when nothing can be kept now (no page, cleared, or re-entered)."""
+        if self.page is None or self._closed or self.busy:
+            return None
         entry = (lease, use, slot, epoch, time.monotonic())
         out = []
-        old = self.entries.pop(key, None)
-        if old is not None:
-            out.append(old)
-        self.entries[key] = entry
-        while len(self.entries) > MAX_KEPT:
-            out.append(self.entries.popitem(last=False)[1])
+        self.busy = True
+        try:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                out.append(old)
+            self.entries[key] = entry
+            while len(self.entries) > MAX_KEPT:
+                out.append(self.entries.popitem(last=False)[1])
+        finally:
+            self.busy = False
         if self._timer is None:
             self._timer = self._call_later(KEEP_FOR, self._tick)
         return out
@@ -224,7 +234,13 @@ class Kept:
     def take(self, key: tuple) -> tuple[tuple | None, tuple | None]:
         """Remove the entry of ``key``: (the entry, None) if the page says its
         share still lives, else (None, the entry, for the caller to end)."""
-        entry = self.entries.pop(key, None)
+        if self.busy:
+            return None, None
+        self.busy = True
+        try:
+            entry = self.entries.pop(key, None)
+        finally:
+            self.busy = False
         if entry is None:
             return None, None
         if self.page is None or not self.page.holds(entry[2], entry[3]):
@@ -234,16 +250,24 @@ class Kept:
     def expired(self) -> list[tuple]:
         """Remove and return the entries kept :data:`KEEP_FOR` seconds or more."""
         now, out = time.monotonic(), []
-        while self.entries:
-            key, entry = self.entries.popitem(last=False)
-            if now - entry[4] < KEEP_FOR:
-                self.entries[key] = entry
-                self.entries.move_to_end(key, last=False)
-                break
-            out.append(entry)
+        if self.busy:
+            return out  # the next tick takes them
+        self.busy = True
+        try:
+            while self.entries:
+                key, entry = self.entries.popitem(last=False)
+                if now - entry[4] < KEEP_FOR:
+                    self.entries[key] = entry
+                    self.entries.move_to_end(key, last=False)
+                    break
+                out.append(entry)
+        finally:
+            self.busy = False
         return out
 
     def clear(self) -> list[tuple]:
+        """Remove and return every entry; nothing is kept from now on."""
+        self._closed = True
         out = list(self.entries.values())
         self.entries.clear()
         return out

@@ -207,6 +207,19 @@ class Connection:
         """File descriptors queued with those bytes (held open until sent)."""
         return self._unsent_fds
 
+    def hung_up(self) -> bool:
+        """Whether the peer hung up (or the connection closed), asked of the
+        socket now: true before the service thread has read the hang-up."""
+        if self.closed:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(self.fileno, select.POLLRDHUP)
+            return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                       for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
     def read_until(self, done: Callable[[], bool], timeout: float) -> bool | None:
         """Read and handle this connection's bytes in the calling thread
         (not the service thread) until ``done()`` is true or ``timeout``
