@@ -11,10 +11,30 @@ from typing import Any
 
 from . import _export, _handles, _open
 from ._capabilities import capabilities
+from ._errors import UCXLibraryError
+from ._ucx import _loader
 from ._open import choose
 from ._share import SHARE_FORMAT, Share, node_key
 
-__all__ = ["run_doctor", "ucx_transports", "live_check"]
+__all__ = ["run_doctor", "ucx_library", "ucx_transports", "live_check"]
+
+
+def ucx_library() -> dict[str, Any]:
+    """The UCX and libucxx this process loads: versions and files, or why they do not load."""
+    import importlib.metadata as md
+
+    try:
+        ucxx_version = md.version("libucxx-cu13")
+    except md.PackageNotFoundError:  # pragma: no cover - a broken install
+        ucxx_version = None
+    try:
+        built = tuple(_loader.native().ucx_built_version())
+        libs = _loader.loaded()
+    except (UCXLibraryError, ImportError) as exc:
+        return {"loaded": False, "reason": str(exc), "ucxx_version": ucxx_version}
+    return {"loaded": True, "version": ".".join(map(str, libs.ucx_version)),
+            "built_against": ".".join(map(str, built)), "directory": libs.ucx_dir, "files": list(libs.mapped),
+            "ucxx_version": ucxx_version, "ucxx_file": libs.ucxx_file, "reason": None}
 
 
 def ucx_transports() -> dict[str, Any]:
@@ -108,6 +128,7 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     works between two processes on this node, else 0."""
     caps = capabilities()
     caps["ucx"] = ucx_transports()
+    caps["ucx"]["library"] = ucx_library()
     here, elsewhere = node_key(), "another-node"
     cuda_devices = caps["cuda"]["devices"] or []
     scenarios = [
@@ -145,6 +166,13 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     out(f"IMEX channel: {'present' if imex.get('present') else 'absent'}"
         + (f" ({imex.get('reason')})" if imex.get("reason") else ""))
     ucx = caps["ucx"]
+    lib = ucx["library"]
+    if lib["loaded"]:
+        out(f"UCX {lib['version']} (built against {lib['built_against']}) from {lib['directory']}; "
+            f"libucxx {lib['ucxx_version']} from {lib['ucxx_file']}")
+        out(f"  UCX files mapped: {' '.join(lib['files'])}")
+    else:
+        out(f"UCX: does not load: {lib['reason']}")
     out(f"UCX transports: {', '.join(ucx['transports']) or ucx['reason']}")
     out(f"versions: {', '.join(f'{k} {v}' for k, v in caps['versions'].items())}")
     out("")

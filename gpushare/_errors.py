@@ -25,6 +25,7 @@ __all__ = [
     "UCXTimeoutError",
     "UCXInvalidError",
     "UCXUnsupportedError",
+    "UCXLibraryError",
     "AccessDeniedError",
     "ChannelBrokenError",
     "ExporterUnreachableError",
@@ -99,6 +100,12 @@ class UCXInvalidError(UCXError, ValueError):
 
 class UCXUnsupportedError(UCXError):
     """The operation or memory type is not supported by the transports UCX found."""
+
+
+class UCXLibraryError(GpuShareError, ImportError):
+    """The UCX in this process is not the one gpushare was built for: another
+    copy (a system UCX) is mapped, or its version differs.  The message names
+    the file and version found and what to do."""
 
 
 _CONNECTION = {

@@ -122,6 +122,8 @@ def test_doctor_reports_capabilities_and_decisions():
     r = subprocess.run([sys.executable, "-m", "gpushare", "doctor"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "UCX transports:" in r.stdout and "tcp/lo" in r.stdout
+    ucx_dir = os.path.realpath(os.path.join(os.path.dirname(__import__("libucx").__file__), "lib"))
+    assert f"UCX 1.21.0 (built against 1.21) from {ucx_dir}; libucxx 0.52." in r.stdout
     assert "host memory from gpushare.allocate, peer on same node: host-fd" in r.stdout
     assert "host memory from gpushare.allocate, peer on another node: ucx-rma" in r.stdout
     assert "  host-fd: works" in r.stdout and "  ucx-rma: works" in r.stdout
@@ -133,6 +135,10 @@ def test_doctor_reports_capabilities_and_decisions():
     assert {d["path"] for d in data["decisions"]} >= {"host-fd", "ucx-rma"}
     assert r.returncode == 0 and data["ok"] is True
     assert data["live_check"] == {"host-fd": "works", "cma": "works", "ucx-rma": "works"}
+    lib = data["capabilities"]["ucx"]["library"]
+    assert lib["loaded"] and lib["version"] == "1.21.0" and lib["directory"] == ucx_dir
+    assert sorted(os.path.basename(f) for f in lib["files"]) == ["libucm.so.0", "libucp.so.0", "libucs.so.0",
+                                                                 "libuct.so.0"]
 
 
 def test_demo_json_and_progress():

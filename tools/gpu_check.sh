@@ -457,6 +457,11 @@ def one_share(device):
 if __name__ == "__main__":
     import gpushare.ucx  # noqa: F401 - the native module and UCX load
     from gpushare._cuda import _driver
+    from gpushare._ucx import _loader
+
+    _loader.native()
+    libs = _loader.loaded()
+    print(f"UCX {'.'.join(map(str, libs.ucx_version))} loaded from {libs.ucx_dir}; mapped: {' '.join(libs.mapped)}")
 
     target = os.path.realpath(sys.argv[1])
     where = os.path.realpath(gs.__file__)
@@ -530,7 +535,7 @@ run_check() {
   fi
 
   step "smoke" smoke.log 90 bash -c smoke
-  record "$STATUS" "$(grep -E '^one share' "$OUT_DIR/smoke.log" | sed 's/^one share between two processes, //' | tr '\n' ';' | sed 's/;$//')"
+  record "$STATUS" "$(grep -E '^(one share|UCX )' "$OUT_DIR/smoke.log" | sed 's/^one share between two processes, //' | tr '\n' ';' | sed 's/;$//')"
 
   cd "$ROOT" || return 1
   step "gpu tests" gpu-tests.log 240 python3 -m pytest tests -m gpu -v -rfEs -p no:cacheprovider

@@ -13,9 +13,10 @@ import types
 from typing import Any
 
 from .._control import bind_host
-from .._errors import InvalidInputError
+from .._errors import InvalidInputError, UCXLibraryError
+from . import _libraries
 
-__all__ = ["native", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
+__all__ = ["native", "loaded", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
            "choose_net_devices", "interface_of", "native_memtype_cache", "check_memtype_config"]
 
 
@@ -140,7 +141,7 @@ def native_memtype_cache() -> str:
     ``"try"``) as libucs holds it; loads UCX."""
     native()
     try:
-        libucs = ctypes.CDLL("libucs.so.0")  # the copy libucxx loaded
+        libucs = ctypes.CDLL(os.path.join(loaded().ucx_dir, "libucs.so.0"))  # the copy loaded
         get = libucs.ucs_global_opts_get_value
     except (OSError, AttributeError):  # pragma: no cover - a libucs without the call
         return _ternary(os.environ.get("UCX_MEMTYPE_CACHE", "try"))
@@ -154,20 +155,27 @@ def native_memtype_cache() -> str:
 
 @functools.cache
 def native() -> types.ModuleType:
-    """Return ``gpushare._ucx._native``, loading libucx/libucxx from their wheels first."""
-    try:
-        import libucxx
-    except ImportError as exc:  # pragma: no cover - a broken install
-        raise ImportError(
-            "gpushare.ucx needs the 'libucxx-cu13' package (pip install libucxx-cu13==0.52.*)"
-        ) from exc
+    """Return ``gpushare._ucx._native``, loading UCX and libucxx from their wheels
+    first, by path (:mod:`._libraries`), and checking what was loaded."""
     choose_hook_mode()
     choose_memtype_cache()
     choose_net_devices()
-    libucxx.load_library()
-    from . import _native
-
+    libs = loaded()
+    try:
+        from . import _native
+    except ImportError as exc:  # a UCX without the symbols the module links to
+        raise UCXLibraryError(
+            f"gpushare's native module does not load with UCX {'.'.join(map(str, libs.ucx_version))} "
+            f"from {libs.ucx_dir}: {exc}"
+        ) from exc
+    _libraries.check_built(libs, tuple(_native.ucx_built_version()))
     return _native
+
+
+@functools.cache
+def loaded() -> _libraries.UcxLibraries:
+    """UCX and libucxx, loaded once by path; what was loaded."""
+    return _libraries.load()
 
 
 def refusal() -> str | None:

@@ -62,6 +62,8 @@ NB_MODULE(_native, m)
     ucp_get_version(&major, &minor, &release);
     return nb::make_tuple(major, minor, release);
   });
+  m.def("ucx_built_version", [] { return nb::make_tuple(UCP_API_MAJOR, UCP_API_MINOR); },
+        "The UCX (major, minor) this module was compiled against.");
   m.def("serialized_remote_key_range", &serializedRemoteKeyRange, "blob"_a);
   m.def("remote_key_problem", &remoteKeyProblem, "blob"_a,
         "What is wrong with the layout of a serialized remote key; empty when nothing is.");
