@@ -2,7 +2,7 @@
 
 ::
 
-    import gpushare.ray                  # imports torch first, then ray and gpushare
+    import gpushare.ray                  # imports ray and torch
     import ray
 
     gpushare.ray.register()              # in the driver, before the actors are created
@@ -39,7 +39,7 @@ from typing import Any
 
 try:
     import ray
-    import torch  # before anything of gpushare loads UCX (docs/ucx.md)
+    import torch
 except ImportError as exc:  # an optional extra: say which
     raise ImportError(f"gpushare.ray needs Ray and torch ({exc.name} is missing): pip install 'gpushare[ray]' "
                       "torch") from exc

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
+import signal
+import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -15,6 +19,11 @@ CTX = mp.get_context("spawn")
 class ChildError(RuntimeError):
     """A command failed in the child with an exception that does not survive
     pickling; the message holds its traceback."""
+
+
+class ChildDied(ChildError):
+    """The child process died (a signal, an exit) while a command was asked of
+    it; the message names how, with the end of what it wrote to stderr."""
 
 
 def _error(exc: BaseException) -> tuple[bytes | None, str]:
@@ -41,7 +50,12 @@ def _raise(value: tuple[bytes | None, str]) -> NoReturn:
     raise ChildError(tb)
 
 
-def _serve(conn: Any, setup: Callable[..., dict], args: tuple) -> None:
+def _serve(conn: Any, setup: Callable[..., dict], args: tuple, stderr_path: str | None = None) -> None:
+    if stderr_path is not None:  # the parent reads it when this process dies, and echoes it at close
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
     try:
         state = setup(*args)
     except BaseException as exc:
@@ -71,22 +85,51 @@ class Child:
     """
 
     def __init__(self, setup: Callable[..., dict], *args: Any, timeout: float = 60.0) -> None:
+        fd, self._stderr = tempfile.mkstemp(prefix="gpushare-child-", suffix=".stderr")
+        os.close(fd)
         self.conn, child_conn = CTX.Pipe()
-        self.proc = CTX.Process(target=_serve, args=(child_conn, setup, args), daemon=True)
+        self.proc = CTX.Process(target=_serve, args=(child_conn, setup, args, self._stderr), daemon=True)
         self.proc.start()
         child_conn.close()
         self.hello = self._reply(timeout)
 
+    def stderr(self) -> str:
+        """What the child wrote to stderr so far."""
+        try:
+            with open(self._stderr, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def _died(self) -> ChildDied:
+        self.proc.join(5)
+        code = self.proc.exitcode
+        if code is None:
+            how = "closed its end of the pipe and still runs"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with status {code}"
+        tail = self.stderr()[-3000:]
+        return ChildDied(f"the child process {self.proc.pid} {how}" + (f"; its stderr ends:\n{tail}" if tail else
+                                                                       "; it wrote nothing to stderr"))
+
     def _reply(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"child {self.proc.pid} did not answer within {timeout} s")
-        status, value = self.conn.recv()
+        try:
+            if not self.conn.poll(timeout):
+                raise TimeoutError(f"child {self.proc.pid} did not answer within {timeout} s")
+            status, value = self.conn.recv()
+        except (EOFError, ConnectionError) as exc:
+            raise self._died() from exc
         if status == "error":
             _raise(value)
         return value
 
     def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
-        self.conn.send((cmd, args))
+        try:
+            self.conn.send((cmd, args))
+        except (BrokenPipeError, ConnectionError) as exc:
+            raise self._died() from exc
         return self._reply(timeout)
 
     def close(self, timeout: float = 10.0) -> int | None:
@@ -101,6 +144,13 @@ class Child:
             self.proc.kill()
             self.proc.join(5)
         self.conn.close()
+        text = self.stderr()
+        if text:  # shown with the test's own captured output
+            sys.stderr.write(text)
+        try:
+            os.unlink(self._stderr)
+        except OSError:
+            pass
         return self.proc.exitcode
 
 

@@ -475,7 +475,36 @@ def _batch_errors(state: dict) -> list[str]:
     return out
 
 
+def _storm_start(state: dict, name: str, count: int, size: int) -> None:
+    """Start ``count`` gets and ``count`` puts of ``size`` bytes each on view ``name``, not waiting."""
+    import numpy as np
+
+    import gpushare as gs
+
+    view = state["views"][name]
+    dsts = [np.empty(size, np.uint8) for _ in range(count)]
+    srcs = [np.full(size, 9, np.uint8) for _ in range(count)]
+    state["storm"] = (dsts, srcs, [gs.get_batch([(view, (i * size) % (view.nbytes - size + 1), d)])
+                                   for i, d in enumerate(dsts)]
+                      + [gs.put_batch([(view, (i * size) % (view.nbytes - size + 1), s)]) for i, s in enumerate(srcs)])
+
+
+def _storm_finish(state: dict, timeout: float) -> list[str]:
+    """Wait for each transfer :func:`_storm_start` began: "ok" or its error's type."""
+    dsts, srcs, requests = state.pop("storm")
+    out = []
+    for r in requests:
+        try:
+            r.wait(timeout)
+            out.append("ok")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.append(type(exc).__name__)
+    return out
+
+
 HANDLERS = {
+    "storm_start": _storm_start,
+    "storm_finish": _storm_finish,
     "open": _open,
     "get": _get,
     "put": _put,

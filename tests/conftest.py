@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -221,15 +222,29 @@ def peer() -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def gpu_peer() -> Iterator:
+def _gpu_peers() -> Iterator[dict]:
+    """The module's gpu peer, once started; closed with the module."""
+    held: dict = {}
+    yield held
+    if "child" in held:
+        held["child"].close()
+
+
+@pytest.fixture
+def gpu_peer(_gpu_peers: dict) -> Any:
     """Another process that opens shares and moves device bytes
-    (``tests/_gpu_share_peer.py``), one per test module."""
+    (``tests/_gpu_share_peer.py``), one per test module.  One that died in an
+    earlier test (a kernel that faulted, a crash: that test reported its
+    signal and stderr) is replaced, so the tests after it run on a live peer."""
     from _procs import Child
     import _gpu_share_peer
 
-    child = Child(_gpu_share_peer.setup, timeout=120)
-    yield child
-    child.close()
+    child = _gpu_peers.get("child")
+    if child is None or not child.proc.is_alive():
+        if child is not None:
+            child.close()
+        child = _gpu_peers["child"] = Child(_gpu_share_peer.setup, timeout=120)
+    return child
 
 
 @pytest.fixture

@@ -9,15 +9,22 @@ import pytest
 
 import gpushare as gs
 
-torch = pytest.importorskip("torch", reason="torch is an optional extra: pip install torch to run these tests")
+
+@pytest.fixture
+def torch():
+    """torch, imported by the first test that needs it, not when the suite is collected: by then
+    other tests of the run have started UCX in this process (any import order must work)."""
+    return pytest.importorskip("torch", reason="torch is an optional extra: pip install torch to run these tests")
 
 
 def _raw(t) -> bytes:
+    import torch
+
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
-def test_a_plain_cpu_tensor_arrives_with_its_dtype_and_shape(peer, dtype):
+def test_a_plain_cpu_tensor_arrives_with_its_dtype_and_shape(peer, dtype, torch):
     t = (torch.arange(24, dtype=torch.float32) * 1.5).to(getattr(torch, dtype)).reshape(2, 3, 4)
     share = gs.export(t)
     assert share.shape == (2, 3, 4)
@@ -28,7 +35,7 @@ def test_a_plain_cpu_tensor_arrives_with_its_dtype_and_shape(peer, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_tensor_over_gpushare_memory_is_mapped_zero_copy(peer, dtype):
+def test_a_tensor_over_gpushare_memory_is_mapped_zero_copy(peer, dtype, torch):
     base = gs.empty((4, 8), np.float32 if dtype == "float32" else np.uint16)
     t = torch.from_numpy(base)
     if dtype == "bfloat16":
@@ -57,7 +64,7 @@ def _tmp_consumer(queue, results) -> None:
         results.put((view.path, t.sum().item()))
 
 
-def test_shares_travel_through_torch_multiprocessing():
+def test_shares_travel_through_torch_multiprocessing(torch):
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")

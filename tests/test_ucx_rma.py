@@ -72,24 +72,6 @@ def test_wake_timeout_follows_the_transports():
         assert wake_timeout_ms(tls) == 1
 
 
-def _hook_mode_after_loading(env: dict) -> str:
-    code = ("import os; from gpushare import ucx; ucx.server(); "
-            "print(os.environ.get('UCX_MEM_MMAP_HOOK_MODE', '<unset>'))")
-    env = {k: v for k, v in os.environ.items() if k != "UCX_MEM_MMAP_HOOK_MODE"} | env
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
-def test_ucx_loads_with_relocation_hooks_unless_a_registration_cache_needs_bistro():
-    from gpushare._ucx._loader import infiniband_present
-
-    # Chosen before UCX's libraries load (UCX reads it then), and inherited.
-    assert _hook_mode_after_loading({}) == ("<unset>" if infiniband_present() else "reloc")
-    # The environment's choice wins.
-    assert _hook_mode_after_loading({"UCX_MEM_MMAP_HOOK_MODE": "bistro"}) == "bistro"
-
-
 def test_remote_key_reports_the_peer_region(link, peer):
     ep, rk = link
     assert rk.is_remote

@@ -29,24 +29,38 @@ def infiniband_present() -> bool:
 
 
 def choose_hook_mode() -> None:
-    """Pick how UCX hooks mmap/munmap, before its libraries load.
+    """Keep UCX from patching any library, before its libraries load.
 
-    UCX's default (``bistro``) rewrites the first bytes of eight libc
-    functions while the process runs, and waits 50 ms after each so that a
-    thread inside them can leave: 0.4 s per process, and a thread preempted
-    there for longer would run half-rewritten code.  ``reloc`` patches the
-    functions' entries in every library's relocation table instead: an
-    atomic pointer write, no wait.  Its one weakness is that calls that do
-    not go through the relocation table (libc calling its own ``munmap``)
-    raise no event, and only a registration cache of host memory consumes
-    those events: on this UCX that is InfiniBand/RoCE's.  TCP registers
-    nothing and ``cuda_copy`` caches no host registrations.  So without such
-    devices gpushare asks for ``reloc``; with them it keeps UCX's default.
+    UCX's memory events feed its registration cache.  To hear of memory
+    going away, libucm hooks ``mmap``, ``munmap`` and six other libc
+    functions, and where those hooks miss what ``malloc`` does it installs
+    an allocator of its own: by default (``bistro``) it rewrites the first
+    bytes of the functions while the process runs (and waits 50 ms after
+    each, 0.4 s per process); in ``reloc`` mode, the one gpushare chose
+    before, it also puts its ``malloc`` and ``free`` into every loaded
+    library's relocation table, and a library loaded later runs its
+    constructors before it is patched: one that frees a block another
+    library allocated hands libucm's block to glibc's ``free``, and the
+    process aborts (CuPy and torch imported after UCX started did).
+
+    Only a registration cache of host memory needs those events, and on
+    UCX 1.21 that is InfiniBand/RoCE's (TCP registers nothing; ``cuda_copy``
+    caches no host registrations).  So without such devices gpushare turns
+    the events off (``UCX_MEM_EVENTS=n``): libucm patches nothing and
+    replaces no allocator, whatever loads later.  UCX then has no
+    registration cache, and UCX 1.21 crashes when a peer fails during a
+    rendezvous transfer whose memory handle UCX registered itself; gpushare
+    gives every rendezvous transfer a memory handle of its own (the
+    region's, or ``OwnMemh`` in the native module), which that path skips.
+    With InfiniBand or RoCE devices UCX's default stays (``bistro``, which
+    replaces no allocator either).  ``UCX_MEM_EVENTS`` or
     ``UCX_MEM_MMAP_HOOK_MODE`` in the environment wins.  Set in the
-    environment, the choice is inherited by child processes on this node,
-    which would make the same one."""
-    if "UCX_MEM_MMAP_HOOK_MODE" not in os.environ and not infiniband_present():
-        os.environ["UCX_MEM_MMAP_HOOK_MODE"] = "reloc"
+    environment, the choice is inherited by child processes on this
+    node, which would make the same one."""
+    if "UCX_MEM_EVENTS" in os.environ or "UCX_MEM_MMAP_HOOK_MODE" in os.environ:
+        return
+    if not infiniband_present():
+        os.environ["UCX_MEM_EVENTS"] = "n"
 
 
 _TERNARY = {"y": "y", "yes": "y", "on": "y", "1": "y", "true": "y",

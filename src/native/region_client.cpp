@@ -138,9 +138,23 @@ ucs_status_t Node::onReply(void* arg, const void* header, size_t headerLength, v
   ucs_memory_type_t mt = op->memoryType;
   uint64_t id = op->id;
   lock.unlock();
-  auto* ctx = new std::pair<Node*, uint64_t>(n, id);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  if (rndv) {
+    auto memh = std::make_unique<OwnMemh>(n->context->getHandle(), buffer, length, mt);
+    if (memh->memh == nullptr) {
+      n->partDone(id, kWaitRecv, memh->status);
+      return UCS_OK;  // UCX drops the rendezvous data
+    }
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = memh->memh;
+    lock.lock();
+    auto again = n->ops.find(id);
+    if (again == n->ops.end()) return UCS_OK;  // failed meanwhile (its peer went)
+    again->second->recvMemh = std::move(memh);
+    lock.unlock();
+  }
+  auto* ctx = new std::pair<Node*, uint64_t>(n, id);
   p.cb.recv_am   = &Node::onGetReceived;
   p.user_data    = ctx;
   p.memory_type  = mt;
@@ -250,6 +264,18 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
     p.cb.send     = &Node::onRequestSent;
     p.user_data   = ctx;
     p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
+    if (!iov && count > 0 && !(flags & UCP_AM_SEND_FLAG_EAGER)) {
+      // A payload that may go by rendezvous comes with our own memory handle (see OwnMemh).
+      ctx->memh = std::make_unique<OwnMemh>(context->getHandle(), const_cast<void*>(payload), count,
+                                            p.memory_type);
+      if (ctx->memh->memh == nullptr) {
+        partDone(ctx->first, kWaitSend, ctx->memh->status, ctx->count);
+        delete ctx;
+        return;
+      }
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = ctx->memh->memh;
+    }
     ucs_status_ptr_t sp = ucp_am_send_nbx(ep, amId, header, headerLength, payload, count, &p);
     if (UCS_PTR_IS_PTR(sp)) {
       signal = true;
