@@ -130,11 +130,14 @@ def _perftest_cuda(test: str, size: int, iters: int, tls: str) -> float:
         server.wait(10)
 
 
-def _rma_exporter(conn, tls: str, size: int, errfile: str) -> None:
+def _rma_exporter(conn, tls: str, size: int, errfile: str, listener: str | None = None) -> None:
     """The exporting side of section 3, in a spawned process.  Its stderr
     (UCX's own messages included) goes to ``errfile`` so that the parent can
-    say why it failed."""
+    say why it failed.  ``listener``: a Unix socket through which the parent
+    proves this process to be on its node (``ucx.LocalPeer``), which it needs
+    to accept this agent's cuda_ipc and shared-memory entries."""
     import os
+    import socket
     import traceback
 
     fd = os.open(errfile, os.O_WRONLY | os.O_APPEND)
@@ -144,7 +147,13 @@ def _rma_exporter(conn, tls: str, size: int, errfile: str) -> None:
     try:
         from gpushare import ucx
 
-        with ucx.Agent(transports=tls) as agent:
+        proof = None
+        if listener is not None:
+            proof = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            proof.connect(listener)
+        # No error handling, as ucx_perftest without -e: UCX 1.21 keeps its one-node lanes off
+        # endpoints with peer-failure handling.
+        with ucx.Agent(transports=tls, error_handling=False) as agent:
             mh = agent.create_memory_handle(size, memory_type="cuda")  # UCX allocates device memory
             conn.send((agent.address, mh.create_remote_key().serialize()))
             conn.recv()
@@ -166,7 +175,7 @@ def _tail(path: str, limit: int = 4000) -> str:
         return f"(its stderr could not be read: {exc})"
 
 
-def start_exporter(tls: str, size: int, timeout: float = 120.0, target=_rma_exporter):
+def start_exporter(tls: str, size: int, timeout: float = 120.0, target=_rma_exporter, listener: str | None = None):
     """Start the exporter of section 3; return ``(proc, conn, errfile, (address, key))``.
 
     The parent closes its copy of the child's pipe end at once, so a child
@@ -182,7 +191,8 @@ def start_exporter(tls: str, size: int, timeout: float = 120.0, target=_rma_expo
     os.close(fd)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, tls, size, errfile), daemon=True)
+    proc = ctx.Process(target=target, args=(child, tls, size, errfile, *([listener] if listener else [])),
+                       daemon=True)
     proc.start()
     child.close()
     deadline = time.monotonic() + timeout
@@ -229,11 +239,20 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
 
     print(f"\n3. ucx-rma between CUDA buffers, UCX_TLS={tls} (MiB/s; median (min-max) of {runs};"
           " ratio to ucx_perftest -m cuda)")
-    proc, conn, errfile, (address, key) = start_exporter(tls, max(sizes))
+    import os
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0gpushare-bench-gpu-{os.getpid()}"
+    listener.bind(name)
+    listener.listen(1)
+    proc, conn, errfile, (address, key) = start_exporter(tls, max(sizes), listener=name)
     local = gs.allocate(max(sizes), device=0)
     try:
-        with ucx.Agent(transports=tls) as agent:
-            ep = agent.connect(address)
+        with ucx.Agent(transports=tls, error_handling=False) as agent:
+            listener.settimeout(60)
+            peer = ucx.LocalPeer.from_socket(listener.accept()[0])
+            ep = agent.connect(address, local_peer=peer)
             rk = ep.unpack_remote_key(key)
             for size in sizes:
                 for test, op in (("ucp_put_bw", ep.mem_put), ("ucp_get", ep.mem_get)):
@@ -255,6 +274,7 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
     finally:
         _stop_exporter(proc, conn, errfile)
         local.close()
+        listener.close()
 
 
 def main() -> int:

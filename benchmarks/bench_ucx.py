@@ -15,10 +15,12 @@ Settings measured:
 * ``tcp, error handling``: gpushare's default ``Agent()`` forced to TCP;
   perftest with ``-e``.
 * ``tcp, no error handling``: ``Agent(error_handling=False)``; perftest without ``-e``.
-  (Shared-memory settings are not measured: a peer address that names
-  shared-memory or cma transports is refused by the address check, because
-  those entries name files, segments and pids of the peer that cannot be
-  verified; see docs/security.md.)
+* ``one node, all transports``: UCX's default transports (``UCX_TLS=all``: on
+  one node shared memory and cma), no error handling (UCX 1.21 keeps its
+  shared-memory and cma lanes off endpoints with peer-failure handling);
+  the exporter proves itself to the importer through a Unix socket
+  (``ucx.LocalPeer``), without which those transports are refused; perftest
+  with the same ``UCX_TLS``, without ``-e``.
 * ``server``: the per-process region server (``gpushare._ucx.server()``),
   TCP, error handling, blocking progress, against perftest's active-message
   tests in the same mode (``ucp_am_bw``, ``ucp_am_lat``, ``-e -E sleep``):
@@ -59,6 +61,7 @@ SIZES = [4 * KiB, 64 * KiB, MiB, 64 * MiB]
 SETTINGS = [
     ("tcp, error handling", "tcp", True),
     ("tcp, no error handling", "tcp", False),
+    ("one node, all transports", "all", False),
     ("server", "tcp", True),
 ]
 
@@ -110,9 +113,13 @@ def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
         server.wait(10)
 
 
-def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str) -> None:
+def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str, listener: str | None = None) -> None:
     from gpushare import ucx
 
+    proof = None
+    if listener is not None:  # the importer proves this process through the socket's credentials
+        proof = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        proof.connect(listener)
     with ucx.Agent(transports=tls, error_handling=error_handling, progress=progress) as agent:
         mh = agent.create_memory_handle(size)
         conn.send((agent.address, mh.create_remote_key().serialize()))
@@ -300,12 +307,19 @@ def run(settings, sizes, runs: int, quick: bool) -> None:
         progress = "blocking"  # both sides sleep between transfers, so perftest may run in between
         li = 2000 if quick else 10000
         try:
-            with spawned(_exporter, tls, eh, max(sizes), progress) as (address, key):
+            listener = proof_name = None
+            if tls == "all":  # one-node transports: the exporter must be proven to be on this node
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                proof_name = f"\0gpushare-bench-{os.getpid()}"
+                listener.bind(proof_name)
+                listener.listen(1)
+            with spawned(_exporter, tls, eh, max(sizes), progress, proof_name) as (address, key):
                 with ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
-                    ep = agent.connect(address)
+                    peer = ucx.LocalPeer.from_socket(listener.accept()[0]) if listener is not None else None
+                    ep = agent.connect(address, local_peer=peer)
                     rk = ep.unpack_remote_key(key)
-                    lane = next((ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[0]" in ln), "?")
-                    print(f"   gpushare endpoint: {lane}")
+                    lanes = [ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[" in ln]
+                    print(f"   gpushare endpoint: {'; '.join(lanes) or '?'}")
                     print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
                     for size in sizes:
                         n = _iters(size, quick)

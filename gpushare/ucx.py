@@ -27,12 +27,13 @@ UCX is loaded when the first :class:`Agent`, server or client is made.  See
 
 from ._ucx import _loader
 from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, MemoryHandle, RemoteKey, Request
+from ._ucx._local import LocalPeer
 from ._ucx._server import KEY_BYTES, Client, Peer, Region, Server, client, server
 
-__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version",
+__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version", "LocalPeer",
            "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]
 
-for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, Server, Region, Client, Peer):
+for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, Server, Region, Client, Peer, LocalPeer):
     _cls.__module__ = __name__  # they present themselves as gpushare.ucx.X
 del _cls
 

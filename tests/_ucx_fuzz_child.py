@@ -6,7 +6,9 @@ nobody::
 
     python _ucx_fuzz_child.py KIND SEED RANDOM START PROGRESS
 
-KIND is ``address`` or ``key``.  The cases are made from this process's own
+KIND is ``address``, ``key``, ``local-address`` or ``local-key`` (the last two: an agent on
+UCX's one-node transports, its peer proven as this very process, with the address and keys
+forged from its own, constructed posix and sysv keys of its own segments among them).  The cases are made from this process's own
 worker address or remote key: every one-byte change (0x00, 0xff, +1, -1,
 each bit flipped), one-byte deletions and insertions (one right after the
 worker uuid among them), truncations, random multi-byte changes (RANDOM of
@@ -182,7 +184,6 @@ def _mark(progress: str, index: int, label: str) -> None:
 
 
 def run_addresses(seed: int, count: int, start: int, progress: str) -> dict:
-    import gpushare as gs
     import gpushare.ucx as gu
     from gpushare._ucx import _common, _server
 
@@ -192,15 +193,27 @@ def run_addresses(seed: int, count: int, start: int, progress: str) -> dict:
     rng = random.Random(seed)
     cases = [("node:" + label, b) for label, b in address_cases(node_raw, rng, count)]
     cases += [("agent:" + label, b) for label, b in address_cases(agent_raw, rng, count // 4)]
+
+    def connect(label: str, address: bytes) -> None:
+        if label.startswith("node:"):
+            _server.client().connect(address, timeout=1).close(timeout=1)
+        else:
+            agent.connect(address, timeout=1).close(timeout=1)
+
+    return _connect_each(connect, cases, start, progress)
+
+
+def _connect_each(connect, cases: list[tuple[str, bytes]], start: int, progress: str) -> dict:
+    """``connect(label, address)`` for each case from ``start``, the raw address in its envelope; the counts."""
+    import gpushare as gs
+    from gpushare._ucx import _common
+
     seen = {"total": len(cases), "refused": 0, "ucx_error": 0, "accepted": 0}
     for index in range(start, len(cases)):
         label, blob = cases[index]
         _mark(progress, index, label)
         try:
-            if label.startswith("node:"):
-                _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, blob), timeout=1).close(timeout=1)
-            else:
-                agent.connect(_common.pack(_common.ADDRESS_MAGIC, 0, blob), timeout=1).close(timeout=1)
+            connect(label, _common.pack(_common.ADDRESS_MAGIC, 0, blob))
             seen["accepted"] += 1
         except gs.InvalidInputError:
             seen["refused"] += 1
@@ -210,7 +223,6 @@ def run_addresses(seed: int, count: int, start: int, progress: str) -> dict:
 
 
 def run_keys(seed: int, count: int, start: int, progress: str) -> dict:
-    import gpushare as gs
     import gpushare.ucx as gu
     from gpushare._ucx import _common, _rkey
 
@@ -224,6 +236,17 @@ def run_keys(seed: int, count: int, start: int, progress: str) -> dict:
     assert serialized_key(packed, base, size) == serialized, "std::hash of libstdc++ differs from the key's"
     ep = importer.connect(exporter.address)
     cases = key_cases(packed, base, size, random.Random(seed), count)
+    return _unpack_each(ep, mtype, cases, start, progress, (base, size), bytes(memory))
+
+
+def _unpack_each(ep, mtype: int, cases: list[tuple[str, bytes]], start: int, progress: str,
+                 region: tuple[int, int], memory: bytes) -> dict:
+    """Each case from ``start`` through ``ep.unpack_remote_key``; a key accepted for the real
+    ``region`` reads 16 bytes inside it, which must be ``memory``'s.  The counts."""
+    import gpushare as gs
+    from gpushare._ucx import _common
+
+    base, size = region
     seen = {"total": len(cases), "refused": 0, "ucx_error": 0, "accepted": 0}
     for index in range(start, len(cases)):
         label, blob = cases[index]
@@ -240,13 +263,91 @@ def run_keys(seed: int, count: int, start: int, progress: str) -> dict:
             if (key.base_address, key.size) == (base, size):  # use it, inside the real region only
                 out = bytearray(16)
                 ep.mem_get(out, base + 32, key).wait(5)
-                assert bytes(out) == bytes(memory[32:48]), "a get with an accepted key read other bytes"
+                assert bytes(out) == memory[32:48], f"a get with an accepted key ({label}) read other bytes"
             seen["accepted"] += 1
         except gs.GpuShareError:
             seen["ucx_error"] += 1
         finally:
             key.close()
     return seen
+
+
+ONE_NODE_AGENT = {"transports": "posix,sysv,cma,tcp,self", "error_handling": False}
+
+
+def one_node_cases(raw: bytes, rng: random.Random, count: int) -> list[tuple[str, bytes]]:
+    """Forgeries of an address on the one-node transports: the fixed and random edits, and each
+    4-byte run holding this pid, and each 8-byte segment id, set to other values."""
+    import os
+
+    cases = address_cases(raw, rng, count)
+    pid = os.getpid().to_bytes(4, "little")
+    at = raw.find(pid)
+    while at >= 0:
+        for other in (0, 1, os.getppid(), (os.getpid() | 1 << 31), 0xFFFFFFFF):
+            cases.append((f"pid@{at}={other:#x}", raw[:at] + other.to_bytes(4, "little") + raw[at + 4:]))
+        at = raw.find(pid, at + 1)
+    return cases
+
+
+def _own_segment_keys(md_posix: int | None, md_sysv: int | None, base: int, memory: bytes) -> list[tuple[str, bytes]]:
+    """Packed keys of this process's own memfd (posix) and System V segment holding ``memory``,
+    as UCX 1.21 would pack them for memory at ``base``; the objects stay alive with the process."""
+    import ctypes
+    import os
+
+    out = []
+    if md_posix is not None:
+        fd = os.memfd_create("gpushare-fuzz")
+        os.write(fd, memory)
+        seg = (1 << 63) | (1 << 62) | fd << 30 | os.getpid()
+        key = seg.to_bytes(8, "little") + base.to_bytes(8, "little") + len(memory).to_bytes(8, "little")
+        out.append(("posix", (1 << md_posix).to_bytes(8, "little") + b"\0" + bytes([24]) + key + b"\xff"))
+    if md_sysv is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        shmid = libc.shmget(0, len(memory), 0o600 | 0o1000)
+        addr = libc.shmat(shmid, None, 0)
+        ctypes.memmove(addr, memory, len(memory))
+        libc.shmctl(shmid, 0, None)  # removed once detached: gone with this process
+        key = shmid.to_bytes(4, "little") + base.to_bytes(8, "little")
+        out.append(("sysv", (1 << md_sysv).to_bytes(8, "little") + b"\0" + bytes([12]) + key + b"\xff"))
+    return out
+
+
+def run_local_addresses(seed: int, count: int, start: int, progress: str) -> dict:
+    import gpushare.ucx as gu
+    from gpushare._ucx import _common, _local
+
+    agent = gu.Agent(**ONE_NODE_AGENT)
+    raw = _common.unpack(agent.address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
+    peer = _local.own_peer()
+    cases = one_node_cases(raw, random.Random(seed), count)
+    return _connect_each(lambda label, address: agent.connect(address, timeout=1, local_peer=peer).close(timeout=1),
+                         cases, start, progress)
+
+
+def run_local_keys(seed: int, count: int, start: int, progress: str) -> dict:
+    import gpushare.ucx as gu
+    from gpushare._ucx import _address, _common, _local, _rkey
+
+    exporter, importer = gu.Agent(**ONE_NODE_AGENT), gu.Agent(**ONE_NODE_AGENT)
+    memory = bytes(range(256)) * 16
+    handle = exporter.create_memory_handle(len(memory), bytearray(memory))
+    mtype, serialized = _common.unpack(handle.create_remote_key().serialize(), _common.KEY_MAGIC, "k", 1 << 16)
+    base = int.from_bytes(serialized[-16:-8], "little")
+    size = int.from_bytes(serialized[-8:], "little")
+    raw = _common.unpack(exporter.address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
+    peer = _local.own_peer()
+    mds = _address.check_worker_address(raw, raw, peer).md_transports
+    md_of = {name: next((md for md, names in mds.items() if name in names), None) for name in ("posix", "sysv")}
+    ep = importer.connect(exporter.address, local_peer=peer)
+    rng = random.Random(seed)
+    genuine = [("cma", _rkey.packed_key(serialized))] + _own_segment_keys(md_of["posix"], md_of["sysv"], base, memory)
+    cases: list[tuple[str, bytes]] = []
+    for name, packed in genuine:
+        cases += [(f"{name}:{label}", b) for label, b in key_cases(packed, base, size, rng, count // len(genuine))]
+    return _unpack_each(ep, mtype, cases, start, progress, (base, size), memory)
 
 
 def fuzz(kind: str, seed: int, count: int, timeout: float = 600, **env: str) -> dict:
@@ -292,7 +393,8 @@ def fuzz(kind: str, seed: int, count: int, timeout: float = 600, **env: str) -> 
 def main() -> None:
     kind, seed, count, start, progress = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a namespace of its own: nothing leaves it
-    run = {"address": run_addresses, "key": run_keys}[kind]
+    run = {"address": run_addresses, "key": run_keys, "local-address": run_local_addresses,
+           "local-key": run_local_keys}[kind]
     print(json.dumps(run(seed, count, start, progress)), flush=True)
 
 

@@ -64,9 +64,12 @@ def test_real_addresses_pass_and_the_p3_address_is_refused():
 
 
 def test_shared_memory_and_cma_addresses_are_refused_even_by_a_worker_that_runs_them():
+    """Unless the peer is proven to be on this node (tests/test_ucx_local.py)."""
     with gu.Agent(error_handling=False, transports="all") as agent:
         everything = _raw(agent.address)
-    with pytest.raises(gs.InvalidInputError, match="(sysv|posix|cma) transport, which gpushare does not accept"):
+    with pytest.raises(gs.InvalidInputError, match="(sysv|posix|cma) transport, whose addresses name files, segments "
+                                                   "or processes of this host: it is accepted only from a peer on "
+                                                   "this node that the kernel proves"):
         _address.check_worker_address(everything, everything)
     _address.check_worker_address(_raw(gu.Agent(transports="tcp,self").address), everything)
 
@@ -181,7 +184,12 @@ def test_a_forged_key_is_refused_by_unpack_remote_key_before_ucx_reads_it():
 
 
 class _AgentOfSharedMemoryKeys:
-    """Stands in for an agent whose transports pack shared-memory keys."""
+    """Stands in for an agent whose keys carry bytes for a memory domain its own (tcp-only)
+    address does not name with a transport that packs any."""
+
+    def __init__(self):
+        self._real = gu.Agent(transports="tcp,self")
+        self._native = self._real._native
 
     class _Handle:
         def __enter__(self):
@@ -273,6 +281,21 @@ def test_forged_remote_keys_are_refused_or_unpacked_and_used_never_crash():
     assert result["total"] > 2500
 
 
+@pytest.mark.netns
+@pytest.mark.parametrize("kind, count, least", [("local-address", 400, 2000), ("local-key", 900, 2500)])
+def test_forged_one_node_addresses_and_keys_of_a_proven_peer_never_crash(kind, count, least):
+    """The same edits of an agent's address on UCX's one-node transports (shared memory, cma), and
+    of its keys (cma's, and posix and sysv keys of its own segments), through ``Agent.connect`` and
+    ``Endpoint.unpack_remote_key`` with the peer proven as this very process: what names another
+    process, another segment or more than a segment holds is refused, the rest connects or reads
+    the real bytes (a sample; tools/fuzz_ucx.py --local N runs the long one)."""
+    _needs_netns()
+    result = fuzz.fuzz(kind, 5, count, timeout=300)
+    print(json.dumps(result))
+    _assert_no_crash(result)
+    assert result["total"] > least and result["refused"] and result["accepted"]
+
+
 # ------------------------------------------------------------------ a peer without the key
 
 
@@ -335,3 +358,47 @@ def test_a_peer_without_the_key_that_reaches_the_ucx_port_is_served_nothing():
     assert got["served"] == 0 and set(got["errors"]) == {"AccessDeniedError"}, got
     assert got["untouched"] is True  # no byte of the exporter reached the keyless peer
     assert hashlib.sha256(arr).hexdigest() == before  # and none of its bytes reached the exporter
+
+
+# ------------------------------------------------------------------ InfiniBand and RoCE entries in a real address
+
+
+def _with_ib_device(raw: bytes, dev_addr: bytes, name: str, iface: bytes) -> bytes:
+    """``raw`` (a v1 address) with its first tcp device turned into a device of IB transport ``name``:
+    the device address, the name checksum and the interface address replaced, the rest as packed."""
+    dev_pos, length = fuzz.tcp_devices(raw)[0]
+    dev = raw[dev_pos]
+    start = dev_pos + 1 + bool(dev & 0x40) + bool(dev & 0x20)
+    p = start + length  # the transport: checksum (2), attributes (16), interface length byte, interface
+    ifl = raw[p + 18]
+    head = raw[:dev_pos] + bytes([(dev & ~0x1F & 0xFF) | len(dev_addr)]) + raw[dev_pos + 1:start] + dev_addr
+    entry = _address.TL_CSUMS[name].to_bytes(2, "little") + raw[p + 2:p + 18] + bytes([(ifl & 0xC0) | len(iface)])
+    return head + entry + iface + raw[p + 19 + (ifl & 0x3F):]
+
+
+def test_an_roce_or_infiniband_entry_is_accepted_at_its_exact_sizes_and_its_keys_with_it():
+    from gpushare._ucx import _ib
+
+    raw = _node_raw()
+    if raw[0] & 0x0F != 0 or not fuzz.tcp_devices(raw):
+        pytest.skip("this machine's own address is not a v1 address with a tcp device")
+    gid = bytes(10) + b"\xff\xff" + bytes([198, 18, 0, 1])  # an IPv4-mapped RoCE GID
+    roce = _ib.pack_roce_address(gid)
+    ib = _ib.pack_ib_address(7)
+    ok = [(roce, "ud_verbs", _ib.pack_ud_iface(0x1234)), (ib, "rc_mlx5", _ib.pack_rc_mlx5_iface()),
+          (ib, "dc_mlx5", _ib.pack_dc_mlx5_iface(0x42)), (roce, "rc_verbs", b"")]
+    for dev_addr, name, iface in ok:
+        peer = _address.check_worker_address(_with_ib_device(raw, dev_addr, name, iface), raw)
+        md = next(md for md, names in peer.md_transports.items() if name in names)
+        key = (1 << md).to_bytes(8, "little") + b"\0" + b"\x08" + _ib.pack_ib_md_key(0x1234) + b"\xff"
+        _rkey.check_packed_key(key, 0, peer)
+        for bad, why in [(key[:9] + b"\x00" + key[18:], "8"), (key[:9] + b"\x09" + key[10:18] + b"\0\xff", "8")]:
+            with pytest.raises(gs.InvalidInputError, match=why):
+                _rkey.check_packed_key(bad, 0, peer)
+    refused = [(roce[:-1], "ud_verbs", _ib.pack_ud_iface(1)),               # a cut device address
+               (bytes([roce[0] | 0x01]) + roce[1:], "ud_verbs", _ib.pack_ud_iface(1)),  # a flag RoCE never sets
+               (ib, "rc_mlx5", b"\x00\x00"),                                  # a 2-byte rc_mlx5 interface
+               (ib, "ud_mlx5", _ib.pack_ud_iface(1)[:2])]
+    for dev_addr, name, iface in refused:
+        with pytest.raises(gs.InvalidInputError, match=name.split("_")[0] + "|device address|InfiniBand|RoCE"):
+            _address.check_worker_address(_with_ib_device(raw, dev_addr, name, iface), raw)

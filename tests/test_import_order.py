@@ -94,7 +94,7 @@ def test_a_library_whose_constructor_frees_another_librarys_block_loads_after_uc
 
 def test_the_old_relocation_hooks_abort_on_the_same_libraries(clibs, exported):
     """The same program under the hook settings gpushare chose before dies: the test above can fail."""
-    share, arr = exported["share"], exported["arr"]
+    share = exported["share"]
     r = run_importer(share, "clibs", clibs, env={"UCX_MEM_MMAP_HOOK_MODE": "reloc", "UCX_MEM_EVENTS": "y"})
     assert r.returncode == -signal.SIGABRT, (r.returncode, r.stdout, r.stderr[-2000:])
 

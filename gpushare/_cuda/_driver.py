@@ -43,6 +43,7 @@ __all__ = [
     "check",
     "copy_async",
     "current_ordinal",
+    "ipc_allocation_size",
     "device_count",
     "device_name",
     "device_uuid",
@@ -233,6 +234,26 @@ def _primary_context(ordinal: int) -> Any:
             ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({ordinal})")
             _primary[ordinal] = ctx
         return ctx
+
+
+def ipc_allocation_size(handle: bytes, uuid: bytes) -> int:
+    """The size of the allocation a legacy CUDA IPC handle (64 bytes) names, on the device with
+    the 16-byte ``uuid``: opened, measured (``cuMemGetAddressRange``) and closed again.  The
+    driver counts opens of one handle, so one held elsewhere in this process stays open."""
+    drv = driver()
+    ordinal = ordinal_of_uuid("-".join((uuid[:4].hex(), uuid[4:6].hex(), uuid[6:8].hex(), uuid[8:10].hex(),
+                                        uuid[10:16].hex())))
+    if ordinal is None:
+        raise InvalidInputError(f"the CUDA IPC handle is of device {uuid.hex()}, which this process does not see")
+    with on_device(ordinal):
+        ipc = set_bytes(drv.CUipcMemHandle(), handle)
+        base = int(check(drv.cuIpcOpenMemHandle(ipc, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                         "cuIpcOpenMemHandle"))
+        try:
+            _, size = check(drv.cuMemGetAddressRange(base), "cuMemGetAddressRange")
+        finally:
+            drv.cuIpcCloseMemHandle(base)
+    return int(size)
 
 
 @contextlib.contextmanager

@@ -20,14 +20,20 @@ Checked, in full:
   for each transport on it the name checksum, its attributes, its interface
   address and each endpoint address with its lane; the address ends
   exactly where its last device does;
-- the transports: only ``tcp``, ``self`` and ``cuda_copy`` entries are
-  accepted, at their exact sizes (tcp: a 6-byte IPv4 or 18-byte IPv6 or
-  loopback device address whose flags and family agree with its size, a
-  2-byte port, no endpoint address; self and cuda_copy: no device address,
-  an 8-byte interface address).  Shared memory (posix, sysv), CMA and
-  cuda_ipc addresses name files, segments and process ids that the importer
-  would open or write with its own rights, so they are refused whatever
-  the local configuration;
+- the transports: ``tcp``, ``self`` and ``cuda_copy`` entries at their
+  exact sizes (tcp: a 6-byte IPv4 or 18-byte IPv6 or loopback device
+  address whose flags and family agree with its size, a 2-byte port, no
+  endpoint address; self and cuda_copy: no device address, an 8-byte
+  interface address); InfiniBand and RoCE entries (``rc_mlx5``,
+  ``dc_mlx5``, ``ud_mlx5``, ``rc_verbs``, ``ud_verbs``, ``rc_gda``) at the
+  exact sizes their flags and UCX 1.21's structs give, with no endpoint
+  addresses (a worker address carries none; ``_ib``); shared memory (posix,
+  sysv), CMA and cuda_ipc, whose addresses name files, segments and process
+  ids that the importer would open or write with its own rights, only from
+  a peer that the kernel proved to run on this node as this user
+  (``local_peer``, see ``_local``), and only naming that peer's own
+  processes and segments, on this host (their device address is this
+  host's system id); any other transport is refused;
 - against this process's own address (``local``, the same UCX build): the
   format version, the header flags, and for every transport this process
   also runs, the shape (device and interface address lengths, endpoint
@@ -48,8 +54,11 @@ import struct
 from typing import NamedTuple
 
 from .._errors import InvalidInputError
+from . import _ib
+from ._loader import system_id_of_host
+from ._local import ONE_NODE, LocalPeer, check_local_iface
 
-__all__ = ["check_worker_address", "TL_CSUMS"]
+__all__ = ["check_worker_address", "PeerAddress", "TL_CSUMS"]
 
 _V1, _V2 = 0, 1
 # Header flags (UCP_ADDRESS_HEADER_FLAG_*): debug info, worker uuid, client id, AM only.
@@ -78,10 +87,12 @@ def _crc16(name: str) -> int:
     return ~crc & 0xFFFF
 
 
-#: Transport name checksums (``tl_name_csum``) of the transports UCX 1.21 builds here.
-TL_CSUMS = {name: _crc16(name) for name in ("tcp", "self", "cuda_copy", "posix", "sysv", "cma", "cuda_ipc")}
+#: Transport name checksums (``tl_name_csum``) of the transports gpushare knows.
+TL_CSUMS = {name: _crc16(name) for name in ("tcp", "self", "cuda_copy", *ONE_NODE, *_ib.IB_TRANSPORTS)}
 _NAMES = {csum: name for name, csum in TL_CSUMS.items()}
-_REFUSED = {"posix", "sysv", "cma", "cuda_ipc"}
+# One-node transports' device addresses: the host's system id (uct_iface_local_addr_base_t,
+# sm_iface.c; cuda_ipc: uct_cuda_ipc_device_addr_t without its MNNVL flags byte, or with it 0).
+_ONE_NODE_DEVICE = {"posix": {8}, "sysv": {8}, "cma": {8}, "cuda_ipc": {8, 9}}
 # Accepted transports: (device address lengths, interface address length), none with endpoint addresses.
 # tcp: uct_tcp_device_addr_t {u8 flags, u8 sa_family} + in_addr / in6_addr / uct_iface_local_addr_ns_t
 # (tcp.h:305-312), port (tcp.h:318-320); self, cuda_copy: an 8-byte id (self.h:14, cuda_copy_iface.h:20).
@@ -127,6 +138,13 @@ class _Transport(NamedTuple):
     iface_len: int
     endpoints: tuple[int, ...]  # the length of each endpoint address
     caps: int  # capability flags from the attributes
+    md_index: int
+    iface: bytes
+    ep_addrs: tuple[bytes, ...]
+
+    @property
+    def name(self) -> str | None:
+        return _NAMES.get(self.csum)
 
     @property
     def shape(self) -> tuple[int, int, int, tuple[int, ...]]:
@@ -219,14 +237,15 @@ def _parse(raw: bytes) -> _Address:
             last_tl = bool(length_byte & _LAST)
             has_ep = bool(length_byte & _HAS_EP_ADDR)
             iface_len = r.extended(_IFACE_LEN_MASK, length_byte & _IFACE_LEN_MASK, version)
-            r.take(iface_len, "an interface address")
-            endpoints: list[int] = []
+            iface = r.take(iface_len, "an interface address")
+            ep_addrs: list[bytes] = []
             while has_ep:
-                if len(endpoints) >= _MAX_LANES:
+                if len(ep_addrs) >= _MAX_LANES:
                     raise InvalidInputError(f"UCX worker address names more than {_MAX_LANES} endpoint addresses")
-                endpoints.append(len(r.take(r.u8(), "an endpoint address")))
+                ep_addrs.append(r.take(r.u8(), "an endpoint address"))
                 has_ep = not r.u8() & _LAST
-            transports.append(_Transport(csum, dev_addr, iface_len, tuple(endpoints), caps))
+            transports.append(_Transport(csum, dev_addr, iface_len, tuple(len(e) for e in ep_addrs), caps, md_index,
+                                         iface, tuple(ep_addrs)))
         if dev & _LAST:
             break
     if r.pos != len(r.data):
@@ -234,15 +253,28 @@ def _parse(raw: bytes) -> _Address:
     return _Address(version, flags, header >> 4 if version == _V2 else None, tuple(transports), tuple(empty_devices))
 
 
-def _check_transport(t: _Transport) -> str:
-    """Refuse a transport gpushare does not accept from a peer, or one whose
-    addresses do not have its exact size; its name."""
+def _check_transport(t: _Transport, peer: LocalPeer | None = None, system_id: int | None = None) -> str:
+    """Refuse a transport gpushare does not accept from this peer, or one whose
+    addresses do not have its exact size or name what they may; its name."""
     name = _NAMES.get(t.csum)
     if name is None:
         raise InvalidInputError(f"UCX worker address names an unknown transport (name checksum {t.csum:#06x})")
-    if name in _REFUSED:
-        raise InvalidInputError(f"UCX worker address names a {name} transport, which gpushare does not accept "
-                                "from a peer: its addresses name files, segments or processes of this host")
+    if name in _ib.IB_TRANSPORTS:
+        _ib.check_ib_entry(name, t.dev_addr, t.iface, t.ep_addrs)
+        return name
+    if name in _ONE_NODE_DEVICE:
+        check_local_iface(name, t.iface, peer)  # first: without a proven peer, the refusal says so
+        if len(t.dev_addr) not in _ONE_NODE_DEVICE[name] or t.endpoints:
+            raise InvalidInputError(f"UCX worker address names a {name} transport with a {len(t.dev_addr)}-byte device "
+                                    f"address and {len(t.endpoints)} endpoint addresses; UCX 1.21 packs "
+                                    f"{' or '.join(map(str, sorted(_ONE_NODE_DEVICE[name])))} and none")
+        if len(t.dev_addr) == 9 and t.dev_addr[8]:
+            raise InvalidInputError(f"UCX worker address names a {name} device reached over multi-node NVLink "
+                                    f"(flags {t.dev_addr[8]:#x}), not one on this node")
+        if system_id is not None and int.from_bytes(t.dev_addr[:8], "little") != system_id:
+            raise InvalidInputError(f"UCX worker address names a {name} device of another host (system id "
+                                    f"{int.from_bytes(t.dev_addr[:8], 'little'):#x}, this host's is {system_id:#x})")
+        return name
     dev_lens, iface_len = _SHAPES[name]
     if len(t.dev_addr) not in dev_lens or t.iface_len != iface_len or t.endpoints:
         raise InvalidInputError(f"UCX worker address names a {name} transport with a {len(t.dev_addr)}-byte device "
@@ -266,7 +298,7 @@ def _own(local: bytes) -> _Address:
     try:
         own = _parse(local)
         for t in own.transports:
-            if _NAMES.get(t.csum) in _SHAPES:
+            if t.name in _SHAPES or t.name in _ib.IB_TRANSPORTS:
                 _check_transport(t)
     except InvalidInputError as exc:
         raise InvalidInputError(
@@ -276,10 +308,20 @@ def _own(local: bytes) -> _Address:
     return own
 
 
-def check_worker_address(raw: bytes, local: bytes) -> None:
+class PeerAddress(NamedTuple):
+    """What a checked peer address says that its remote keys are read against: the transports
+    of each memory domain, and the proven local peer it came from (or None)."""
+
+    md_transports: dict[int, frozenset[str]]
+    local_peer: LocalPeer | None
+
+
+def check_worker_address(raw: bytes, local: bytes, local_peer: LocalPeer | None = None) -> PeerAddress:
     """Raise :class:`InvalidInputError` unless ``raw``, a peer's packed worker
     address, is one UCX 1.21 reads safely and that fits this process's own
-    worker address ``local`` (see the module notes for what is checked)."""
+    worker address ``local`` (see the module notes for what is checked).
+    ``local_peer``: the peer as the kernel proved it, which admits its
+    one-node transports.  Returns what its keys are checked against."""
     if _unified_mode():
         raise InvalidInputError("UCX_UNIFIED_MODE=y packs worker addresses that gpushare cannot validate: "
                                 "peer addresses are refused; unset UCX_UNIFIED_MODE")
@@ -296,10 +338,15 @@ def check_worker_address(raw: bytes, local: bytes) -> None:
     for t in own.transports:
         own_shapes.setdefault(t.csum, set()).add((t.shape, t.caps))
     own_loopback = any(t.csum == TL_CSUMS["tcp"] and t.dev_addr[0] == _TCP_LOOPBACK for t in own.transports)
+    system_id = system_id_of_host() if local_peer is not None and any(t.name in _ONE_NODE_DEVICE for t in peer.transports) \
+        else None
+    md_transports: dict[int, set[str]] = {}
     for t in peer.transports:
-        name = _check_transport(t)
+        name = _check_transport(t, local_peer, system_id)
         if t.csum in own_shapes and (t.shape, t.caps) not in own_shapes[t.csum]:
             raise InvalidInputError(f"UCX worker address names a {name} transport unlike any of this process's "
                                     "(address lengths or capabilities differ: the peer runs other UCX settings)")
         if name == "tcp" and t.dev_addr[0] == _TCP_LOOPBACK and not own_loopback:
             raise InvalidInputError("UCX worker address names a tcp loopback device, and this process has none")
+        md_transports.setdefault(t.md_index, set()).add(name)
+    return PeerAddress({md: frozenset(names) for md, names in md_transports.items()}, local_peer)

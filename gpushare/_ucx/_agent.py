@@ -23,7 +23,7 @@ from .._errors import (
     WaitTimeoutError,
 )
 from . import _device
-from ._address import check_worker_address
+from ._address import PeerAddress, check_worker_address
 from ._common import (
     ADDRESS_MAGIC,
     KEY_MAGIC,
@@ -44,6 +44,7 @@ from ._common import (
     wake_timeout_ms,
 )
 from ._loader import check_memtype_config, keep_forever, native
+from ._local import LocalPeer
 from ._rkey import check_remote_key
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
@@ -331,16 +332,17 @@ class MemoryHandle:
 class Endpoint(Connection):
     """A connection to one peer agent; made by :meth:`Agent.connect`."""
 
-    __slots__ = ("_agent",)
+    __slots__ = ("_agent", "_peer")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Endpoint objects are made by Agent.connect")
 
     @classmethod
-    def _make(cls, agent: Agent, nep: Any) -> Endpoint:
+    def _make(cls, agent: Agent, nep: Any, peer: PeerAddress) -> Endpoint:
         self = object.__new__(cls)
         self._init(nep)
         self._agent = agent
+        self._peer = peer  # the peer's checked address: what its keys are read against
         return self
 
     def _check_open(self) -> Any:
@@ -361,7 +363,9 @@ class Endpoint(Connection):
         InvalidInputError
             If the blob is truncated, corrupted, foreign or from another
             version, or its packed key is not one gpushare accepts (keys
-            of shared-memory or cuda_ipc transports, for one).
+            of shared-memory or cuda_ipc transports are accepted only on an
+            endpoint connected with ``local_peer``, and only naming that
+            peer's own memory).
         UnsupportedError
             If this agent's own transports make keys gpushare would refuse
             from a peer (``UCX_TLS``).
@@ -373,10 +377,10 @@ class Endpoint(Connection):
         problem = native().remote_key_problem(payload)
         if problem:
             raise InvalidInputError(f"remote key is malformed: {problem}")
-        check_remote_key(payload, mtype, self._agent)  # UCX reads the packed key with no bounds
         base, size = native().serialized_remote_key_range(payload)
         if size == 0 or base + size > U64:
             raise InvalidInputError(f"remote key covers an impossible range: base 0x{base:x}, size {size}")
+        check_remote_key(payload, mtype, self._agent, self._peer, (base, size))  # UCX reads it with no bounds
         nkey = n.unpack_remote_key(payload)
         return RemoteKey._make(native_key=nkey, blob=None, base=base, size=size,
                                memory_type=MEMORY_TYPE_NAMES[mtype], endpoint=self)
@@ -654,22 +658,37 @@ class Agent:
 
     # -- operations ----------------------------------------------------------
 
-    def connect(self, peer_address: bytes, *, timeout: float = 10.0) -> Endpoint:
+    def connect(self, peer_address: bytes, *, timeout: float = 10.0, local_peer: LocalPeer | None = None) -> Endpoint:
         """Connect to a peer agent; the endpoint is usable when this returns.
+
+        Parameters
+        ----------
+        peer_address : bytes
+            The peer agent's :attr:`address`.
+        timeout : float
+            Seconds to wait for the connection.
+        local_peer : LocalPeer, optional
+            The peer as the kernel proved it (:meth:`LocalPeer.from_socket` on
+            a Unix socket to it): admits the peer's one-node transports
+            (shared memory, CMA, cuda_ipc) in its address and keys, checked to
+            name that process's own memory.  Without it they are refused.
 
         Raises
         ------
         InvalidInputError
-            If ``peer_address`` is not a gpushare agent address.
+            If ``peer_address`` is not a gpushare agent address, or names what
+            it may not (see docs/security.md).
         UCXConnectionError
             If the peer cannot be reached within ``timeout`` seconds.
         """
         self._check_usable()
         t = _types.timeout(timeout)
         _, raw = unpack(peer_address, ADDRESS_MAGIC, "agent address", MAX_ADDRESS)
-        check_worker_address(raw, self._native.address())  # UCX reads it with no bounds
+        if local_peer is not None and not isinstance(local_peer, LocalPeer):
+            raise InvalidInputError(f"local_peer must be a gpushare.ucx.LocalPeer, not {type(local_peer).__name__}")
+        peer = check_worker_address(raw, self._native.address(), local_peer)  # UCX reads it with no bounds
         nep = self._native.connect(raw)
-        ep = Endpoint._make(self, nep)
+        ep = Endpoint._make(self, nep, peer)
         # Wire the connection up before handing it out: unpacking a remote key
         # on an endpoint that is not connected yet is unsafe in UCX.
         try:

@@ -16,7 +16,7 @@ from .._control import bind_host
 from .._errors import InvalidInputError, UCXLibraryError
 from . import _libraries
 
-__all__ = ["native", "loaded", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
+__all__ = ["native", "loaded", "system_id_of_host", "keep_forever", "infiniband_present", "choose_hook_mode", "choose_memtype_cache",
            "choose_net_devices", "interface_of", "native_memtype_cache", "check_memtype_config"]
 
 
@@ -184,6 +184,16 @@ def native() -> types.ModuleType:
         ) from exc
     _libraries.check_built(libs, tuple(_native.ucx_built_version()))
     return _native
+
+
+@functools.cache
+def system_id_of_host() -> int:
+    """This host's system id as UCX computes it (``ucs_get_system_id``: what one-node transports
+    pack as their device address), without the namespace flag bit; loads UCX."""
+    native()
+    get = ctypes.CDLL(os.path.join(loaded().ucx_dir, "libucs.so.0")).ucs_get_system_id
+    get.restype = ctypes.c_uint64
+    return int(get()) & ~(1 << 63)  # UCT_IFACE_LOCAL_ADDR_FLAG_NS is not part of the id
 
 
 @functools.cache

@@ -6,11 +6,22 @@ reads its own key at the size of its own struct, whatever the key's size
 byte says (ucp_rkey.c:986-1019).  Shared-memory keys (posix, sysv) name
 files, fds and segments that the importer opens and maps with its own
 rights (``mm_posix.c:406-450, 718-745``, ``mm_sysv.c:55-69``); cuda_ipc
-keys name IPC handles.  gpushare's transports (tcp, cuda_copy, self; also
-cma) carry no key bytes at all: their packed key is the memory-domain map,
-the memory type, an empty key per memory domain and the memory's system
-device (unknown for host memory; for CUDA memory the GPU's, with its
-distances).  So that is the only key accepted from a peer.
+keys name IPC handles.  tcp, cuda_copy, self and cma keys carry no key
+bytes at all: their packed key is the memory-domain map, the memory type, an
+empty key per memory domain and the memory's system device (unknown for host
+memory; for CUDA memory the GPU's, with its distances).  A memory domain's
+key bytes are accepted only where the peer's worker address (checked first,
+on the endpoint's connect) says which transports that domain serves:
+
+- InfiniBand/RoCE domains: the key sizes UCX 1.21's IB domains pack (``_ib``);
+- from a peer proven to be on this node (``_local.LocalPeer``): a ``posix``
+  key (24 bytes: segment id, address, length) of a segment the peer shares
+  through ``/proc/<pid>/fd``, no longer than that file, covering the key's
+  region; a ``sysv`` key (12 bytes: segment id, address) of a segment the
+  peer created, covering the region; a ``cuda_ipc`` key (192 bytes) with a
+  legacy IPC handle, the peer's pid, a base and length covering the region,
+  and a length no larger than the allocation the handle opens here;
+- nothing else.
 
 The key arrives as libucxx serializes it (``ucxx::RemoteKey::serialize``):
 ``size_t hash | size_t packed_size | packed | u64 base | u64 size``; the
@@ -34,12 +45,18 @@ peer keys with an error that says so, rather than forwarding them.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
 
+
+from .._cuda import _driver
 from .._errors import InvalidInputError, UnsupportedError
+from . import _ib
+from ._address import PeerAddress, check_worker_address
 from ._common import KEY_MAGIC, MAX_KEY, unpack
+from ._local import LocalPeer, check_posix_seg, check_sysv_seg, own_peer, sysv_segment_size
 
 __all__ = ["check_packed_key", "check_remote_key", "packed_key"]
 
@@ -62,10 +79,105 @@ def packed_key(serialized: bytes) -> bytes:
     return serialized[2 * _SIZE_T:2 * _SIZE_T + size]
 
 
-def check_packed_key(packed: bytes, memory_type: int) -> None:
+_POSIX_KEY, _SYSV_KEY, _CUDA_IPC_KEY = 24, 12, 192
+_CUDA_IPC_LEGACY = 1  # uct_cuda_ipc_key_handle_t (cuda_ipc_md.h)
+
+
+def _covers(what: str, start: int, length: int, region: tuple[int, int] | None) -> None:
+    if length <= 0 or start + length > 1 << 64:
+        raise InvalidInputError(f"{what} covers {length} bytes at {start:#x}")
+    if region is not None and not (start <= region[0] and region[0] + region[1] <= start + length):
+        raise InvalidInputError(f"{what} covers {length} bytes at {start:#x}, not the key's region of {region[1]} "
+                                f"bytes at {region[0]:#x}")
+
+
+def _posix_key(key: bytes, peer: LocalPeer, region: tuple[int, int] | None) -> None:
+    what = "packed remote key's posix key"
+    if len(key) != _POSIX_KEY:
+        raise InvalidInputError(f"{what} is {len(key)} bytes; UCX 1.21 packs {_POSIX_KEY} for a segment shared "
+                                "through /proc/<pid>/fd")
+    seg_id, address, length = (int.from_bytes(key[i:i + 8], "little") for i in (0, 8, 16))
+    check_posix_seg(seg_id, peer, what)
+    _covers(what, address, length, region)
+    mmid = seg_id & ((1 << 60) - 1)
+    path = f"/proc/{peer.pid}/fd/{mmid >> 30}"
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise InvalidInputError(f"{what} names {path}, which this process cannot open ({exc.strerror})") from None
+    if length > size:
+        raise InvalidInputError(f"{what} maps {length} bytes of {path}, which holds {size}")
+
+
+def _sysv_key(key: bytes, peer: LocalPeer, region: tuple[int, int] | None) -> None:
+    what = "packed remote key's sysv key"
+    if len(key) != _SYSV_KEY:
+        raise InvalidInputError(f"{what} is {len(key)} bytes; UCX 1.21 packs {_SYSV_KEY}")
+    shmid, address = int.from_bytes(key[:4], "little"), int.from_bytes(key[4:], "little")
+    if shmid >> 31:
+        raise InvalidInputError(f"{what} names System V segment {shmid}, which is out of range")
+    check_sysv_seg(shmid, peer, what)
+    _covers(what, address, sysv_segment_size(shmid), region)
+
+
+def _cuda_ipc_key(key: bytes, peer: LocalPeer, region: tuple[int, int] | None) -> None:
+    what = "packed remote key's cuda_ipc key"
+    if len(key) != _CUDA_IPC_KEY:
+        raise InvalidInputError(f"{what} is {len(key)} bytes; UCX 1.21 packs {_CUDA_IPC_KEY} in this pid namespace")
+    kind = int.from_bytes(key[:4], "little")
+    if kind != _CUDA_IPC_LEGACY:
+        raise InvalidInputError(f"{what} carries a handle of type {kind}; only legacy IPC handles ({_CUDA_IPC_LEGACY}) "
+                                "are accepted, whose allocation can be measured here")
+    pid = int.from_bytes(key[152:156], "little")
+    if pid != peer.pid:
+        raise InvalidInputError(f"{what} is of process {pid}, not of the peer (pid {peer.pid})")
+    base, length = int.from_bytes(key[160:168], "little"), int.from_bytes(key[168:176], "little")
+    _covers(what, base, length, region)
+    try:
+        size = _driver.ipc_allocation_size(key[4:68], key[176:192])
+    except Exception as exc:  # noqa: BLE001 - any failure to measure it refuses the key
+        raise InvalidInputError(f"{what}'s IPC handle cannot be opened here to measure it ({exc})") from None
+    if length > size:
+        raise InvalidInputError(f"{what} says its allocation is {length} bytes; the handle opens {size}")
+
+
+_ONE_NODE_KEYS = {"posix": _posix_key, "sysv": _sysv_key, "cuda_ipc": _cuda_ipc_key}
+_KEYED = frozenset(_ONE_NODE_KEYS) | frozenset(_ib.IB_TRANSPORTS)
+
+
+def _packs_keys(md: int, peer: PeerAddress | None) -> bool:
+    return peer is not None and bool(peer.md_transports.get(md, frozenset()) & _KEYED)
+
+
+def _md_key(md: int, key: bytes, peer: PeerAddress | None, region: tuple[int, int] | None) -> None:
+    names = peer.md_transports.get(md, frozenset()) if peer is not None else frozenset()
+    if names & set(_ib.IB_TRANSPORTS):
+        _ib.check_ib_md_key(key)
+        return
+    one_node = sorted(names & set(_ONE_NODE_KEYS))
+    if one_node:
+        if peer is None or peer.local_peer is None:
+            raise InvalidInputError(
+                f"packed remote key carries a {one_node[0]} key for memory domain {md}, which names memory of this "
+                "host: it is accepted only from a peer the kernel proved to be on this node "
+                "(Agent.connect(address, local_peer=...))")
+        peer.local_peer.check_alive()
+        _ONE_NODE_KEYS[one_node[0]](key, peer.local_peer, region)
+        return
+    raise InvalidInputError(
+        f"packed remote key carries {len(key)} key bytes for memory domain {md}, "
+        + (f"whose transports ({', '.join(sorted(names))}) pack none" if names else
+           "which the peer's worker address does not name with a transport that packs any")
+        + ": a shared-memory, cuda_ipc or InfiniBand key is accepted only from the peer whose address names it")
+
+
+def check_packed_key(packed: bytes, memory_type: int, peer: PeerAddress | None = None,
+                     region: tuple[int, int] | None = None) -> None:
     """Raise :class:`InvalidInputError` unless ``packed`` is a UCX 1.21
-    packed remote key with no transport key bytes, of the memory type that
-    gpushare's envelope code ``memory_type`` (0 host, 1 cuda) names."""
+    packed remote key of the memory type that gpushare's envelope code
+    ``memory_type`` (0 host, 1 cuda) names, whose memory domains' key bytes
+    are those ``peer``'s worker address admits (none without it), covering
+    ``region`` (base, size) where given."""
     if len(packed) < 9:
         raise InvalidInputError(f"packed remote key is {len(packed)} bytes; at least 9 (memory domains, type)")
     md_map = int.from_bytes(packed[:8], "little")
@@ -79,12 +191,14 @@ def check_packed_key(packed: bytes, memory_type: int) -> None:
             continue
         if pos >= len(packed):
             raise InvalidInputError(f"packed remote key ends before memory domain {md}'s key")
-        if packed[pos]:
-            raise InvalidInputError(
-                f"packed remote key carries {packed[pos]} key bytes for memory domain {md}: a shared-memory or "
-                "cuda_ipc key, which gpushare does not accept from a peer (only tcp, cuda_copy and self keys, "
-                "which have none)")
-        pos += 1
+        size = packed[pos]
+        if pos + 1 + size > len(packed):
+            raise InvalidInputError(f"packed remote key ends inside memory domain {md}'s {size}-byte key")
+        # A domain whose transports pack keys is checked even with a size of 0: UCX reads its key
+        # at the size of its own struct, whatever the size byte says.
+        if size or _packs_keys(md, peer):
+            _md_key(md, packed[pos + 1:pos + 1 + size], peer, region)
+        pos += 1 + size
     if md_map:
         if pos >= len(packed):
             raise InvalidInputError("packed remote key ends before its system device")
@@ -116,26 +230,30 @@ _lock = threading.Lock()
 
 def _own_key_problem(agent: Any) -> str:
     """'' when a key ``agent`` packs for its own host memory passes
-    :func:`check_packed_key`; else why not.  Checked once per agent."""
+    :func:`check_packed_key` as a peer's would (against its own address, as a
+    proven local peer); else why not.  Checked once per agent."""
     with _lock:
         problem = _checked.get(agent)
     if problem is not None:
         return problem
+    raw = agent._native.address()
     with agent.create_memory_handle(1) as handle:
         mtype, serialized = unpack(handle.create_remote_key().serialize(), KEY_MAGIC, "remote key", MAX_KEY)
-    try:
-        check_packed_key(packed_key(serialized), mtype)
-        problem = ""
-    except InvalidInputError as exc:
-        problem = str(exc)
+        try:
+            own = check_worker_address(raw, raw, own_peer())
+            check_packed_key(packed_key(serialized), mtype, own)
+            problem = ""
+        except InvalidInputError as exc:
+            problem = str(exc)
     with _lock:
         _checked[agent] = problem
     return problem
 
 
-def check_remote_key(serialized: bytes, memory_type: int, agent: Any) -> None:
+def check_remote_key(serialized: bytes, memory_type: int, agent: Any, peer: PeerAddress | None = None,
+                     region: tuple[int, int] | None = None) -> None:
     """Check a peer's serialized key (its libucxx envelope already checked)
-    before ``agent``'s endpoint unpacks it.
+    before ``agent``'s endpoint to ``peer`` (its checked address) unpacks it.
 
     Raises
     ------
@@ -143,13 +261,12 @@ def check_remote_key(serialized: bytes, memory_type: int, agent: Any) -> None:
         If the packed key is not one gpushare accepts (see the module notes).
     UnsupportedError
         If ``agent``'s own keys are not: its transports make keys that
-        gpushare refuses from peers.
+        gpushare could not check from a peer.
     """
     problem = _own_key_problem(agent)
     if problem:
         raise UnsupportedError(
-            "this agent's own remote keys are ones gpushare refuses from a peer "
-            f"({problem}); its transports (UCX_TLS, or Agent(transports=...)) include shared memory or cuda_ipc. "
-            "Remote keys are accepted only over tcp, cuda_copy and self, e.g. UCX_TLS=tcp,cuda_copy"
+            f"this agent's own remote keys are ones gpushare cannot check from a peer ({problem}); its transports "
+            "(UCX_TLS, or Agent(transports=...)) make keys of a kind gpushare does not know"
         )
-    check_packed_key(packed_key(serialized), memory_type)
+    check_packed_key(packed_key(serialized), memory_type, peer, region)
