@@ -607,3 +607,7 @@ def test_fuzz_validators_only_return_or_refuse():
     print(f"\nIB formats fuzz: {FUZZ_CASES} cases in {elapsed:.2f} s: {counts}")
     # The mutations reach both outcomes, so the run is not vacuous either way.
     assert all(counts[k] > FUZZ_CASES // 50 for k in counts), counts
+
+
+def test_every_transport_named_has_its_rules():
+    assert tuple(_ib._RULES) == _ib.IB_TRANSPORTS
