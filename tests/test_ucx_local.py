@@ -4,6 +4,7 @@ only that peer's own processes and segments; refused otherwise."""
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import uuid
 
@@ -251,3 +252,5 @@ def test_a_local_peer_needs_a_connected_unix_socket():
     s.close()
     with ucx.Agent() as agent, pytest.raises(gs.InvalidInputError, match="local_peer must be"):
         agent.connect(agent.address, local_peer=os.getpid())
+    with pytest.raises(TypeError, match="proves nothing elsewhere"):
+        pickle.dumps(ucx.LocalPeer(os.getpid(), os.geteuid(), os.pidfd_open(os.getpid())))

@@ -29,6 +29,7 @@ import socket
 import struct
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._errors import InvalidInputError
 
@@ -62,6 +63,10 @@ class LocalPeer:
 
     def __post_init__(self) -> None:
         weakref.finalize(self, os.close, self._pidfd)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a LocalPeer holds a pidfd of this process and proves nothing elsewhere: make one in each "
+                        "process with LocalPeer.from_socket")
 
     @classmethod
     def from_socket(cls, sock: socket.socket) -> LocalPeer:
