@@ -34,7 +34,7 @@ from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._channel_wire import (
     _ABORT, _END, _FAILED, _LEAVE, _PUBLISH, _RELEASE, HANDLE_FORMAT, MAX_CONSUMERS, MAX_SLOTS, ChannelHandle,
-    _close_fd, _exited, _Hub, _Inbox, _join, _passed, _Peer, _record, _run, _run_async, _until,
+    _close_fd, _exited, _why_gone, _Hub, _Inbox, _join, _passed, _Peer, _record, _run, _run_async, _until,
 )
 from ._channel_wire import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
 from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
@@ -242,7 +242,7 @@ class Producer:
             if peer.left:
                 continue
             if eof is not None:
-                self._break(f"{peer.name()} {eof} without leaving the channel", peer.index)
+                self._break(f"{peer.name()} {_why_gone(eof, peer.pidfd)} without leaving the channel", peer.index)
             if peer.pidfd in woken and _exited(peer.pidfd):
                 self._messages(peer, peer.wire.read()[0])  # a leave it sent before exiting counts
                 if not peer.left:

@@ -149,11 +149,25 @@ def _wait_readable(fds: list[int], deadline: float | None) -> frozenset[int]:
     return frozenset(fd for fd, _ in poller.poll(max(1, math.ceil(left * 1000))))
 
 
-def _exited(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` exited (a pidfd is readable then)."""
+def _exited(pidfd: int, within: float = 0.0) -> bool:
+    """Whether the process behind ``pidfd`` exited (a pidfd is readable then), waiting up to
+    ``within`` seconds for it."""
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
+    return bool(poller.poll(int(within * 1000)))
+
+
+#: How long a broken connection waits for its process's exit to show: a process that exits
+#: closes its sockets (a reset, where records to it were unread) before its pidfd turns readable.
+EXIT_SHOWS = 0.2
+
+
+def _why_gone(eof: str, pidfd: int | None) -> str:
+    """``eof`` (why a connection ended), or "exited" where its process has exited: a reset then
+    says less than the exit."""
+    if pidfd is not None and eof.startswith("broke") and _exited(pidfd, EXIT_SHOWS):
+        return "exited"
+    return eof
 
 
 async def _wait_readable_async(fds: list[int], deadline: float | None) -> frozenset[int]:
@@ -753,7 +767,7 @@ class _Inbox:
             # The producer exited: what it sent before is still to be read.
             eof = self._parse(*wire.read()) or "exited"
         if eof is not None and self.end is None and self.broken is None:
-            self.gone(eof)
+            self.gone(_why_gone(eof, pidfd))
 
     def _parse(self, records: list[tuple[int, int, int]], eof: str | None) -> str | None:
         for op, slot, step in records:

@@ -648,3 +648,30 @@ def test_beyond_the_joins_in_progress_a_new_connection_drops_the_oldest(monkeypa
         finally:
             for s in silent:
                 s.close()
+
+
+def test_a_connection_reset_by_a_process_that_exited_is_said_as_its_exit():
+    """A process that exits with records to it unread resets its connections before its pidfd
+    turns readable: the reset is reported as the exit it is, not as a broken connection."""
+    import subprocess
+    import sys
+
+    from gpushare._channel_wire import _why_gone
+
+    reset = "broke its connection ([Errno 104] Connection reset by peer)"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        proc.wait(30)
+        assert _why_gone(reset, pidfd) == "exited"
+        assert _why_gone("exited or closed its end", pidfd) == "exited or closed its end"
+    finally:
+        os.close(pidfd)
+    live = os.pidfd_open(os.getpid())
+    try:
+        t0 = time.monotonic()
+        assert _why_gone(reset, live) == reset  # a live process: the reset stands, after a short look
+        assert time.monotonic() - t0 < 1
+    finally:
+        os.close(live)
+    assert _why_gone(reset, None) == reset  # a process of another node: nothing to ask
