@@ -44,8 +44,10 @@ _SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the peer as it was at connect()
 _POSIX_PROCFS, _POSIX_SHM_OPEN, _POSIX_HUGETLB, _POSIX_PID_NS = 1 << 63, 1 << 62, 1 << 61, 1 << 60
 _POSIX_FLAGS = _POSIX_PROCFS | _POSIX_SHM_OPEN | _POSIX_HUGETLB | _POSIX_PID_NS
 _PROCFS_BITS = 30
-# cma interface address (cma_iface.c): pid_t, bit 31 set when a pid namespace id follows.
-_CMA_PID_NS = 1 << 31
+# Interface addresses that are a pid_t (cma_iface.c, cuda_ipc_iface.c); cma's sets bit 31 when a
+# pid namespace id follows.
+_PID_ADDRESSED = frozenset({"cma", "cuda_ipc"})
+_PID_NS_BIT = {"cma": 1 << 31}
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,11 +179,11 @@ def check_local_iface(name: str, iface: bytes, peer: LocalPeer | None) -> None:
             "this host: it is accepted only from a peer on this node that the kernel proves "
             "(Agent.connect(address, local_peer=ucx.LocalPeer.from_socket(unix_socket)))")
     peer.check_alive()
-    if name in ("cma", "cuda_ipc"):
+    if name in _PID_ADDRESSED:
         if len(iface) != 4:
             raise InvalidInputError(f"{what} is {len(iface)} bytes; UCX 1.21 packs a 4-byte pid in this pid namespace")
         pid = int.from_bytes(iface, "little")
-        if name == "cma" and pid & _CMA_PID_NS:
+        if pid & _PID_NS_BIT.get(name, 0):
             raise InvalidInputError(f"{what} names a process of another pid namespace")
         if pid != peer.pid:
             raise InvalidInputError(f"{what} names process {pid}, not the peer (pid {peer.pid})")
