@@ -23,6 +23,14 @@ waits for it, so each figure is what one synchronous caller gets:
   ``get_batch``/``put_batch`` (gpushare; the puts gathered, as the sharing
   API does for host memory).
 
+``--seed`` compares instead the seed API's puts (``gpushare.ucx.Agent``,
+``Endpoint.mem_put`` with 16 in flight, then a flush) of 4 KiB, 64 KiB and
+1 MiB with NIXL's WRITE of 16 descriptors of the same size in one transfer,
+and with ``ucx_perftest``'s ``ucp_put_bw`` in the same error-handling mode
+(``-e``: gpushare's agents and NIXL's UCX backend handle peer failure) and
+in its default mode (no error handling), so that what error handling costs
+UCX itself shows.
+
 Each figure is the median of ``--runs`` runs (lowest-highest) of either
 library, each run in processes of its own, the two libraries' runs
 alternating.  Unit: MiB/s (2**20 bytes per
@@ -43,7 +51,7 @@ import statistics
 import sys
 import time
 
-from bench_ucx import _server_exporter, spawned
+from bench_ucx import _exporter, _server_exporter, perftest, spawned
 from _report import spread
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -51,6 +59,7 @@ SIZES = [4 * KiB, 64 * KiB, MiB]
 BATCH = 64
 BATCH_SIZE = 64 * KiB
 REGION = max(max(SIZES), BATCH * BATCH_SIZE)
+INFLIGHT = 16  # the seed-API comparison's puts in flight
 
 
 def _pinned(conn, cpu, target, *args) -> None:
@@ -89,7 +98,31 @@ def _nixl_target(conn) -> None:
     conn.recv()
 
 
-def nixl_run(quick: bool, cpu: int | None = None) -> dict:
+def _nixl_measure(agent, peer, laddr: int, raddr: int, op: str, pairs: list[tuple[int, int, int]],
+                  quick: bool) -> float:
+    """MiB/s of NIXL transfer ``op`` of ``pairs`` (local offset, remote offset, bytes), one at a
+    time, polled from here."""
+    ldescs = agent.get_xfer_descs([(laddr + lo, n, 0) for lo, _, n in pairs], "DRAM")
+    rdescs = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in pairs], "DRAM")
+    handle = agent.initialize_xfer(op, ldescs, rdescs, peer)
+    nbytes = sum(n for _, _, n in pairs)
+    iters = _iters(nbytes, quick)
+    for i in range(iters + 2):  # two warm-up transfers
+        if i == 2:
+            t0 = time.perf_counter()
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL {op} failed: {state}")
+    dt = time.perf_counter() - t0
+    agent.release_xfer_handle(handle)
+    return nbytes * iters / dt / MiB
+
+
+def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
+    """NIXL's figures: ``seed`` (the seed-API comparison): WRITE of INFLIGHT descriptors per size;
+    else single gets and puts per size and the batch."""
     import numpy as np
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
@@ -103,29 +136,18 @@ def nixl_run(quick: bool, cpu: int | None = None) -> dict:
         laddr = local.ctypes.data
 
         def measure(op: str, pairs: list[tuple[int, int, int]]) -> float:
-            ldescs = agent.get_xfer_descs([(laddr + lo, n, 0) for lo, _, n in pairs], "DRAM")
-            rdescs = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in pairs], "DRAM")
-            handle = agent.initialize_xfer(op, ldescs, rdescs, peer)
-            nbytes = sum(n for _, _, n in pairs)
-            iters = _iters(nbytes, quick)
-            for i in range(iters + 2):  # two warm-up transfers
-                if i == 2:
-                    t0 = time.perf_counter()
-                state = agent.transfer(handle)
-                while state == "PROC":
-                    state = agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL {op} failed: {state}")
-            dt = time.perf_counter() - t0
-            agent.release_xfer_handle(handle)
-            return nbytes * iters / dt / MiB
+            return _nixl_measure(agent, peer, laddr, raddr, op, pairs, quick)
 
-        for size in SIZES:
-            results[("get", size)] = measure("READ", [(0, 0, size)])
-            results[("put", size)] = measure("WRITE", [(0, 0, size)])
-        pairs = [(i * BATCH_SIZE, i * BATCH_SIZE, BATCH_SIZE) for i in range(BATCH)]
-        results[("get", "batch")] = measure("READ", pairs)
-        results[("put", "batch")] = measure("WRITE", pairs)
+        if seed:
+            for size in SIZES:
+                results[("put", size)] = measure("WRITE", [(0, 0, size)] * INFLIGHT)
+        else:
+            for size in SIZES:
+                results[("get", size)] = measure("READ", [(0, 0, size)])
+                results[("put", size)] = measure("WRITE", [(0, 0, size)])
+            pairs = [(i * BATCH_SIZE, i * BATCH_SIZE, BATCH_SIZE) for i in range(BATCH)]
+            results[("get", "batch")] = measure("READ", pairs)
+            results[("put", "batch")] = measure("WRITE", pairs)
         agent.remove_remote_agent(peer)
     return results
 
@@ -163,6 +185,44 @@ def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
     return results
 
 
+def seed_run(quick: bool, cpu: int | None = None) -> dict:
+    """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration."""
+    import numpy as np
+
+    from gpushare import ucx
+
+    results = {}
+    with spawned(_pinned, cpu, _exporter, "tcp", True, REGION, "blocking") as (address, key):
+        with ucx.Agent(transports="tcp") as agent:
+            ep = agent.connect(address)
+            rk = ep.unpack_remote_key(key)
+            local = np.ones(REGION, np.uint8)
+            for size in SIZES:
+                view = local[:size]
+                iters = _iters(INFLIGHT * size, quick)
+
+                def once() -> None:
+                    reqs = [ep.mem_put(view, rk.base_address, rk) for _ in range(INFLIGHT)]
+                    for r in reqs:
+                        r.wait(60)
+                    ep.flush().wait(60)
+
+                once()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    once()
+                results[("put", size)] = INFLIGHT * size * iters / (time.perf_counter() - t0) / MiB
+            ep.close()
+    return results
+
+
+def perftest_puts(quick: bool) -> dict:
+    """``ucp_put_bw`` per size, with error handling (``-e``) and in perftest's default mode."""
+    return {(mode, size): perftest("ucp_put_bw", size, INFLIGHT * _iters(INFLIGHT * size, quick), "tcp",
+                                   mode == "perftest -e")[0]
+            for mode in ("perftest -e", "perftest") for size in SIZES}
+
+
 def _fmt(values: list[float]) -> str:
     """The median of the runs, then the lowest and the highest of them."""
     return spread(values, 0)
@@ -178,6 +238,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="runs of each library (median, lowest-highest)")
     p.add_argument("--quick", action="store_true", help="fewer iterations per run")
+    p.add_argument("--seed", action="store_true",
+                   help="the seed API's puts with 16 in flight against NIXL and ucx_perftest instead")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the processes' placement on cores to the scheduler")
     args = p.parse_args()
@@ -193,6 +255,8 @@ def main() -> int:
     if mine is not None:
         # Before either library starts a thread: they all stay on this core.
         os.sched_setaffinity(0, {mine})
+    if args.seed:
+        return _seed_main(args, mine, theirs)
     # Alternating, so that both libraries see the machine in the same states.
     nixl, ours = [], []
     for _ in range(args.runs):
@@ -208,6 +272,27 @@ def main() -> int:
             n = [r[(op, size)] for r in nixl]
             print(f"{op:>4} {_label(size):>14} {_fmt(g):>22} {_fmt(n):>22} "
                   f"{statistics.median(g) / statistics.median(n):6.2f}")
+    return 0
+
+
+def _seed_main(args, mine: int | None, theirs: int | None) -> int:
+    nixl, ours, ref = [], [], []
+    for _ in range(args.runs):  # alternating, so that each sees the machine in the same states
+        nixl.append(nixl_run(args.quick, theirs, seed=True))
+        ours.append(seed_run(args.quick, theirs))
+        ref.append(perftest_puts(args.quick))
+    where = f"importer on core {mine}, exporter on core {theirs}" if mine is not None else "unpinned"
+    print(f"seed API puts, {INFLIGHT} in flight; UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} "
+          f"CPUs, {where}; median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians\n")
+    print(f"{'size':>8} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
+          f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")
+    for size in SIZES:
+        g = statistics.median([r[("put", size)] for r in ours])
+        cols = [[r[("put", size)] for r in ours], [r[("put", size)] for r in nixl],
+                [r[("perftest -e", size)] for r in ref], [r[("perftest", size)] for r in ref]]
+        ratios = [g / statistics.median(c) for c in cols[1:]]
+        print(f"{_label(size):>8} " + " ".join(f"{_fmt(c):>20}" for c in cols) + " "
+              + " ".join(f"{x:6.2f}" for x in ratios))
     return 0
 
 
