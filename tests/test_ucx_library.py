@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -61,8 +62,23 @@ def test_without_librmm_libucxx_alone_loads_the_system_ucx(ucx_on_path):
 
 @needs_system_ucx
 def test_put_and_get_map_the_wheels_ucx_in_both_processes_with_a_system_ucx_present(ucx_on_path):
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_ucx_library_peer.py")], capture_output=True,
-                       text=True, timeout=200, env={**os.environ, "LD_LIBRARY_PATH": ucx_on_path})
+    # In a session of its own, so that its spawned importer goes too if it hangs (a wrong UCX made
+    # both processes spin for good).
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_ucx_library_peer.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "LD_LIBRARY_PATH": ucx_on_path})
+    try:
+        stdout, stderr = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the exporter and its importer did not finish within 200 s: {stderr[-2000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the session is left
+        except ProcessLookupError:
+            pass
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["importer_exit"] == 0
