@@ -6,7 +6,8 @@
 2. import latency: ``gs.open`` of a posix-fd share end to end, and
    ``gs.import_buffer`` of a descriptor;
 3. ucx-rma put/get between CUDA buffers against ``ucx_perftest -m cuda`` on
-   the same transports.
+   the same transports (both without error handling), and against the mapped
+   path's ``view.get`` / ``view.put`` of section 1.
 
 Unit: MiB/s (2^20 bytes per second) throughout, as ucx_perftest prints;
 latencies in microseconds.  Each figure is the median of ``--runs`` runs,
@@ -51,7 +52,8 @@ def _importer_setup() -> dict:
     return _share_peer.setup()
 
 
-def mapped_copies(size: int, runs: int, iters: int) -> None:
+def mapped_copies(size: int, runs: int, iters: int) -> dict[str, float]:
+    """Section 1; the mapped path's get and put medians (MiB/s)."""
     import gpushare as gs
     from gpushare._cuda import _driver as _cuda
 
@@ -72,11 +74,13 @@ def mapped_copies(size: int, runs: int, iters: int) -> None:
 
         rows = {"cuMemcpyDtoD + sync": memcpy, f"view.get ({view.path})": lambda: view.get(a),
                 f"view.put ({view.path})": lambda: view.put(b)}
-        ref = None
+        ref, medians = None, {}
         for name, fn in rows.items():
             samples = [size / MiB / _timed(fn, iters) for _ in range(runs)]
             ref = ref or statistics.median(samples)
+            medians[name.split(" ")[0].removeprefix("view.")] = statistics.median(samples)
             print(f"   {name:28s} {_median(samples)}   ratio {statistics.median(samples) / ref:.2f}")
+        return {"put": medians["put"], "get": medians["get"]}
     finally:
         view.close()
         share.revoke()
@@ -105,16 +109,19 @@ def import_latency(runs: int, iters: int) -> None:
 
 
 def _perftest_cuda(test: str, size: int, iters: int, tls: str) -> float:
-    """ucx_perftest between CUDA buffers (``-m cuda``), error handling on as
-    gpushare's agents have it; MiB/s."""
+    """ucx_perftest between CUDA buffers (``-m cuda``), without error handling
+    as section 3's agents run (UCX 1.21 puts no one-node lanes on endpoints
+    with it); MiB/s."""
     import subprocess
 
     import bench_ucx
+    from gpushare._ucx._common import cuda_ipc_config
 
     exe, env = bench_ucx._perftest_paths()
     env["UCX_TLS"] = tls
+    env.update({"UCX_" + k: v for k, v in cuda_ipc_config().items()})  # the agents' settings
     port = str(bench_ucx._free_port())
-    flags = ["-e", "-m", "cuda"]
+    flags = ["-m", "cuda"]
     server = subprocess.Popen([exe, "-p", port, *flags], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -233,12 +240,15 @@ def _stop_exporter(proc, conn, errfile: str) -> None:
         pass
 
 
-def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_ipc") -> None:
+def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_ipc",
+        mapped: dict[str, float] | None = None, mapped_size: int = 0) -> None:
+    """Section 3; ``mapped``: section 1's medians, for a ratio to the mapped path."""
     import gpushare as gs
     from gpushare import ucx
 
     print(f"\n3. ucx-rma between CUDA buffers, UCX_TLS={tls} (MiB/s; median (min-max) of {runs};"
-          " ratio to ucx_perftest -m cuda)")
+          " ratio to ucx_perftest -m cuda"
+          + (f"; and to the mapped path's view.put/get of {mapped_size // MiB} MiB" if mapped else "") + ")")
     import os
     import socket
 
@@ -269,7 +279,12 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
                         ref_text = _median(ref)
                     except Exception as exc:  # noqa: BLE001 - report and go on
                         ratio, ref_text = "n/a", f"ucx_perftest failed: {str(exc)[:80]}"
-                    print(f"   {test:10s} {size:>9} B  gpushare {_median(ours)}  perftest {ref_text}  ratio {ratio}")
+                    vs_mapped = ""
+                    if mapped:
+                        kind = "put" if test == "ucp_put_bw" else "get"
+                        vs_mapped = f"  vs mapped {statistics.median(ours) / mapped[kind]:.2f}"
+                    print(f"   {test:10s} {size:>9} B  gpushare {_median(ours)}  perftest {ref_text}  ratio {ratio}"
+                          f"{vs_mapped}")
             ep.close()
     finally:
         _stop_exporter(proc, conn, errfile)
@@ -290,9 +305,10 @@ def main() -> int:
         print(f"no CUDA device: {reason}")
         return 2
     iters = 5 if args.quick else 20
-    mapped_copies(64 * MiB if args.quick else 256 * MiB, args.runs, iters)
+    mapped_size = 64 * MiB if args.quick else 256 * MiB
+    mapped = mapped_copies(mapped_size, args.runs, iters)
     import_latency(args.runs, 20 if args.quick else 100)
-    rma([64 * 1024, 4 * MiB] if args.quick else [64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls)
+    rma([64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls, mapped, mapped_size)
     return 0
 
 

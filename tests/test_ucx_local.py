@@ -263,3 +263,23 @@ def test_a_local_peer_needs_a_connected_unix_socket():
         agent.connect(agent.address, local_peer=os.getpid())
     with pytest.raises(TypeError, match="proves nothing elsewhere"):
         pickle.dumps(ucx.LocalPeer(os.getpid(), os.geteuid(), os.pidfd_open(os.getpid())))
+
+
+@pytest.mark.parametrize("host_id", [0x66057A25C584BAA5, 0xE6057A25C584BAA5])
+def test_device_addresses_carry_the_host_id_as_each_transport_packs_it(host_id):
+    """cuda_ipc packs ucs_get_system_id() whole; shared memory and cma clear bit 63 (UCX's
+    namespace flag).  A host whose id has bit 63 set (the H200 machine's does) must accept both."""
+    me = ucx.LocalPeer(os.getpid(), os.geteuid(), os.pidfd_open(os.getpid()))
+    pid = os.getpid().to_bytes(4, "little")
+
+    def check(name: str, dev: int) -> str:
+        t = _address._Transport(_address.TL_CSUMS[name], dev.to_bytes(8, "little"), 4, (), 0, 0, pid, ())
+        return _address._check_transport(t, me, host_id)
+
+    masked = host_id & ~(1 << 63)
+    assert check("cuda_ipc", host_id) == "cuda_ipc" and check("cma", masked) == "cma"
+    for name, wrong in (("cuda_ipc", host_id ^ (1 << 63)), ("cma", masked | (1 << 63)), ("cma", masked ^ 1)):
+        with pytest.raises(gs.InvalidInputError, match=f"names a {name} device of another host"):
+            check(name, wrong)
+    del me
+    gc.collect()

@@ -72,6 +72,39 @@ def test_wake_timeout_follows_the_transports():
         assert wake_timeout_ms(tls) == 1
 
 
+_CUDA_IPC_GETS = """
+import os, sys
+from gpushare import ucx
+from gpushare._ucx._common import cuda_ipc_config
+with ucx.Agent() as agent:
+    print(repr(cuda_ipc_config()), len(agent.address))
+"""
+
+
+def _agent_with_cuda_ipc_config(env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in env.items() if k != "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"}
+    return subprocess.run([sys.executable, "-c", _CUDA_IPC_GETS], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_cuda_ipc_gets_are_asked_for_only_where_ucx_has_cuda_ipc():
+    # No CUDA driver here: UCX has no cuda_ipc module, whose setting would fail ucp_init (and set
+    # in the environment, draw UCX's unused-variable warning).
+    r = _agent_with_cuda_ipc_config(dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "{}" and "unused environment variable" not in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.cudadriver
+def test_cuda_ipc_gets_are_asked_for_where_ucx_has_cuda_ipc(standin_lib):
+    from conftest import standin_env
+
+    r = _agent_with_cuda_ipc_config(standin_env(standin_lib))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("{'CUDA_IPC_ENABLE_GET_ZCOPY': 'y'}"), r.stdout + r.stderr
+    assert "unused environment variable" not in r.stderr and "WARN" not in r.stderr, r.stderr
+
+
 def test_remote_key_reports_the_peer_region(link, peer):
     ep, rk = link
     assert rk.is_remote

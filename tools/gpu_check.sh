@@ -20,7 +20,8 @@
 # target folder put first on PYTHONPATH, and rebuilds gpushare's native module from this tree
 # when python3 is not the bundle's version.  Steps, each under its own time limit, all within
 # GPU_CHECK_BUDGET_S (default 480 s): environment, install, smoke, gpu tests, benchmark, demo,
-# doctor, then the stand-in contract check with the time that is left.  The report (report.txt
+# doctor, then the stand-in contract check with the time that is left (GPU_CHECK_STEPS=a,b: only
+# those steps, for a second call; GPU_CHECK_BENCH_ARGS: the benchmark's arguments, --quick).  The report (report.txt
 # and one log per step group, 8 files) goes into $OUT (default ./gpu-check-out).  Exit status 1
 # when a step failed.  A gpu test that skips is reported as skipped, never as passed.
 set -uo pipefail
@@ -233,6 +234,16 @@ step() {
   if [ "$RC" -eq 0 ]; then STATUS="PASS"
   elif [ "$RC" -eq 124 ] || [ "$RC" -eq 137 ]; then STATUS="TIMEOUT"
   else STATUS="FAIL"; fi
+}
+
+# wanted NAME: whether step NAME runs: every step, or those GPU_CHECK_STEPS names (a comma list of
+# smoke, gpu-tests, benchmark, demo, doctor, contract; environment and install always run), for a
+# second short call that reruns what failed.  A step left out is reported as such.
+wanted() {
+  [ -z "${GPU_CHECK_STEPS:-}" ] && return 0
+  case ",${GPU_CHECK_STEPS// /}," in *",$1,"*) return 0 ;; esac
+  printf '%-16s %-10s %s\n' "$1" "LEFT OUT" "(GPU_CHECK_STEPS=$GPU_CHECK_STEPS)" | tee -a "$REPORT"
+  return 1
 }
 
 # record [STATUS] [DETAIL]: the last step's line in the report; any status but PASS, SKIPPED and
@@ -534,49 +545,61 @@ run_check() {
     return 1
   fi
 
-  step "smoke" smoke.log 90 bash -c smoke
-  record "$STATUS" "$(grep -E '^(one share|UCX )' "$OUT_DIR/smoke.log" | sed 's/^one share between two processes, //' | tr '\n' ';' | sed 's/;$//')"
+  if wanted smoke; then
+    step "smoke" smoke.log 90 bash -c smoke
+    record "$STATUS" "$(grep -E '^(one share|UCX )' "$OUT_DIR/smoke.log" | sed 's/^one share between two processes, //' | tr '\n' ';' | sed 's/;$//')"
+  fi
 
   cd "$ROOT" || return 1
-  step "gpu tests" gpu-tests.log 240 python3 -m pytest tests -m gpu -v -rfEs -p no:cacheprovider
-  local counts passed failed errors
-  counts="$(pytest_counts "$OUT_DIR/gpu-tests.log")"
-  passed="$(count_of passed "$counts")"; failed="$(count_of failed "$counts")"; errors="$(count_of error "$counts")"
-  if [ "$STATUS" = PASS ] && [ "$passed" -eq 0 ]; then
-    if [ "$gpus" -gt 0 ] && [ "$standin" != 1 ]; then
-      record FAIL "${counts:-no summary}: nvidia-smi lists a GPU, yet no gpu test ran"
+  if wanted gpu-tests; then
+    step "gpu tests" gpu-tests.log 240 python3 -m pytest tests -m gpu -v -rfEs -p no:cacheprovider
+    local counts passed failed errors
+    counts="$(pytest_counts "$OUT_DIR/gpu-tests.log")"
+    passed="$(count_of passed "$counts")"; failed="$(count_of failed "$counts")"; errors="$(count_of error "$counts")"
+    if [ "$STATUS" = PASS ] && [ "$passed" -eq 0 ]; then
+      if [ "$gpus" -gt 0 ] && [ "$standin" != 1 ]; then
+        record FAIL "${counts:-no summary}: nvidia-smi lists a GPU, yet no gpu test ran"
+      else
+        record SKIPPED "${counts:-no summary}: none ran, nothing verified on a GPU"
+      fi
+    elif [ "$STATUS" = FAIL ] && [ "$RC" -eq 5 ]; then
+      record SKIPPED "no gpu tests were collected"
     else
-      record SKIPPED "${counts:-no summary}: none ran, nothing verified on a GPU"
+      record "$STATUS" "${counts:-no summary}"
     fi
-  elif [ "$STATUS" = FAIL ] && [ "$RC" -eq 5 ]; then
-    record SKIPPED "no gpu tests were collected"
-  else
-    record "$STATUS" "${counts:-no summary}"
-  fi
-  grep -E "^(FAILED|ERROR) " "$OUT_DIR/gpu-tests.log" | head -n 40 | sed 's/^/    /' | tee -a "$REPORT"
-  skip_reasons "$OUT_DIR/gpu-tests.log" | tee -a "$REPORT"
-
-  local -a bench=(--quick)
-  # Against the stand-in, UCX transfers between CUDA buffers do not complete once cuda_ipc is
-  # among the transports (each waits out its limit); on a GPU cuda_ipc is what they use.
-  [ "$standin" = 1 ] && bench+=(--tls tcp,cuda_copy)
-  step "benchmark" benchmark.log 150 python3 benchmarks/bench_gpu.py "${bench[@]}"
-  if [ "$STATUS" = FAIL ] && [ "$RC" -eq 2 ]; then
-    record SKIPPED "$(grep -m1 '^no CUDA device' "$OUT_DIR/benchmark.log")"
-  elif [ "$standin" = 1 ] && [ "$STATUS" = PASS ]; then
-    record PASS "ran against the stand-in, ucx-rma over tcp,cuda_copy only: its figures are not GPU figures"
-  else
-    record "$STATUS" "$(grep -E '(ExporterFailed|Error):' "$OUT_DIR/benchmark.log" | tail -n 1)"
+    grep -E "^(FAILED|ERROR) " "$OUT_DIR/gpu-tests.log" | head -n 40 | sed 's/^/    /' | tee -a "$REPORT"
+    skip_reasons "$OUT_DIR/gpu-tests.log" | tee -a "$REPORT"
   fi
 
-  step "demo" demo-doctor.log 90 python3 -m gpushare demo
-  record "$STATUS" "$(grep -iE 'path|MiB/s|GB/s' "$OUT_DIR/demo-doctor.log" | head -n 2 | tr '\n' ';' | sed 's/;$//')"
-  step "doctor" demo-doctor.log 60 python3 -m gpushare doctor
-  record
+  if wanted benchmark; then
+    local -a bench=(${GPU_CHECK_BENCH_ARGS:---quick})
+    # Against the stand-in, UCX transfers between CUDA buffers do not complete once cuda_ipc is
+    # among the transports (each waits out its limit); on a GPU cuda_ipc is what they use.
+    [ "$standin" = 1 ] && bench+=(--tls tcp,cuda_copy)
+    step "benchmark" benchmark.log 150 python3 benchmarks/bench_gpu.py "${bench[@]}"
+    if [ "$STATUS" = FAIL ] && [ "$RC" -eq 2 ]; then
+      record SKIPPED "$(grep -m1 '^no CUDA device' "$OUT_DIR/benchmark.log")"
+    elif [ "$standin" = 1 ] && [ "$STATUS" = PASS ]; then
+      record PASS "ran against the stand-in, ucx-rma over tcp,cuda_copy only: its figures are not GPU figures"
+    else
+      record "$STATUS" "$(grep -E '(ExporterFailed|Error):' "$OUT_DIR/benchmark.log" | tail -n 1)"
+    fi
+  fi
+
+  if wanted demo; then
+    step "demo" demo-doctor.log 90 python3 -m gpushare demo
+    record "$STATUS" "$(grep -iE 'path|MiB/s|GB/s' "$OUT_DIR/demo-doctor.log" | head -n 2 | tr '\n' ';' | sed 's/;$//')"
+  fi
+  if wanted doctor; then
+    step "doctor" demo-doctor.log 60 python3 -m gpushare doctor
+    record
+  fi
 
   local cc="${CC:-cc}"
   S_NAME="contract check" S_LOG=contract.log S_LIMIT=0 TOOK=0
-  if ! command -v "$cc" >/dev/null; then
+  if ! wanted contract; then
+    :
+  elif ! command -v "$cc" >/dev/null; then
     record SKIPPED "no C compiler ($cc) to build the CUDA driver stand-in"
   elif [ $((BUDGET - (SECONDS - T0))) -lt 60 ]; then
     record SKIPPED "less than 60 s of the ${BUDGET} s budget left"

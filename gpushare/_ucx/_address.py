@@ -93,6 +93,10 @@ _NAMES = {csum: name for name, csum in TL_CSUMS.items()}
 # One-node transports' device addresses: the host's system id (uct_iface_local_addr_base_t,
 # sm_iface.c; cuda_ipc: uct_cuda_ipc_device_addr_t without its MNNVL flags byte, or with it 0).
 _ONE_NODE_DEVICE = {"posix": {8}, "sysv": {8}, "cma": {8}, "cuda_ipc": {8, 9}}
+# uct_iface_get_local_address clears bit 63 of the id (UCT_IFACE_LOCAL_ADDR_FLAG_NS, set only with
+# a namespace id after it, which UCX packs in 16 bytes, refused above); cuda_ipc packs the id whole.
+_NS_FLAG = 1 << 63
+_ID_MASK = {"posix": ~_NS_FLAG, "sysv": ~_NS_FLAG, "cma": ~_NS_FLAG, "cuda_ipc": ~0}
 # Accepted transports: (device address lengths, interface address length), none with endpoint addresses.
 # tcp: uct_tcp_device_addr_t {u8 flags, u8 sa_family} + in_addr / in6_addr / uct_iface_local_addr_ns_t
 # (tcp.h:305-312), port (tcp.h:318-320); self, cuda_copy: an 8-byte id (self.h:14, cuda_copy_iface.h:20).
@@ -271,9 +275,10 @@ def _check_transport(t: _Transport, peer: LocalPeer | None = None, system_id: in
         if len(t.dev_addr) == 9 and t.dev_addr[8]:
             raise InvalidInputError(f"UCX worker address names a {name} device reached over multi-node NVLink "
                                     f"(flags {t.dev_addr[8]:#x}), not one on this node")
-        if system_id is not None and int.from_bytes(t.dev_addr[:8], "little") != system_id:
+        if system_id is not None and int.from_bytes(t.dev_addr[:8], "little") != system_id & _ID_MASK[name]:
             raise InvalidInputError(f"UCX worker address names a {name} device of another host (system id "
-                                    f"{int.from_bytes(t.dev_addr[:8], 'little'):#x}, this host's is {system_id:#x})")
+                                    f"{int.from_bytes(t.dev_addr[:8], 'little'):#x}, this host's is "
+                                    f"{system_id & _ID_MASK[name]:#x})")
         return name
     dev_lens, iface_len = _SHAPES[name]
     if len(t.dev_addr) not in dev_lens or t.iface_len != iface_len or t.endpoints:

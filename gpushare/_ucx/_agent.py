@@ -35,6 +35,7 @@ from ._common import (
     U64,
     Connection,
     Request,
+    cuda_ipc_config,
     default_transports,
     mt_config,
     pack,
@@ -597,7 +598,7 @@ class Agent:
             cfg["TLS"] = transports
         elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
-        for key, value in mt_config().items():
+        for key, value in (mt_config() | cuda_ipc_config()).items():
             cfg.setdefault(key, value)
         check_memtype_config(cfg)  # one setting per process: see _loader.choose_memtype_cache
         self._progress = progress

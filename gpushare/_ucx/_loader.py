@@ -16,7 +16,7 @@ from .._control import bind_host
 from .._errors import InvalidInputError, UCXLibraryError
 from . import _libraries
 
-__all__ = ["native", "loaded", "system_id_of_host", "keep_forever", "infiniband_present", "choose_hook_mode",
+__all__ = ["native", "loaded", "system_id_of_host", "knows_setting", "keep_forever", "infiniband_present", "choose_hook_mode",
            "choose_memtype_cache", "choose_net_devices", "interface_of", "native_memtype_cache",
            "check_memtype_config"]
 
@@ -189,12 +189,33 @@ def native() -> types.ModuleType:
 
 @functools.cache
 def system_id_of_host() -> int:
-    """This host's system id as UCX computes it (``ucs_get_system_id``: what one-node transports
-    pack as their device address), without the namespace flag bit; loads UCX."""
+    """This host's system id as UCX computes it (``ucs_get_system_id``), all 64 bits: ``cuda_ipc``
+    packs it as it is; shared memory and cma pack it with bit 63 cleared (that bit flags a
+    namespace).  Loads UCX."""
     native()
     get = ctypes.CDLL(os.path.join(loaded().ucx_dir, "libucs.so.0")).ucs_get_system_id
     get.restype = ctypes.c_uint64
-    return int(get()) & ~(1 << 63)  # UCT_IFACE_LOCAL_ADDR_FLAG_NS is not part of the id
+    return int(get())
+
+
+@functools.cache
+def knows_setting(name: str, value: str) -> bool:
+    """Whether this process's UCX takes setting ``name`` (without ``UCX_``) with ``value``: a
+    setting of a transport whose module did not load (``cuda_ipc`` without a CUDA driver) makes
+    ``ucp_init`` fail, and set in the environment it draws UCX's unused-variable warning.  Reads
+    UCX's configuration table only (``ucp_config_read`` / ``ucp_config_modify``); loads UCX."""
+    native()
+    ucp = ctypes.CDLL(os.path.join(loaded().ucx_dir, "libucp.so.0"))
+    cfg = ctypes.c_void_p()
+    ucp.ucp_config_read.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    ucp.ucp_config_modify.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+    ucp.ucp_config_release.argtypes = [ctypes.c_void_p]
+    if ucp.ucp_config_read(None, None, ctypes.byref(cfg)) != 0:
+        return False
+    try:
+        return ucp.ucp_config_modify(cfg, name.encode(), value.encode()) == 0
+    finally:
+        ucp.ucp_config_release(cfg)
 
 
 @functools.cache
