@@ -22,8 +22,8 @@ from typing import Any
 
 from ._errors import ExporterUnreachableError, InvalidInputError
 
-__all__ = ["send", "recv", "encode", "decode", "pack", "parse", "take_frame", "take_frames", "bind_host",
-           "keepalive", "MAX_FRAME", "PROTOCOL", "TIMEOUT"]
+__all__ = ["send", "recv", "encode", "decode", "pack", "pack_split", "Assembly", "parse", "take_frame",
+           "take_frames", "bind_host", "keepalive", "MAX_FRAME", "PROTOCOL", "TIMEOUT"]
 
 MAX_FRAME = 64 * 1024
 #: The control protocol both ends speak; a ``hello`` names it.
@@ -90,6 +90,81 @@ def pack(message: dict) -> bytes:
     if len(data) > MAX_FRAME:
         raise InvalidInputError(f"control message is {len(data)} bytes; at most {MAX_FRAME}")
     return _LEN.pack(len(data)) + data
+
+
+#: Room left in each frame of a split message for its other fields.
+_SPLIT_ROOM = 1024
+
+
+def pack_split(message: dict, holder: dict, keys: tuple[str, ...]) -> bytes:
+    """``message`` as one frame, or, where it does not fit in one, as a first
+    frame with ``more: K`` and K continuation frames ``{"id": ..., "cont":
+    {key: [...], ...}}`` that carry the rest of the lists ``holder[key]``
+    (parallel lists of one length, cut at the same places; ``holder`` is
+    ``message`` or a dict inside it), each item whole, in order.  The
+    receiver (:class:`Assembly`) joins them, bounded by what it expects."""
+    try:
+        return pack(message)
+    except InvalidInputError:
+        lists = [holder.get(key) for key in keys]
+        if not all(isinstance(items, list) and items and len(items) == len(lists[0]) for items in lists):
+            raise
+    sizes = [sum(len(_encode_fast(items[i])) + 1 for items in lists) for i in range(len(lists[0]))]
+    cuts, used = [0], 0
+    for i, size in enumerate(sizes):
+        if size > MAX_FRAME - _SPLIT_ROOM:
+            raise InvalidInputError(f"one item of a control message is {size} bytes; at most "
+                                    f"{MAX_FRAME - _SPLIT_ROOM}")
+        if used + size > MAX_FRAME - _SPLIT_ROOM and i > cuts[-1]:
+            cuts.append(i)
+            used = 0
+        used += size
+    cuts.append(len(sizes))
+    chunks = [{key: items[a:b] for key, items in zip(keys, lists, strict=True)} for a, b in zip(cuts, cuts[1:])]
+    holder.update(chunks[0])
+    try:
+        first = pack({**message, "more": len(chunks) - 1})
+    finally:
+        holder.update(zip(keys, lists))
+    return first + b"".join(pack({"id": message.get("id"), "cont": chunk}) for chunk in chunks[1:])
+
+
+class Assembly:
+    """A split message (:func:`pack_split`) being received: the first frame
+    (whose lists ``holder[key]`` begin the items), then ``more`` continuation
+    frames of the same id, each with at least one item of every list; at most
+    ``bound`` items in all."""
+
+    __slots__ = ("message", "lists", "left", "bound")
+
+    def __init__(self, message: dict, holder: Any, keys: tuple[str, ...], bound: int) -> None:
+        more = message.get("more")
+        if type(more) is not int or not 0 < more <= bound:
+            raise InvalidInputError(f"a split control message announces {more!r:.20} more frames; at most {bound}")
+        firsts = [holder.get(key) if isinstance(holder, dict) else None for key in keys]
+        if not all(isinstance(items, (list, tuple)) for items in firsts):
+            raise InvalidInputError("a split control message's first frame lacks its lists")
+        self.message, self.left, self.bound = message, more, bound
+        self.lists = {key: list(items) for key, items in zip(keys, firsts, strict=True)}  # type: ignore[arg-type]
+        self._check()
+
+    def _check(self) -> None:
+        lengths = {len(items) for items in self.lists.values()}
+        if len(lengths) != 1 or lengths.pop() > self.bound:
+            raise InvalidInputError(f"a split control message holds lists of unequal lengths or more than the "
+                                    f"{self.bound} items expected")
+
+    def add(self, frame: dict) -> bool:
+        """Take the next frame; True once the message is whole (``lists`` complete)."""
+        cont = frame.get("cont")
+        if frame.get("id") != self.message.get("id") or len(frame) != 2 or not isinstance(cont, dict) \
+                or set(cont) != set(self.lists) or not all(isinstance(v, (list, tuple)) and v for v in cont.values()):
+            raise InvalidInputError("a split control message's frames are out of order or malformed")
+        for key, items in cont.items():
+            self.lists[key].extend(items)
+        self._check()
+        self.left -= 1
+        return self.left == 0
 
 
 def send(sock: socket.socket, message: dict) -> None:

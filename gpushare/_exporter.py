@@ -39,6 +39,7 @@ from ._paths.broker import (
 )
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
+from ._manifest import MAX_PARTS as _MAX_PARTS
 from ._share import altered
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
@@ -172,11 +173,27 @@ class Export:
             self.obj = self.target()
 
     def close_remote(self) -> None:
+        held: list[Any] = []
+        self._take_states(held)
+        kinds: dict[type, list[Any]] = {}
+        for state in held:
+            kinds.setdefault(type(state), []).append(state)
+        for kind, states in kinds.items():
+            # a region: every key of it is revoked, remote access stops at once;
+            # a kind that closes many at once (a bundle's regions) does so
+            close_all = getattr(kind, "close_all", None)
+            if close_all is not None:
+                close_all(states)
+            else:
+                for state in states:
+                    state.close()
+
+    def _take_states(self, out: list[Any]) -> None:
+        """What the paths hold for this share and its parts, taken (lock held)."""
         states, self.state = self.state, {}
-        for held in states.values():
-            held.close()  # a region: every key of it is revoked, remote access stops at once
+        out.extend(states.values())
         for part in self.parts or ():
-            part.close_remote()
+            part._take_states(out)
 
     def end(self, reason: str) -> None:
         """The share's lifetime ended: leave the registry (lock held)."""
@@ -415,6 +432,11 @@ class _Session(Protocol):
         self.retries: dict[str, list[Any]] = {}
         self._next_lease = 1
         self.page_sent = False  # the state page went to this importer
+        #: A bundle's open request split over frames, until its last.
+        self._assembly: _control.Assembly | None = None
+        #: The largest bundle grant sent on this connection (bytes): the
+        #: backlog may hold one such reply beyond MAX_BACKLOG.
+        self._grant_bytes = 0
 
     # -- protocol ---------------------------------------------------------
     def data_received(self, conn: Connection, fds: list[int]) -> None:
@@ -427,13 +449,35 @@ class _Session(Protocol):
         # One frame at a time, the backlog checked before each: one read can
         # hold thousands of requests, and each adds a reply.
         while not (self.finished or conn.closed):
-            if conn.backlog() > MAX_BACKLOG or conn.backlog_fds() > MAX_BACKLOG_FDS:
+            if conn.backlog() > MAX_BACKLOG + self._grant_bytes or conn.backlog_fds() > MAX_BACKLOG_FDS:
                 self._overloaded(conn)
             message = _control.take_frame(conn.rbuf)
             if message is None:
                 return
             self.exporter.messages += 1
-            self._handle(conn, message)
+            message = self._whole(message)
+            if message is not None:
+                self._handle(conn, message)
+
+    def _whole(self, message: dict) -> dict | None:
+        """A message, once whole: a bundle's open may come split over frames
+        (one path per allocation), at most the bundle's allocations in all."""
+        if self._assembly is not None:
+            if not self._assembly.add(message):
+                return None
+            message, lists, self._assembly = self._assembly.message, self._assembly.lists, None
+            del message["more"]
+            return {**message, **lists}
+        if "more" not in message:
+            return message
+        if not self.ready or message.get("op") != "open":
+            raise InvalidInputError("only a bundle's open request may be split over frames")
+        export = self.exporter.get(message.get("share")) if isinstance(message.get("share"), str) else None
+        # an open of a share that ended is refused once whole; its bound is the most any bundle has
+        bound = len(export.parts) if export is not None and export.parts is not None else (
+            0 if export is not None else _MAX_PARTS)
+        self._assembly = _control.Assembly(message, message, ("parts",), bound)
+        return None
 
     def _overloaded(self, conn: Connection) -> None:
         """The importer asks and does not read: drop it (raising closes the
@@ -505,12 +549,18 @@ class _Session(Protocol):
         with self._copies_lock:
             self._copies -= 1
 
-    def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False) -> None:
+    def _refuse(self, conn: Connection, rid: Any, code: str, message: str, *, close: bool = False,
+                part: int | None = None) -> None:
+        """Answer ``rid`` with a refusal; ``part``: the bundle's allocation it is about (data the
+        importer acts on, as its next path for that allocation)."""
         if refusals.allow():
             said = f" (pid {self.claimed_pid}, as it says)" if self.claimed_pid is not None and not self.local else ""
             log.log(logging.WARNING if code in ("denied", "bad") else logging.INFO, "refused %s%s%s: %s (%s)",
                     _peer(conn), said, "" if self.ready else " before it proved the key", message, code)
-        conn.send(_control.pack({"id": rid, "ok": False, "code": code, "message": message}))
+        reply = {"id": rid, "ok": False, "code": code, "message": message}
+        if part is not None:
+            reply["part"] = part
+        conn.send(_control.pack(reply))
         if close:
             self.finished = True
             conn.close_when_sent()
@@ -608,7 +658,9 @@ class _Session(Protocol):
             try:
                 grant = _serve(export, path, self)
             except GpuShareError as exc:
-                self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
+                part = getattr(exc, "part", None)
+                self._refuse(conn, rid, "path", f"{exc}" if part is not None else f"exporter cannot serve {path}: {exc}",
+                             part=part)
                 return
             if grant is None:  # opened in the exporting process only
                 self._refuse(conn, rid, "path", f"path {path!r:.20} is not offered")
@@ -629,12 +681,16 @@ class _Session(Protocol):
                     fds = [*fds, page_fd]
                 if fds:
                     reply["fds"] = len(fds)
-                frame = _control.pack(reply)
+                # a bundle's grant (one per allocation) goes in as many frames as it needs
+                frame = (_control.pack(reply) if export.parts is None
+                         else _control.pack_split(reply, grant.payload, ("parts", "fds")))
+                if len(frame) > _control.MAX_FRAME:
+                    self._grant_bytes = max(self._grant_bytes, len(frame))
             except GpuShareError as exc:
                 for fd in fds:
                     os.close(fd)
                 _ended(grant)
-                self._refuse(conn, rid, "path", f"exporter cannot serve {path}: {exc}")
+                self._refuse(conn, rid, "path", f"exporter cannot serve {_summary(path)}: {exc}")
                 return
             export.opens += 1
             if export.policy == "auto":
@@ -728,9 +784,11 @@ def _serve(export: Export, path: str, session: _Session) -> _paths.Grant | None:
             try:
                 grant = served.serve(part, session)
             except GpuShareError as exc:
-                raise type(exc)(f"allocation {i}: {exc}") from None
+                raise _of_part(type(exc)(f"{exc} (the exporter cannot serve allocation {i} of the bundle over "
+                                         f"{name}; the open asked for {_summary(path)})"), i) from None
             if grant is None:
-                raise InvalidInputError(f"allocation {i}: {name} is opened in the exporting process only")
+                raise _of_part(InvalidInputError(f"{name} is opened in the exporting process only (allocation {i} "
+                                                 "of the bundle)"), i)
             grant.path = served
             grants.append(grant)
     except BaseException:
@@ -746,6 +804,20 @@ def _serve(export: Export, path: str, session: _Session) -> _paths.Grant | None:
 
     return _paths.Grant({"parts": [g.payload for g in grants], "fds": [len(g.fds) for g in grants]},
                         [fd for g in grants for fd in g.fds], on_end=end, parts=grants, path=_Bundled(path))
+
+
+def _of_part(exc: GpuShareError, part: int) -> GpuShareError:
+    exc.part = part  # type: ignore[attr-defined]  # the refusal names it as data
+    return exc
+
+
+def _summary(paths: str) -> str:
+    """A bundle's paths, one per allocation, summed up: ``cuda-ipc x300, cma x2``."""
+    names = paths.split(",")
+    if len(names) == 1:
+        return names[0]
+    counts = collections.Counter(names)
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
 
 def _bundle_request(msg: dict, export: Export) -> tuple[str, str | None]:

@@ -32,6 +32,7 @@ from ._errors import (
     GpuShareError,
     InvalidInputError,
 )
+from ._manifest import MAX_PARTS
 from ._paths.broker import check_peer, control_address
 from ._process import (
     QUIET,
@@ -92,10 +93,19 @@ class _Flag:
         return self._set
 
 
-class _Waiter:
-    __slots__ = ("event", "fds", "reply", "_callbacks", "_lock")
+#: The most parts a split reply to an abandoned open may hold (a bundle's most allocations).
+_LATE_BOUND = MAX_PARTS
+#: The lists a bundle open's grant may split over frames: each part's grant and its count of fds.
+_REPLY_LISTS = ("parts", "fds")
 
-    def __init__(self) -> None:
+
+class _Waiter:
+    __slots__ = ("event", "fds", "reply", "bound", "_callbacks", "_lock")
+
+    def __init__(self, bound: int = 0) -> None:
+        #: The most items a reply split over several frames may hold: a
+        #: bundle open's reply has one per allocation; 0, no split reply.
+        self.bound = bound
         self.event = _Flag()
         self.reply: dict | None = None
         self.fds: list[int] = []
@@ -128,6 +138,7 @@ class _Link(Protocol):
         #: A Unix socket to an exporter on this node: fds come with replies.
         self.wants_fds = local
         self._fds: list[int] = []  # received, not yet claimed by a reply
+        self._assembly: _control.Assembly | None = None  # a reply split over frames, until its last
         self.importer = importer
         self.key = key
         self.exporter_pid = pid
@@ -159,7 +170,8 @@ class _Link(Protocol):
         """Send one request; its reply comes to the returned waiter, and
         ``keep`` is referenced until it does (or the connection ends)."""
         rid = next(self.importer.ids)
-        waiter = _Waiter()
+        parts = message.get("parts") if message.get("op") == "open" else None
+        waiter = _Waiter(len(parts) if isinstance(parts, list) else 0)  # a bundle's open: one grant per part
         with self.lock:
             if self.dead is not None:
                 raise self._lost()
@@ -169,7 +181,8 @@ class _Link(Protocol):
             if keep is not None:
                 self._kept[rid] = keep
             conn = self.conn
-        conn.send(_control.pack({**message, "id": rid}))
+        framed = {**message, "id": rid}
+        conn.send(_control.pack_split(framed, framed, ("parts",)) if waiter.bound else _control.pack(framed))
         return rid, waiter
 
     def request(self, message: dict, timeout: float) -> tuple[dict, list[int]]:
@@ -299,6 +312,22 @@ class _Link(Protocol):
         self.heard = time.monotonic()
         self._fds.extend(fds)
         for message in _control.take_frames(conn.rbuf):
+            if self._assembly is not None:  # the rest of a split reply
+                if not self._assembly.add(message):
+                    continue
+                message, lists = self._assembly.message, self._assembly.lists
+                self._assembly = None
+                del message["more"]
+                message["payload"] = {**message["payload"], **{k: tuple(v) for k, v in lists.items()}}
+            elif "more" in message:  # the first frame of a reply split over several
+                waiter = self.pending.get(message.get("id"))  # type: ignore[arg-type]
+                # a reply to an open given up on still comes whole, then is given back
+                bound = waiter.bound if waiter is not None else (
+                    _LATE_BOUND if message.get("id") in self._abandoned else 0)
+                if not bound:
+                    raise InvalidInputError(f"exporter pid {self.exporter_pid} split a reply that cannot be split")
+                self._assembly = _control.Assembly(message, message.get("payload"), _REPLY_LISTS, bound)
+                continue
             rid, lease = message.get("id"), message.get("lease")
             if rid is None and message.get("ok") is False and not self.answered:
                 # The exporter refused the connection (the proof of the key
@@ -333,7 +362,7 @@ class _Link(Protocol):
             waiter.fds = got
             waiter.reply = message
             waiter.set()
-        if self._fds and not conn.rbuf:
+        if self._fds and not conn.rbuf and self._assembly is None:
             raise InvalidInputError(f"exporter pid {self.exporter_pid} sent fds with no reply")
 
     def _take_page(self, fd: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 import warnings
 from typing import Any
@@ -38,8 +37,6 @@ from ._share import Share, node_key
 __all__ = ["open_tree"]
 
 log = logging.getLogger("gpushare.api")
-
-_PART = re.compile(r"allocation ([0-9]{1,6}): ")
 
 
 def part_shares(share: Share) -> list[Share]:
@@ -124,9 +121,9 @@ def open_tree(share: Share, prefer: Any, exclude: Any, timeout: float, device: i
                 raise ExporterUnreachableError(unreachable(share, str(exc))) from None
             if lease is None:
                 message = str(reply.get("message", ""))
-                found = _PART.search(message)
-                if reply.get("code") == "path" and found and int(found.group(1)) < len(parts):
-                    next_path(int(found.group(1)), message)
+                part = reply.get("part")  # the allocation a path refusal is about, as data
+                if reply.get("code") == "path" and type(part) is int and 0 <= part < len(parts):
+                    next_path(part, message)
                     continue
                 raise_refusal(reply)
             opened: list[_paths.Opened] = []

@@ -111,4 +111,22 @@ def _get_one(state: dict, name: str, key: str) -> bytes:
     return out.tobytes()
 
 
-HANDLERS = {"open": _open, "describe": _describe, "write": _write, "close": _close, "get_one": _get_one}
+def _digest_all(state: dict, name: str) -> str:
+    """One digest of every tensor's bytes as ``bundle.get()`` gives them, in key order."""
+    got: dict = {}
+    _leaves(state["bundles"][name].get(), got, "")
+    h = hashlib.sha256()
+    for where in sorted(got):
+        h.update(where.encode() + b"\0" + np.ascontiguousarray(got[where]).tobytes())
+    return h.hexdigest()
+
+
+def _fill(state: dict, name: str, base: int) -> None:
+    """Put into every tensor of a flat bundle of uint8 arrays ``(base + i) % 251``, ``i`` its key's number."""
+    bundle = state["bundles"][name]
+    views = bundle.tree()
+    bundle.put({k: np.full(v.shape, (base + int(k[1:])) % 251, np.uint8) for k, v in views.items()})
+
+
+HANDLERS = {"open": _open, "describe": _describe, "write": _write, "close": _close, "get_one": _get_one,
+            "digest_all": _digest_all, "fill": _fill}

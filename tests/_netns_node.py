@@ -4,6 +4,8 @@
     python _netns_node.py import             # reads the exporter's JSON line on stdin
     python _netns_node.py server-export SIZE # the same through the per-process region server
     python _netns_node.py server-import
+    python _netns_node.py bundle-export N    # an ordinary dict of N arrays as one bundle
+    python _netns_node.py bundle-open
 """
 
 from __future__ import annotations
@@ -126,6 +128,45 @@ def guard_import() -> None:
         time.sleep(0.05)
     result["closed_views_key"] = outcome
     print(json.dumps(result), flush=True)
+
+
+def _bundle_digest(tree: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tree):
+        h.update(key.encode() + b"\0" + np.ascontiguousarray(tree[key]).tobytes())
+    return h.hexdigest()
+
+
+def bundle_export(count: int) -> None:
+    """An ordinary dict of ``count`` arrays, each its own allocation, as one bundle."""
+    import pickle
+
+    import gpushare as gs
+
+    tree = {f"w{i}": np.full(64 + i % 7, i % 251, np.uint8) for i in range(count)}
+    share = gs.export(tree, lifetime="revoked")
+    print(json.dumps({"share": pickle.dumps(share).hex(), "digest": _bundle_digest(tree)}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "digest":
+            print(_bundle_digest(tree), flush=True)
+        elif cmd == "exit":
+            break
+
+
+def bundle_open() -> None:
+    """Open the bundle, get every array, put new values into every one."""
+    import pickle
+
+    import gpushare as gs
+
+    share = pickle.loads(bytes.fromhex(json.loads(sys.stdin.readline())["share"]))
+    with gs.open(share, timeout=120) as bundle:
+        got = bundle.get()
+        reply = {k: np.full(v.shape, (int(k[1:]) + 3) % 251, np.uint8) for k, v in got.items()}
+        bundle.put(reply)
+        print(json.dumps({"paths": sorted(set(bundle.paths)), "get_digest": _bundle_digest(got),
+                          "put_digest": _bundle_digest(reply)}), flush=True)
 
 
 def share_open() -> None:
@@ -265,6 +306,10 @@ if __name__ == "__main__":
         share_export(int(sys.argv[2]))
     elif role == "share-open":
         share_open()
+    elif role == "bundle-export":
+        bundle_export(int(sys.argv[2]))
+    elif role == "bundle-open":
+        bundle_open()
     elif role == "guard-export":
         guard_export()
     elif role == "guard-import":

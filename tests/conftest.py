@@ -222,6 +222,18 @@ def peer() -> Iterator:
 
 
 @pytest.fixture(scope="module")
+def bundle_peer() -> Iterator:
+    """Another process that opens bundles it is sent and reports what it
+    sees (``tests/_bundle_peer.py``), one per test module."""
+    from _procs import Child
+    import _bundle_peer
+
+    child = Child(_bundle_peer.setup, timeout=240)
+    yield child
+    child.close()
+
+
+@pytest.fixture(scope="module")
 def _gpu_peers() -> Iterator[dict]:
     """The module's gpu peer, once started; closed with the module."""
     held: dict = {}

@@ -115,6 +115,14 @@ def test_share_opened_across_namespaces_goes_over_ucx_rma(two_nodes):
     assert "another node" in result["why"]
 
 
+def test_an_ordinary_dict_of_20000_arrays_moves_both_ways_across_namespaces(two_nodes):
+    # 20,000 allocations: 20,000 regions and keys, a grant of several MiB in
+    # many control frames, gets and puts in paced parts the region server takes.
+    a, b, _ = two_nodes
+    _, result, _ = _cross(b, a, ("bundle-export", "20000"), "bundle-open")
+    assert result["paths"] == ["ucx-rma"]
+
+
 def test_ucx_rma_isolation_revocation_and_read_only_hold_across_namespaces(two_nodes):
     # Over TCP between two nodes the exporter itself checks every transfer:
     # an importer reaches only what it opened, a revoked share stops at once

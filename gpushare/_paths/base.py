@@ -3,14 +3,17 @@ grant, an importer's opened path, and the helpers several paths use."""
 
 from __future__ import annotations
 
+import collections
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _control
 from .._buffers import LocalBuffer
 from .._descriptors import _rebuild
-from .._errors import InvalidInputError
+from .._errors import GpuShareError, InvalidInputError, WaitTimeoutError
 from .._process import node_key, process_state
 from . import broker
 
@@ -243,3 +246,88 @@ def exporter_exited(share: Share) -> bool | None:
         return None
     state = process_state(share.exporter_pid)
     return state is None or state in ("Z", "X")  # gone, or exited and not yet reaped by its parent
+
+
+class Paced:
+    """One request made of several, started at most ``window`` at a time: the
+    next starts as an earlier one completes (in ``wait``, ``done`` and
+    ``await``, in the caller's thread), so a batch of any size stays within
+    what the exporter lets one connection have under way.  After a failure
+    nothing more starts; the error is the first failure's.  ``wait``,
+    ``done``, ``exception`` and ``await``, as the requests it is made of."""
+
+    __slots__ = ("_error", "_inflight", "_next", "_starts", "_what", "_window")
+
+    def __init__(self, starts: list[Callable[[], Any]], window: int, what: str) -> None:
+        self._starts: list[Callable[[], Any] | None] = list(starts)
+        self._window, self._what = window, what
+        self._next = 0
+        self._inflight: collections.deque[Any] = collections.deque()
+        self._error: BaseException | None = None
+        self._pump()
+
+    def _pump(self) -> None:
+        """Retire completed requests (oldest first) and start more, up to the window."""
+        while self._inflight and self._inflight[0].done():
+            exc = self._inflight.popleft().exception()
+            if exc is not None and self._error is None:
+                self._error = exc
+        while self._error is None and self._next < len(self._starts) and len(self._inflight) < self._window:
+            start, self._starts[self._next] = self._starts[self._next], None  # started: the request holds its buffers
+            self._next += 1
+            try:
+                self._inflight.append(start())  # type: ignore[misc]
+            except GpuShareError as exc:
+                self._error = exc
+
+    def _finished(self) -> bool:
+        return not self._inflight and (self._error is not None or self._next == len(self._starts))
+
+    def done(self) -> bool:
+        self._pump()
+        return self._finished()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every part completes; raise the first error.
+
+        Raises
+        ------
+        WaitTimeoutError
+            If ``timeout`` seconds pass first; what started stays in flight
+            (its buffers in use) until it ends, and the rest starts on the
+            next ``wait``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._pump()
+            if self._finished():
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            oldest = self._inflight[0]
+            try:
+                oldest.wait(left)
+            except WaitTimeoutError:
+                raise WaitTimeoutError(f"{self._what} did not finish within {timeout} s; what started stays in "
+                                       "flight, and its buffers in use, until it ends") from None
+            except GpuShareError:
+                if not oldest.done():
+                    raise  # the peer is gone: nothing will complete it
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self) -> Any:
+        while True:
+            self._pump()
+            if self._finished():
+                break
+            oldest = self._inflight[0]
+            try:
+                yield from oldest.__await__()
+            except GpuShareError:
+                if not oldest.done():
+                    raise  # the peer is gone: nothing will complete it
+        if self._error is not None:
+            raise self._error

@@ -38,7 +38,7 @@ from .._errors import (
     WaitTimeoutError,
 )
 from .._process import await_alive, wait_alive
-from .base import Grant, Here, Memory, Offer, Opened, Options, no_fds, same_node
+from .base import Grant, Here, Memory, Offer, Opened, Options, Paced, no_fds, same_node
 from .broker import peer_credentials
 
 __all__ = ["available", "check_access", "copy", "copier", "PATH", "serve_copy", "CmaTransport", "Transfer"]
@@ -52,8 +52,16 @@ log = logging.getLogger("gpushare")
 PIECE = 8 << 20
 #: The control message that asks the exporter for a copy.
 OP = "cma"
-#: Copies an importer's connection may have queued or running at once.
+#: Copies an importer's connection may have queued or running at once (a
+#: batch of copies over one lease counts as one).
 MAX_QUEUED = 64
+#: Copies one batch request may carry: its message stays well within a
+#: control frame (about 70 bytes an item at most).
+MAX_ITEMS = 512
+#: Batch requests one importer's batch keeps in flight on its connection;
+#: it sends the next as each is answered, so a batch of any size stays
+#: within :data:`MAX_QUEUED` with room for the connection's other copies.
+WINDOW = 16
 
 
 class _IoVec(ctypes.Structure):
@@ -314,40 +322,74 @@ class Cma:
 PATH = Cma()
 
 
+def _items_of(msg: dict, parts: int | None) -> list[tuple[int | None, int, int, int]] | None:
+    """The copies a cma request asks for, as (part, offset, n, address): one
+    (``offset``, ``n``, ``addr`` and, for a bundle's lease, ``part``), or a
+    batch (``items``: ``[offset, n, addr]`` or ``[offset, n, addr, part]``
+    each, at most :data:`MAX_ITEMS`); None when malformed."""
+    if "items" in msg:
+        raw = msg["items"]
+        if type(raw) not in (list, tuple) or not 0 < len(raw) <= MAX_ITEMS:
+            return None
+    else:
+        raw = [[msg.get("offset"), msg.get("n"), msg.get("addr")] + ([msg.get("part")] if parts is not None else [])]
+    want = 3 if parts is None else 4
+    out = []
+    for item in raw:
+        if type(item) not in (list, tuple) or len(item) != want or not all(type(v) is int for v in item):
+            return None
+        offset, n, address = item[0], item[1], item[2]
+        part = item[3] if parts is not None else None
+        if not (0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
+            return None
+        if part is not None and not 0 <= part < parts:
+            return None
+        out.append((part, offset, n, address))
+    return out
+
+
 def serve_copy(session: Any, conn: Any, rid: Any, msg: dict) -> None:
-    """An importer's get or put over its cma lease: checked here (lease,
-    bounds, read-only, revocation), copied by the copy threads, answered
-    when the bytes have moved.  ``session`` is the exporter's control
-    session: its grants, its refusals and its count of queued copies."""
+    """An importer's get or put over its cma lease, or a batch of them over
+    one lease (a bundle's allocations): every copy checked here (lease,
+    bounds, read-only, revocation) before any runs, copied in order by the
+    copy threads as one job, answered once when every byte has moved.  A
+    batch counts as one of the connection's :data:`MAX_QUEUED` copies.
+    ``session`` is the exporter's control session: its grants, its refusals
+    and its count of queued copies."""
     lease = msg.get("lease")
     grant = session.grants.get(lease) if type(lease) is int else None
     export = session.leases.get(lease) if grant is not None else None
-    served = export
-    if grant is not None and grant.parts is not None:  # a bundle's lease: the copy names its allocation
-        part = msg.get("part")
-        if type(part) is not int or not 0 <= part < len(grant.parts):
-            session.refuse(conn, rid, "bad", "a cma copy of a bundle names one of its allocations")
-            return
-        grant, served = grant.parts[part], export.parts[part]
-    entry = grant.state if grant is not None and grant.path is PATH else None
-    if entry is None:
+    if grant is None or export is None:
         session.refuse(conn, rid, "closed", "this connection holds no open cma lease by that id")
         return
-    direction, offset, n, address = msg.get("dir"), msg.get("offset"), msg.get("n"), msg.get("addr")
-    if direction not in ("get", "put") or not all(type(v) is int for v in (offset, n, address)) or not (
-            0 <= offset < 1 << 62 and 0 < n < 1 << 62 and 0 < address < 1 << 64):
-        session.refuse(conn, rid, "bad", "malformed cma request")
+    bundle = grant.parts is not None
+    direction = msg.get("dir")
+    items = _items_of(msg, len(grant.parts) if bundle else None)
+    if direction not in ("get", "put") or items is None:
+        session.refuse(conn, rid, "bad", "malformed cma request" + (
+            " (a copy of a bundle names one of its allocations)" if bundle else ""))
         return
-    pinned, process = entry
-    if offset + n > min(served.nbytes, pinned.nbytes):
-        session.refuse(conn, rid, "bounds", f"{n} bytes at offset {offset} run past the shared {served.nbytes}")
-        return
+    copies = []
+    for i, (part, offset, n, address) in enumerate(items):
+        g, served = (grant.parts[part], export.parts[part]) if part is not None else (grant, export)
+        entry = g.state if g is not None and g.path is PATH else None
+        where = f"item {i}: " if len(items) > 1 else ""
+        if entry is None:
+            session.refuse(conn, rid, "closed", f"{where}this connection holds no open cma lease by that id"
+                           + (f" for allocation {part}" if part is not None else ""))
+            return
+        pinned, process = entry
+        if offset + n > min(served.nbytes, pinned.nbytes):
+            session.refuse(conn, rid, "bounds", f"{where}{n} bytes at offset {offset} run past the shared "
+                           f"{served.nbytes}")
+            return
+        if direction == "put" and served.readonly:
+            session.refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
+            return
+        copies.append((pinned, process, offset, n, address))
     refusal = _refusal(session, export, lease)
     if refusal is not None:
         session.refuse(conn, rid, refusal, session.refusal_text(refusal, export.policy))
-        return
-    if direction == "put" and served.readonly:
-        session.refuse(conn, rid, "denied", "the share is read-only: the exporter refuses writes")
         return
     if not session.take_copy():
         session.refuse(conn, rid, "busy", f"this connection has {MAX_QUEUED} copies queued already")
@@ -363,19 +405,25 @@ def serve_copy(session: Any, conn: Any, rid: Any, msg: dict) -> None:
         why = _refusal(session, export, lease)
         return None if why is None else session.refusal_text(why, None)
 
-    def job() -> None:  # holds ``pinned``: the memory stays while the copy runs
+    def job() -> None:  # holds each ``pinned``: the memory stays while the copies run
+        i = 0
         try:
-            copy(process, pinned.address + offset, address, n, into_remote=direction == "get", still=still)
+            for i, (pinned, process, offset, n, address) in enumerate(copies):
+                copy(process, pinned.address + offset, address, n, into_remote=direction == "get", still=still)
             reply = {"id": rid, "ok": True}
         except ClosedError as exc:
-            reply = {"id": rid, "ok": False, "code": "closed", "message": str(exc)[:300]}
+            reply = {"id": rid, "ok": False, "code": "closed", "message": _item(i, len(copies), exc)}
         except GpuShareError as exc:
-            reply = {"id": rid, "ok": False, "code": "copy", "message": str(exc)[:300]}
+            reply = {"id": rid, "ok": False, "code": "copy", "message": _item(i, len(copies), exc)}
         finally:
             session.copy_done()
         conn.send(_control.pack(reply))
 
     runner.submit(job)
+
+
+def _item(i: int, count: int, exc: BaseException) -> str:
+    return (f"item {i} of {count}: " if count > 1 else "") + str(exc)[:300]
 
 
 def _refusal(session: Any, export: Any, lease: int) -> str | None:
@@ -396,7 +444,7 @@ class CmaTransport:
     def __init__(self, lease: Any, part: int | None = None) -> None:
         self.lease = lease
         self.part = part  # a bundle's allocation, which each copy names
-        self.batch_key = self  # every item its own request on the connection
+        self.batch_key = ("cma", id(lease))  # the lease's items travel together, whatever their allocation
 
     def start(self, direction: str, offset: int, local: Any) -> Any:
         """Ask the exporter to copy between the share and ``local`` (resolved
@@ -433,13 +481,31 @@ class CmaTransport:
         await self._move_async("put", offset, buf, span)
 
     def batch(self, items: list, direction: str) -> list:
-        # every item one request on its connection, all sent before any is awaited
-        requests = []
+        """The items of one lease (their transports share its key), as batch
+        requests of at most :data:`MAX_ITEMS` copies each, sent
+        :data:`WINDOW` at a time: one paced request."""
+        messages: list[tuple[dict, list]] = []
+        items_of: list = []
+        kept: list = []
         for t, offset, buf in items:
-            request = t.start(direction, offset, _buffers.resolve(buf, writable=direction == "get"))
-            if request is not None:
-                requests.append(request)
-        return requests
+            local = _buffers.resolve(buf, writable=direction == "get")
+            if local.nbytes == 0:
+                local.release()
+                continue
+            items_of.append([offset, local.nbytes, local.address] + ([t.part] if t.part is not None else []))
+            kept.append(local)
+            if len(items_of) == MAX_ITEMS:
+                messages.append(({"op": OP, "dir": direction, "items": items_of}, kept))
+                items_of, kept = [], []
+        if items_of:
+            messages.append(({"op": OP, "dir": direction, "items": items_of}, kept))
+        lease = self.lease
+
+        def sender(message: dict, kept: list) -> Callable[[], Transfer]:
+            return lambda: Transfer(lease, lease.submit(message, keep=kept), direction)
+
+        starts = [sender(message, kept) for message, kept in messages]
+        return [Paced(starts, WINDOW, f"the exporter's {direction} of a batch")] if starts else []
 
     def close(self) -> None:
         pass  # the view's lease ends the exporter's side

@@ -21,9 +21,19 @@ from .._errors import (
 )
 from .._process import await_alive
 from .._ucx import _device, _server
-from .base import Grant, Here, Memory, Offer, Opened, Options, exporter_exited, no_fds
+from .base import Grant, Here, Memory, Offer, Opened, Options, Paced, exporter_exited, no_fds
 
 __all__ = ["PATH", "RmaTransport", "raise_rma_error"]
+
+#: What the region server counts for each reply under way (src/native/region.hpp:
+#: kReplyCost, plus the data of a reply sent eagerly, up to kEagerMax); it refuses
+#: an importer more than 64 MiB of them (kMaxPeerReplyBytes).
+REPLY_COST = 4096
+EAGER_MAX = 256 * 1024
+#: The most one part of a batch may cost, and the parts under way at once: half
+#: of the server's allowance, the rest for the connection's other transfers.
+BATCH_COST = 16 << 20
+BATCH_WINDOW = 2
 
 
 class UcxRma:
@@ -148,10 +158,30 @@ class RmaTransport:
         await self._move_async(False, offset, buf, stream, span)
 
     def batch(self, items: list, direction: str) -> list:
-        entries = [(*t.region, offset, buf) for t, offset, buf in items]
-        if direction == "get":
-            return [self.peer.get_batch(entries)]
-        return [self.peer.put_batch(entries, host_regions=self.share.device == "host")]
+        """One request per exporter, in parts whose replies cost the exporter
+        at most :data:`BATCH_COST` each (its region server refuses an
+        importer more than 64 MiB of replies under way), a few at a time."""
+        peer, host = self.peer, self.share.device == "host"
+        chunks: list[list] = [[]]
+        cost = 0
+        for t, offset, buf in items:
+            n = getattr(buf, "nbytes", None)  # what cannot say its size is counted as the most an eager reply holds
+            eager = EAGER_MAX if type(n) is not int else n if 0 <= n <= EAGER_MAX else 0
+            item_cost = REPLY_COST + eager
+            if cost + item_cost > BATCH_COST and chunks[-1]:
+                chunks.append([])
+                cost = 0
+            chunks[-1].append((*t.region, offset, buf))
+            cost += item_cost
+        if len(chunks) == 1:
+            return [peer.get_batch(chunks[0]) if direction == "get" else peer.put_batch(chunks[0], host_regions=host)]
+
+        def starter(entries: list) -> Any:
+            if direction == "get":
+                return lambda: peer.get_batch(entries)
+            return lambda: peer.put_batch(entries, host_regions=host)
+
+        return [Paced([starter(c) for c in chunks], BATCH_WINDOW, f"a batched {direction} over ucx-rma")]
 
     def close(self) -> None:
         pass  # the connection serves every view of the exporter; the lease's end revokes the key

@@ -282,6 +282,28 @@ class Region:
         self._finalizer.detach()
         _close_region(self._node, self._id, self._local, _CLOSE_TIMEOUT if t is None else t)
 
+    @staticmethod
+    def close_all(regions: list[Region], timeout: float = _CLOSE_TIMEOUT) -> None:
+        """:meth:`close` of each of ``regions`` at once (a bundle's
+        allocations), within one ``timeout``: one call into the region server
+        for those of one node, where one each cost a thread switch."""
+        by_node: dict[int, list[Region]] = {}
+        for region in regions:
+            if region._finalizer.alive:
+                region._finalizer.detach()
+                by_node.setdefault(id(region._node), []).append(region)
+        for group in by_node.values():
+            node = group[0]._node
+            if os.getpid() != node.pid or node.native.closed:
+                continue  # a forked child, or the node already unregistered everything
+            drained = node.native.close_regions([r._id for r in group], timeout)
+            for region, free in zip(group, drained, strict=True):
+                if free:
+                    region._local.release()
+                else:
+                    with node.lock:
+                        node.held.append(region._local)
+
     def __enter__(self) -> Region:
         return self
 

@@ -351,6 +351,8 @@ class Node {
   // keys to it are left, at most kMaxTombstones of them; one closed with no
   // key left is forgotten at once.
   bool closeRegion(uint64_t id, double timeout);
+  // closeRegion of each of `ids` at once, within one `timeout`: whether each is free of UCX.
+  std::vector<bool> closeRegions(const std::vector<uint64_t>& ids, double timeout);
 
   // Forget closed region `id`'s entry in the table (tableMutex held).
   void forgetClosed(uint64_t id);

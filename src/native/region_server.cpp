@@ -120,6 +120,10 @@ int Node::revoke(uint64_t id, nb::bytes key, double timeout)
     g->revoked = true;
     it->second->keys.erase(kit);
   }
+  // Nothing in flight (the common case): no GIL hand-over, which costs the
+  // caller up to a switch interval (5 ms) when another thread wants the GIL:
+  // a bundle's lease ends with one revocation per allocation.
+  if (g->inflight.load(std::memory_order_acquire) == 0) return 1;
   nb::gil_scoped_release release;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
   while (g->inflight.load(std::memory_order_acquire) > 0) {
@@ -131,18 +135,25 @@ int Node::revoke(uint64_t id, nb::bytes key, double timeout)
 
 bool Node::closeRegion(uint64_t id, double timeout)
 {
-  std::shared_ptr<Region> r;
+  return closeRegions({id}, timeout)[0];
+}
+
+std::vector<bool> Node::closeRegions(const std::vector<uint64_t>& ids, double timeout)
+{
+  std::vector<std::shared_ptr<Region>> closing(ids.size());
   {
     std::unique_lock<std::shared_mutex> lock(tableMutex);
-    auto it = regions.find(id);
-    if (it == regions.end()) return true;
-    r = it->second;
-    if (!r->closed) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto it = regions.find(ids[i]);
+      if (it == regions.end()) continue;
+      auto r = it->second;
+      closing[i] = r;
+      if (r->closed) continue;
       r->closed = true;
       if (r->keys.empty()) {
         regions.erase(it);  // nobody holds a key to be told it closed
       } else {
-        tombstones.push_back(id);
+        tombstones.push_back(ids[i]);
         while (tombstones.size() > kMaxTombstones) {
           regions.erase(tombstones.front());
           tombstones.pop_front();
@@ -150,17 +161,28 @@ bool Node::closeRegion(uint64_t id, double timeout)
       }
     }
   }
+  std::vector<bool> drained(ids.size(), true);
   {
+    // One GIL hand-over for them all (a bundle's allocations close together):
+    // each costs up to a switch interval where another thread wants the GIL.
     nb::gil_scoped_release release;
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
-    while (r->inflight.load(std::memory_order_acquire) > 0) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto& r = closing[i];
+      if (!r) continue;
+      while (r->inflight.load(std::memory_order_acquire) > 0) {
+        if (std::chrono::steady_clock::now() > deadline) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (r->inflight.load(std::memory_order_acquire) > 0) {
+        drained[i] = false;
+        continue;
+      }
+      r->ucpMemh = nullptr;
+      r->memh.reset();
     }
-    r->ucpMemh = nullptr;
-    r->memh.reset();
   }
-  return true;
+  return drained;
 }
 
 void Node::forgetClosed(uint64_t id)
@@ -564,14 +586,19 @@ void Node::shutdown()
 {
   if (!worker) return;
   engine.stop();
-  {
+  // The table's lock is taken, and every region unregistered, without the
+  // GIL, which is taken back only after the lock is let go: a thread that
+  // holds the GIL while it waits for the lock (a lease ending on the
+  // service thread revokes its keys) would otherwise wait for this one while
+  // this one waits for the GIL.  One hand-over for every region.
+  withoutGil([&] {
     std::unique_lock<std::shared_mutex> lock(tableMutex);
     for (auto& [id, r] : regions) {
       r->closed  = true;
       r->ucpMemh = nullptr;
-      releaseNoGil(r->memh);
+      r->memh.reset();
     }
-  }
+  });
   // Whatever is still awaited will not come.
   std::vector<std::shared_ptr<Batch>> done;
   {
