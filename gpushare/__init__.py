@@ -49,6 +49,7 @@ from ._errors import (
 from ._export import export
 from ._handles import allocate, export_buffer, import_buffer
 from ._launch import set_authkey_from_process_group
+from ._layout import share_memory
 from ._open import open, open_async
 from ._paths.host_fd import HostBuffer
 from ._share import BundleShare, Share
@@ -121,6 +122,7 @@ __all__ = [
     "set_authkey",
     "set_authkey_from_process_group",
     "export",
+    "share_memory",
 ]
 # ``open`` is public (``gpushare.open``) but left out of ``__all__`` so that
 # ``from gpushare import *`` does not shadow the builtin.
@@ -134,7 +136,7 @@ for _name in __all__:
         _obj.__module__ = __name__
 for _obj in (export, open, allocate, export_buffer, import_buffer, capabilities, channel, subscribe,
              open_async, empty, zeros, empty_like, get_batch, put_batch, set_authkey,
-             set_authkey_from_process_group):
+             set_authkey_from_process_group, share_memory):
     _obj.__module__ = __name__
 del _name, _obj, annotations
 

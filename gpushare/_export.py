@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, overload
 
 from . import _arrays, _buffers, _paths
 from ._cuda.fabric import cliques as fabric_cliques
@@ -13,12 +13,20 @@ from ._export_tree import export_tree, is_tree
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
 from ._offering import PathList, device_ordinal, memory_of, parse_lifetime
 from ._paths.broker import release_registrations
-from ._share import SHARE_FORMAT, Share, node_key
+from ._share import SHARE_FORMAT, BundleShare, Share, node_key
 from ._types import Lifetime
 
 __all__ = ["export", "PathList"]
 
 log = logging.getLogger("gpushare.api")
+
+
+@overload
+def export(obj: dict[str, Any] | list[Any] | tuple[Any, ...], *, lifetime: Lifetime = ...,
+           paths: PathList | None = ..., readonly: bool | None = ...) -> BundleShare: ...
+@overload
+def export(obj: Any, *, lifetime: Lifetime = ..., paths: PathList | None = ...,
+           readonly: bool | None = ...) -> Share: ...
 
 
 def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = None,

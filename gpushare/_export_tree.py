@@ -16,7 +16,7 @@ from typing import Any
 
 from . import _arrays, _buffers, _manifest, _paths
 from ._cuda.fabric import cliques as fabric_cliques
-from ._errors import InvalidInputError
+from ._errors import GpuShareError, InvalidInputError
 from ._exporter import Export, get_exporter, new_ids, track_auto
 from ._offering import device_ordinal, memory_of
 from ._paths import cuda_ipc
@@ -110,6 +110,27 @@ def _flatten(node: Any, leaves: list[Any], depth: int) -> tuple[Any, list]:
     return (kind, items), doc
 
 
+def _key_path(tree: Any, leaf: int | None) -> str | None:
+    """The keys that lead to leaf number ``leaf`` of ``tree`` (as
+    :func:`_flatten` numbers them), written as Python indexes it:
+    ``["layers"][3]["w"]``."""
+    if leaf is None:
+        return None
+    count = 0
+    stack: list[tuple[Any, str]] = [(tree, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}[{k!r}]") for k, v in reversed(list(node.items())))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(node))))
+        elif count == leaf:
+            return where
+        else:
+            count += 1
+    return None
+
+
 def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
     """The allocation ``t`` lies in: the one its offers name.  ``found``:
     gpushare.allocate buffers and CUDA blocks found so far, most recent
@@ -201,50 +222,55 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
     by_key: dict[Any, int] = {}
     last: _Allocation | None = None  # the gpushare.allocate buffer of the tensor before
     last_index = 0
-    for obj in objs:
-        t: _Tensor | None = None
-        if type(obj) is ndarray and obj.flags.c_contiguous:
-            address, nbytes, ro, memory_type = address_of(obj), obj.nbytes, not obj.flags.writeable, "host"
-            dt = obj.dtype
-            dtype = plain_dtypes.get(dt)
-            if dtype is None:
-                plain = dt.kind in "biufc" and dt.fields is None
-                dtype = plain_dtypes[dt] = columns.dtype_index(dt.str) if plain else -1
-            shape = obj.shape
-            if dtype < 0:
-                shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
+    leaf = 0
+    try:
+        for leaf, obj in enumerate(objs):
+            t: _Tensor | None = None
+            if type(obj) is ndarray and obj.flags.c_contiguous:
+                address, nbytes, ro, memory_type = address_of(obj), obj.nbytes, not obj.flags.writeable, "host"
+                dt = obj.dtype
+                dtype = plain_dtypes.get(dt)
+                if dtype is None:
+                    plain = dt.kind in "biufc" and dt.fields is None
+                    dtype = plain_dtypes[dt] = columns.dtype_index(dt.str) if plain else -1
+                shape = obj.shape
+                if dtype < 0:
+                    shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
+                    dtype = columns.dtype_index(typestr, name, dlpack)
+            else:
+                t = _Tensor(obj)
+                address, nbytes, ro, memory_type = t.address, t.nbytes, t.readonly, t.memory_type
+                shape, typestr, name, dlpack = _arrays.describe(obj, nbytes, strided=t.strides is not None)
                 dtype = columns.dtype_index(typestr, name, dlpack)
-        else:
-            t = _Tensor(obj)
-            address, nbytes, ro, memory_type = t.address, t.nbytes, t.readonly, t.memory_type
-            shape, typestr, name, dlpack = _arrays.describe(obj, nbytes, strided=t.strides is not None)
-            dtype = columns.dtype_index(typestr, name, dlpack)
-        if not nbytes:
-            columns.add(0, 0, 0, shape, dtype)
-            continue
-        if (last is not None and last.address <= address and address + nbytes <= last.address + last.nbytes
-                and last.memory_type == memory_type):
-            index = last_index
-        else:
-            if t is None:
-                t = _Tensor.host_array(obj, address, nbytes, ro)
-            alloc = _allocation_of(t, found)
-            index = by_key.get(alloc.key)
-            if index is None:
-                index = by_key[alloc.key] = len(allocations)
-                allocations.append(alloc)
-            last, last_index = (alloc, index) if found and alloc is found[0] else (None, 0)
-        if ro:
-            allocations[index].readonly = True
-        if t is not None and t.strides is not None:
-            columns.add(index, address - allocations[index].address, nbytes, shape, dtype, t.strides)
-            continue
-        col_part.append(index)
-        col_offset.append(address - allocations[index].address)
-        col_span.append(nbytes)
-        col_dtype.append(dtype)
-        col_ndim.append(len(shape))
-        col_dims(shape)
+            if not nbytes:
+                columns.add(0, 0, 0, shape, dtype)
+                continue
+            if (last is not None and last.address <= address and address + nbytes <= last.address + last.nbytes
+                    and last.memory_type == memory_type):
+                index = last_index
+            else:
+                if t is None:
+                    t = _Tensor.host_array(obj, address, nbytes, ro)
+                alloc = _allocation_of(t, found)
+                index = by_key.get(alloc.key)
+                if index is None:
+                    index = by_key[alloc.key] = len(allocations)
+                    allocations.append(alloc)
+                last, last_index = (alloc, index) if found and alloc is found[0] else (None, 0)
+            if ro:
+                allocations[index].readonly = True
+            if t is not None and t.strides is not None:
+                columns.add(index, address - allocations[index].address, nbytes, shape, dtype, t.strides)
+                continue
+            col_part.append(index)
+            col_offset.append(address - allocations[index].address)
+            col_span.append(nbytes)
+            col_dtype.append(dtype)
+            col_ndim.append(len(shape))
+            col_dims(shape)
+    except GpuShareError as exc:
+        exc.leaf = leaf  # type: ignore[attr-defined]  # export_tree names it by its keys
+        raise
     _shrink_hulls(objs, columns, allocations)
     return columns, allocations
 
@@ -260,7 +286,17 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         raise InvalidInputError("cannot export an empty bundle: the tree holds no buffer")
     if len(objs) > _manifest.MAX_TENSORS:
         raise InvalidInputError(f"a bundle holds at most {_manifest.MAX_TENSORS} tensors; this tree has {len(objs)}")
-    columns, allocations = _columns(objs)
+    try:
+        columns, allocations = _columns(objs)
+    except GpuShareError as exc:
+        where = _key_path(tree, getattr(exc, "leaf", None))
+        if where is None:
+            raise
+        try:
+            named = type(exc)(f"{exc} (the tree's item {where})")
+        except TypeError:  # an error of another signature: as it is
+            raise exc from None
+        raise named from None
     if not allocations:
         raise InvalidInputError("cannot export an empty bundle: every tensor in it is empty")
     share_id, token = new_ids()

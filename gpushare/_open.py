@@ -11,7 +11,8 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, overload
+from collections.abc import Generator
+from typing import Any, Generic, TypeVar, overload
 
 from . import _paths, _types
 from ._bundle import Bundle
@@ -274,10 +275,19 @@ def _close_late(future: asyncio.Future) -> None:
         future.result().close()
 
 
-async def open_async(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,
-                     timeout: float = 10.0, device: int | None = None) -> View:
+@overload
+def open_async(share: BundleShare, *, prefer: PathList | None = ..., exclude: PathList | None = ...,
+               timeout: float = ..., device: int | None = ...) -> Opening[Bundle]: ...
+@overload
+def open_async(share: Share, *, prefer: PathList | None = ..., exclude: PathList | None = ...,
+               timeout: float = ..., device: int | None = ...) -> Opening[View]: ...
+
+
+def open_async(share: Share, *, prefer: PathList | None = None, exclude: PathList | None = None,
+               timeout: float = 10.0, device: int | None = None) -> Opening[Any]:
     """:func:`gpushare.open` for asyncio: the event loop keeps running while
-    the share is opened.
+    the share is opened: ``view = await gs.open_async(share)``, or
+    ``async with gs.open_async(share) as view`` (closed at the block's end).
 
     The open (reaching the exporter, mapping or connecting) runs in the
     loop's default executor; arguments, errors and the returned view are
@@ -298,20 +308,52 @@ async def open_async(share: Share, *, prefer: PathList | None = None, exclude: P
 
     Returns
     -------
-    View
+    Opening
+        Awaitable (the view) and an async context manager (the view, closed
+        when the block ends).
 
     Examples
     --------
     >>> async def read(share, out):  # doctest: +SKIP
-    ...     async with await gs.open_async(share) as view:
+    ...     async with gs.open_async(share) as view:
     ...         await view.get_async(out)
     """
-    loop = asyncio.get_running_loop()
-    call = functools.partial(contextvars.copy_context().run, open, share, prefer=prefer, exclude=exclude,
-                             timeout=timeout, device=device)
-    future = loop.run_in_executor(None, call)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(_close_late)
-        raise
+    return Opening(share, prefer, exclude, timeout, device)
+
+
+_Opened = TypeVar("_Opened")
+
+
+class Opening(Generic[_Opened]):
+    """What :func:`open_async` returns: ``await`` it for the view, or use it
+    with ``async with`` (the view, closed when the block ends)."""
+
+    __slots__ = ("_args", "_view")
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+        self._view: Any = None
+
+    async def _open(self) -> _Opened:
+        share, prefer, exclude, timeout, device = self._args
+        loop = asyncio.get_running_loop()
+        call = functools.partial(contextvars.copy_context().run, open, share, prefer=prefer, exclude=exclude,
+                                 timeout=timeout, device=device)
+        future = loop.run_in_executor(None, call)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_close_late)
+            raise
+
+    def __await__(self) -> Generator[Any, None, _Opened]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> _Opened:
+        self._view = await self._open()
+        return self._view
+
+    async def __aexit__(self, *exc: object) -> None:
+        view, self._view = self._view, None
+        if view is not None:
+            view.close()

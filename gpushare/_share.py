@@ -466,6 +466,12 @@ class BundleShare(Share):
 
     __slots__ = ()
 
+    @property
+    def allocations(self) -> int:
+        """How many allocations its tensors lie in: each one offer (an fd, a
+        mapping, an IPC handle or a region) when opened."""
+        return len(self._bundle.parts)
+
 
 def _bundle_of(manifest: Any, fields: tuple, made: _manifest.Manifest | None = None) -> _manifest.Manifest:
     """A bundle's manifest, validated (or ``made`` here from the same bytes),

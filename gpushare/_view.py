@@ -278,7 +278,31 @@ class View:
         self.close()  # ends the lease and unmaps: no waiting on anything
 
     def __repr__(self) -> str:
-        return f"<gpushare.View {self.nbytes} bytes on {self.device} {'closed' if self.closed else 'via ' + self.path}>"
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return (f"<gpushare.View {self.dtype} {shape} ({self.nbytes} bytes) on {self.device} "
+                f"{'closed' if self.closed else 'via ' + self.path}>")
+
+    @property
+    def dtype(self) -> Any:
+        """The items' NumPy dtype as they travel (``numpy.dtype(typestr)``;
+        ``share.dtype_name`` names a dtype NumPy has no form of)."""
+        import numpy as np
+
+        return np.dtype(self.typestr)
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions, ``len(shape)``."""
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        """The length of the first dimension, as for an array."""
+        if not self.shape:
+            raise TypeError("len() of a 0-d view")
+        return self.shape[0]
+
+    def __bool__(self) -> bool:
+        return True  # a view is an object, not its values: never empty or ambiguous
 
     # -- memory ------------------------------------------------------------
     def _local(self) -> _buffers.LocalBuffer:
@@ -471,14 +495,20 @@ class View:
         return _driver.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
                                   producer=local.stream, keep=local, what=what)
 
-    def get(self, dst: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
-        """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into ``dst``.
+    def get(self, dst: Any = None, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> Any:
+        """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into
+        ``dst``; with no ``dst``, the whole view into a fresh array, returned
+        (as :meth:`Bundle.get` does).
 
         Parameters
         ----------
         dst
             Host or CUDA memory (any buffer :func:`gpushare.export` takes),
-            C-contiguous and writable.
+            C-contiguous and writable.  Omitted: a new NumPy array (host
+            memory) or :class:`CudaArray` (CUDA memory, on :attr:`device`)
+            of the view's dtype and shape (strides of a strided host view);
+            ``offset`` must then be 0.  A strided view (always mapped)
+            gives a C-contiguous copy of its elements.
         offset : int
             Byte offset into the shared memory.
         stream : optional
@@ -497,8 +527,38 @@ class View:
             stopped, froze or was cut off).
 
         The bytes are in ``dst`` when this returns.
+
+        Returns
+        -------
+        The fresh array when ``dst`` is omitted, else None.
         """
+        if dst is None:
+            return self._get_fresh(offset, stream, timeout)
         self._move(dst, offset, "get", stream, timeout)
+        return None
+
+    def _get_fresh(self, offset: int, stream: Any, timeout: float | None) -> Any:
+        import numpy as np
+
+        if offset != 0:
+            raise InvalidInputError("view.get() with no destination copies the whole view: offset must be 0 "
+                                    f"(not {offset}); pass a destination to copy part of it")
+        self._check()
+        dtype = np.dtype(self.typestr)
+        if self.device != "host":
+            if self.strides is not None:
+                raise UnsupportedError("view.get() with no destination: the view is a strided CUDA array; pass a "
+                                       "destination of its span, or read it with DLPack")
+            out = _arrays.empty(self.shape, self.typestr, device=self.device)
+            if self.nbytes:
+                self._move(out, 0, "get", stream, timeout)
+            return out
+        if self.strides is None:
+            dst = np.empty(self.shape, dtype=dtype)
+            if self.nbytes:
+                self._move(dst, 0, "get", stream, timeout)
+            return dst
+        return np.array(np.asarray(self))  # a strided view is mapped: its elements, copied
 
     def put(self, src: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
         """Copy ``src`` into the shared memory at ``offset``.

@@ -257,8 +257,13 @@ def test_bad_trees_are_refused_with_a_clear_error():
     loop.append(loop)
     with pytest.raises(gs.InvalidInputError, match="deeper"):
         gs.export(loop)
-    with pytest.raises(gs.InvalidInputError):
+    with pytest.raises(gs.InvalidInputError, match=r"^object is not a buffer.*\(the tree's item \['a'\]\)$"):
         gs.export({"a": object()})
+    # the refusal leads with its reason and names the item by the keys that lead to it
+    with pytest.raises(gs.InvalidInputError, match=r"^float is not a buffer.*\(the tree's item \['lr'\]\)$"):
+        gs.export({"a": np.zeros(3), "lr": 0.1})
+    with pytest.raises(gs.InvalidInputError, match=r"str is not a buffer.*item \['layers'\]\[1\]\['w'\]\)$"):
+        gs.export({"layers": [{"w": np.zeros(2)}, {"w": "x"}], "b": np.ones(1)})
 
 
 @pytest.mark.skipif(torch is None, reason="torch is not installed")

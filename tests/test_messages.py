@@ -64,8 +64,8 @@ def test_a_closed_view_says_closed():
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
     try:
         view = gs.open(share)
-        assert repr(view) == "<gpushare.View 64 bytes on host via same-process>"
+        assert repr(view) == "<gpushare.View uint8 64 (64 bytes) on host via same-process>"
         view.close()
-        assert repr(view) == "<gpushare.View 64 bytes on host closed>"
+        assert repr(view) == "<gpushare.View uint8 64 (64 bytes) on host closed>"
     finally:
         share.revoke()

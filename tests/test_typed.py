@@ -290,7 +290,12 @@ def _async_importer(share, results) -> None:
             out = np.empty(view.shape, view.typestr)
             await view.get_async(out, timeout=30)
             closed_inside = view.closed
-        return out.tobytes(), view.path, closed_inside, view.closed
+        # without the await: the open's own async context manager
+        async with gs.open_async(share, timeout=30) as again:
+            twice = np.empty(again.shape, again.typestr)
+            await again.get_async(twice, timeout=30)
+            assert not again.closed and twice.tobytes() == out.tobytes()
+        return out.tobytes(), view.path, closed_inside, view.closed and again.closed
 
     try:
         results.put(("ok", asyncio.run(main())))
@@ -327,3 +332,49 @@ def test_open_async_keeps_the_loop_running_and_reports_errors():
         return ticks
 
     assert asyncio.run(main()) > 0
+
+
+# ---------------------------------------------------------------- a view as an array
+
+
+def _describe_views(shares, results) -> None:
+    try:
+        out = []
+        for share in shares:
+            with gs.open(share, timeout=30) as view:
+                fresh = view.get()
+                try:
+                    length = len(view)
+                except TypeError as exc:
+                    length = str(exc)
+                out.append({"path": view.path, "dtype": str(view.dtype), "ndim": view.ndim, "len": length,
+                            "repr": repr(view), "bool": bool(view), "type": type(fresh).__name__,
+                            "fresh": (fresh.dtype.str, fresh.shape, fresh.tobytes(), fresh.flags.c_contiguous)})
+                try:
+                    view.get(offset=8)
+                    out[-1]["offset"] = "allowed"
+                except gs.InvalidInputError as exc:
+                    out[-1]["offset"] = str(exc)
+        results.put(("ok", out))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def test_a_view_has_dtype_ndim_len_and_gets_into_a_fresh_array():
+    plain = np.arange(12, dtype=np.float32).reshape(3, 4)          # cma: copied
+    grid = gs.empty((8, 6), "float64")
+    grid[:] = np.arange(48.0).reshape(8, 6)                        # host-fd, strided: mapped
+    scalar = np.array(5, dtype=np.int16)                           # 0-d
+    shares = [gs.export(plain), gs.export(grid[:, 2]), gs.export(scalar)]
+    got = _in_child(_describe_views, shares)
+    for want, seen in zip((plain, grid[:, 2], scalar), got, strict=True):
+        assert seen["dtype"] == str(want.dtype) and seen["ndim"] == want.ndim and seen["bool"] is True
+        assert seen["type"] == "ndarray" and seen["fresh"] == (want.dtype.str, want.shape,
+                                                               np.ascontiguousarray(want).tobytes(), True)
+        assert str(want.dtype) in seen["repr"] and "bytes" in seen["repr"]
+        assert seen["offset"].startswith("view.get() with no destination copies the whole view")
+    assert [s["path"] for s in got] == ["cma", "host-fd", "cma"]
+    assert [s["len"] for s in got] == [3, 8, "len() of a 0-d view"]
+    assert "3x4" in got[0]["repr"] and "scalar" in got[2]["repr"]
+    for share in shares:
+        share.revoke()
