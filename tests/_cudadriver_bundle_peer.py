@@ -85,5 +85,36 @@ def arena_tree(state: dict, name: str, count: int, nbytes: int) -> Any:
     return share
 
 
+def blocks_tree(state: dict, name: str, blocks: int, per_block: int, nbytes: int) -> Any:
+    """gs.export of ``blocks * per_block`` tensors of ``nbytes`` each, in
+    ``blocks`` cuMemAlloc blocks (as a caching allocator packs them): tensor
+    ``k`` of block ``b`` is key ``t{b}_{k}``, its bytes all ``(b * 31 + k) % 251``."""
+    import gpushare as gs
+
+    tree: dict[str, Any] = {}
+    for b in range(blocks):
+        base.legacy_alloc(state, f"blk{b}", per_block * nbytes, 0)
+        for k in range(per_block):
+            base.write(state, f"blk{b}", k * nbytes, bytes([(b * 31 + k) % 251]) * nbytes)
+            tree[f"t{b}_{k}"] = base._CaiSlice(state["bufs"][f"blk{b}"], k * nbytes, (nbytes,), "|u1")
+    share = gs.export(tree)
+    state["shares"][name] = share
+    return share
+
+
+def bundle_check_fill(state: dict, name: str, nbytes: int) -> dict:
+    """bundle.get(), each tensor's bytes checked against blocks_tree's fill;
+    the keys that differ, and how many were checked."""
+    got = state["bundles"][name].get()
+    wrong = []
+    for key, arr in got.items():
+        b, k = (int(x) for x in key[1:].split("_"))
+        cai = arr.__cuda_array_interface__
+        if read_ptr(int(cai["data"][0]), arr.nbytes) != bytes([(b * 31 + k) % 251]) * nbytes:
+            wrong.append(key)
+    return {"checked": len(got), "wrong": wrong}
+
+
 HANDLERS = {"arena_tree": arena_tree, "export_tree": export_tree, "open_bundle": open_bundle, "bundle_get": bundle_get,
-            "bundle_put": bundle_put, "bundle_mapped_bytes": bundle_mapped_bytes, "close_bundle": close_bundle}
+            "bundle_put": bundle_put, "bundle_mapped_bytes": bundle_mapped_bytes, "close_bundle": close_bundle,
+            "blocks_tree": blocks_tree, "bundle_check_fill": bundle_check_fill}

@@ -201,3 +201,23 @@ def test_tensors_of_one_cudamalloc_block_are_one_offer_of_their_span(spawn):
     assert opened["paths"] == ("ucx-rma", "ucx-rma")
     assert importer.call("bundle_get", "w")["b"][3] == b"\x33" * 8192
     importer.call("close_bundle", "w")
+
+
+@pytest.mark.parametrize(("blocks", "per_block"), [(300, 1), (63, 32)], ids=["300-blocks", "2016-in-63-blocks"])
+def test_a_real_models_many_cuda_allocations_open_with_a_handle_per_block(spawn, blocks, per_block):
+    """A state dict of torch CUDA tensors: 300 cuMemAlloc blocks (a 7B model
+    has about 300 tensors), and 2,016 tensors packed in 63 blocks as a caching
+    allocator packs them.  The grant (a CUDA IPC handle per block) is larger
+    than one control frame and goes in several; one handle per block, every
+    byte checked."""
+    exporter, importer = spawn(), spawn()
+    nbytes = 4096 if per_block == 1 else 512
+    share = exporter.call("blocks_tree", "bundle", blocks, per_block, nbytes, timeout=240)
+    assert share.count == blocks * per_block and share.allocations == blocks
+    opened = importer.call("open_bundle", "v", share, timeout=240)
+    assert set(opened["paths"]) == {"cuda-ipc"} and len(opened["paths"]) == blocks
+    assert importer.call("ipc_handles") == blocks  # one per block, not per tensor
+    checked = importer.call("bundle_check_fill", "v", nbytes, timeout=240)
+    assert checked == {"checked": blocks * per_block, "wrong": []}
+    importer.call("close_bundle", "v")
+    assert importer.call("ipc_handles") == 0

@@ -30,3 +30,11 @@ def test_ray_weight_sync_plain_torch_tensors_zero_copy_requested():
     out = run_example("ray_weight_sync.py", "--steps", "5", "--plain", "--zero-copy", timeout=240)
     assert "exported 5 times as one bundle each, revoked 5, 0 left" in out
     assert "inference: 5 versions received (cma 145 tensors; 145 copied, 0 zero-copy), 0 wrong tensors" in out
+
+
+def test_ray_weight_sync_plain_with_more_tensors_than_one_connection_queues():
+    # 281 tensors a version, each an allocation of its own (torch's): more than the 64 cma copies one
+    # connection may queue, which failed every get before copies went in paced batches
+    out = run_example("ray_weight_sync.py", "--steps", "3", "--plain", "--layers", "40", timeout=240)
+    assert "trainer: 3 steps of 281 tensors" in out and "revoked 3, 0 left" in out
+    assert "inference: 3 versions received (cma 843 tensors; 843 copied, 0 zero-copy), 0 wrong tensors" in out
