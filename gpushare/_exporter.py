@@ -690,7 +690,7 @@ class _Session(Protocol):
                 for fd in fds:
                     os.close(fd)
                 _ended(grant)
-                self._refuse(conn, rid, "path", f"exporter cannot serve {_summary(path)}: {exc}")
+                self._refuse(conn, rid, "path", f"{exc} (the exporter cannot serve {_summary(path)})")
                 return
             export.opens += 1
             if export.policy == "auto":
