@@ -135,7 +135,7 @@ class Assembly:
     frames of the same id, each with at least one item of every list; at most
     ``bound`` items in all."""
 
-    __slots__ = ("message", "lists", "left", "bound")
+    __slots__ = ("message", "holder", "lists", "left", "bound")
 
     def __init__(self, message: dict, holder: Any, keys: tuple[str, ...], bound: int) -> None:
         more = message.get("more")
@@ -144,7 +144,7 @@ class Assembly:
         firsts = [holder.get(key) if isinstance(holder, dict) else None for key in keys]
         if not all(isinstance(items, (list, tuple)) for items in firsts):
             raise InvalidInputError("a split control message's first frame lacks its lists")
-        self.message, self.left, self.bound = message, more, bound
+        self.message, self.holder, self.left, self.bound = message, holder, more, bound
         self.lists = {key: list(items) for key, items in zip(keys, firsts, strict=True)}  # type: ignore[arg-type]
         self._check()
 
@@ -165,6 +165,12 @@ class Assembly:
         self._check()
         self.left -= 1
         return self.left == 0
+
+    def whole(self) -> dict:
+        """The message once :meth:`add` said so: its lists complete, ``more`` gone."""
+        self.holder.update({key: tuple(items) for key, items in self.lists.items()})
+        del self.message["more"]
+        return self.message
 
 
 def send(sock: socket.socket, message: dict) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from . import _auth, _control, _paths, _reopen, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError
+from ._manifest import MAX_PARTS as _MAX_PARTS
 from ._paths import cma, host_fd
 from ._paths.broker import (
     control_address,
@@ -39,7 +40,6 @@ from ._paths.broker import (
 )
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
-from ._manifest import MAX_PARTS as _MAX_PARTS
 from ._share import altered
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
@@ -465,9 +465,8 @@ class _Session(Protocol):
         if self._assembly is not None:
             if not self._assembly.add(message):
                 return None
-            message, lists, self._assembly = self._assembly.message, self._assembly.lists, None
-            del message["more"]
-            return {**message, **lists}
+            message, self._assembly = self._assembly.whole(), None
+            return message
         if "more" not in message:
             return message
         if not self.ready or message.get("op") != "open":

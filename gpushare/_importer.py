@@ -315,10 +315,7 @@ class _Link(Protocol):
             if self._assembly is not None:  # the rest of a split reply
                 if not self._assembly.add(message):
                     continue
-                message, lists = self._assembly.message, self._assembly.lists
-                self._assembly = None
-                del message["more"]
-                message["payload"] = {**message["payload"], **{k: tuple(v) for k, v in lists.items()}}
+                message, self._assembly = self._assembly.whole(), None
             elif "more" in message:  # the first frame of a reply split over several
                 waiter = self.pending.get(message.get("id"))  # type: ignore[arg-type]
                 # a reply to an open given up on still comes whole, then is given back

@@ -58,8 +58,6 @@ def share_memory(tree: _T) -> _T:
     for leaf in leaves:
         offsets.append(total)
         total += -(-_nbytes(leaf) // ALIGN) * ALIGN
-    import numpy as np
-
     buf = empty(max(total, 1), "uint8")  # one allocation: one offer when exported
     made = iter([_place(leaf, buf, at) for leaf, at in zip(leaves, offsets, strict=True)])
     return _rebuild(tree, made)  # type: ignore[no-any-return]
@@ -122,8 +120,7 @@ def _place(leaf: Any, buf: Any, at: int) -> Any:
 
 def _rebuild(node: Any, made: Any) -> Any:
     if isinstance(node, dict):
-        return type(node)((k, _rebuild(v, made)) for k, v in node.items()) if type(node) is not dict \
-            else {k: _rebuild(v, made) for k, v in node.items()}
+        return type(node)((k, _rebuild(v, made)) for k, v in node.items())
     if isinstance(node, (list, tuple)):
         items = [_rebuild(v, made) for v in node]
         if type(node) in (list, tuple):

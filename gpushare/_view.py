@@ -544,7 +544,7 @@ class View:
             raise InvalidInputError("view.get() with no destination copies the whole view: offset must be 0 "
                                     f"(not {offset}); pass a destination to copy part of it")
         self._check()
-        dtype = np.dtype(self.typestr)
+        dtype = self.dtype
         if self.device != "host":
             if self.strides is not None:
                 raise UnsupportedError("view.get() with no destination: the view is a strided CUDA array; pass a "

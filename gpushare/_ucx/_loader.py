@@ -16,8 +16,8 @@ from .._control import bind_host
 from .._errors import InvalidInputError, UCXLibraryError
 from . import _libraries
 
-__all__ = ["native", "loaded", "system_id_of_host", "knows_setting", "keep_forever", "infiniband_present", "choose_hook_mode",
-           "choose_memtype_cache", "choose_net_devices", "interface_of", "native_memtype_cache",
+__all__ = ["native", "loaded", "system_id_of_host", "knows_setting", "keep_forever", "infiniband_present",
+           "choose_hook_mode", "choose_memtype_cache", "choose_net_devices", "interface_of", "native_memtype_cache",
            "check_memtype_config"]
 
 

@@ -287,22 +287,13 @@ class Region:
         """:meth:`close` of each of ``regions`` at once (a bundle's
         allocations), within one ``timeout``: one call into the region server
         for those of one node, where one each cost a thread switch."""
-        by_node: dict[int, list[Region]] = {}
+        by_node: dict[int, tuple[_Node, list[tuple[int, _buffers.LocalBuffer]]]] = {}
         for region in regions:
             if region._finalizer.alive:
                 region._finalizer.detach()
-                by_node.setdefault(id(region._node), []).append(region)
-        for group in by_node.values():
-            node = group[0]._node
-            if os.getpid() != node.pid or node.native.closed:
-                continue  # a forked child, or the node already unregistered everything
-            drained = node.native.close_regions([r._id for r in group], timeout)
-            for region, free in zip(group, drained, strict=True):
-                if free:
-                    region._local.release()
-                else:
-                    with node.lock:
-                        node.held.append(region._local)
+                by_node.setdefault(id(region._node), (region._node, []))[1].append((region._id, region._local))
+        for node, closing in by_node.values():
+            _close_regions(node, closing, timeout)
 
     def __enter__(self) -> Region:
         return self
@@ -316,14 +307,21 @@ class Region:
 
 
 def _close_region(node: _Node, region_id: int, local: _buffers.LocalBuffer, timeout: float) -> None:
+    _close_regions(node, [(region_id, local)], timeout)
+
+
+def _close_regions(node: _Node, closing: list[tuple[int, _buffers.LocalBuffer]], timeout: float) -> None:
+    """Close regions of ``node`` (their ids and memory) in one call; memory
+    still in use by a transfer stays held until the node stops."""
     if os.getpid() != node.pid or node.native.closed:
         return  # a forked child, or the node already unregistered everything
-    drained = node.native.close_region(region_id, timeout)
-    if drained:
-        local.release()
-    else:
-        with node.lock:
-            node.held.append(local)
+    drained = node.native.close_regions([region_id for region_id, _ in closing], timeout)
+    for (_, local), free in zip(closing, drained, strict=True):
+        if free:
+            local.release()
+        else:
+            with node.lock:
+                node.held.append(local)
 
 
 def _check_key(key: Any) -> bytes:

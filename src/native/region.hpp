@@ -344,14 +344,13 @@ class Node {
   // the region once no key is left (0).
   int revoke(uint64_t id, nb::bytes key, double timeout);
 
-  // Refuse new requests, wait (at most `timeout` s) for transfers under way,
-  // then unregister.  Returns whether the memory is free of UCX; on false it
+  // For each region of `ids` (a bundle's close together): refuse new
+  // requests, wait (at most `timeout` s in all) for transfers under way, then
+  // unregister.  Returns whether each one's memory is free of UCX; on false it
   // stays registered and the caller must keep it alive.  A closed region
   // is remembered (a tombstone: its key holders are told it closed) while
   // keys to it are left, at most kMaxTombstones of them; one closed with no
   // key left is forgotten at once.
-  bool closeRegion(uint64_t id, double timeout);
-  // closeRegion of each of `ids` at once, within one `timeout`: whether each is free of UCX.
   std::vector<bool> closeRegions(const std::vector<uint64_t>& ids, double timeout);
 
   // Forget closed region `id`'s entry in the table (tableMutex held).

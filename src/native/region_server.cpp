@@ -133,11 +133,6 @@ int Node::revoke(uint64_t id, nb::bytes key, double timeout)
   return 1;
 }
 
-bool Node::closeRegion(uint64_t id, double timeout)
-{
-  return closeRegions({id}, timeout)[0];
-}
-
 std::vector<bool> Node::closeRegions(const std::vector<uint64_t>& ids, double timeout)
 {
   std::vector<std::shared_ptr<Region>> closing(ids.size());
