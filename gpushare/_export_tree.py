@@ -1,7 +1,9 @@
 """gpushare.export of a dict, list or tuple of buffers: one share, a bundle.
 
 The tensors are grouped by the allocation they lie in (a gpushare.allocate
-buffer, a NumPy base array, a torch storage; else each its own memory), and
+buffer, a NumPy base array, a CUDA allocation such as a segment of torch's
+caching allocator or a chunk of CuPy's pool, a torch storage; else each its
+own memory), and
 each allocation is offered once, on the paths that can serve it, as an
 export of its own that only the bundle's leases reach.  Each tensor is an
 offset, dtype, shape and strides into its allocation (:mod:`gpushare._manifest`).
@@ -17,7 +19,7 @@ from typing import Any
 from . import _arrays, _buffers, _manifest, _paths
 from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import GpuShareError, InvalidInputError
-from ._exporter import Export, get_exporter, new_ids, track_auto
+from ._exporter import MAX_BACKLOG_FDS, Export, get_exporter, new_ids, track_auto
 from ._offering import device_ordinal, memory_of
 from ._paths import cuda_ipc
 from ._paths.broker import release_registrations
@@ -158,6 +160,15 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
             start = root.__array_interface__["data"][0]
             if start <= t.address and t.address + t.nbytes <= start + root.nbytes:
                 return _Allocation(root, start, root.nbytes, "host", "host", not root.flags.writeable)
+    if t.memory_type == "cuda" and isinstance(t.device, int):
+        # Memory of CuPy's pool, torch's caching allocator (a segment holds many
+        # storages), cudaMalloc or an exportable pool: the tensors in one allocation
+        # are one part (CUDA IPC exports the whole allocation anyway).
+        found_range = cuda_ipc.base_allocation(t.address, t.device)
+        if found_range is not None:
+            alloc = _Allocation(None, *found_range, "cuda", t.device, t.readonly, by_span=True, hull=True)
+            found.insert(0, alloc)
+            return alloc
     storage = getattr(t.obj, "untyped_storage", None)
     torch = sys.modules.get("torch")
     if storage is not None and torch is not None and type(t.obj).__module__.startswith("torch"):
@@ -166,14 +177,6 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
         start = int(store.data_ptr())
         if store.nbytes() and start <= t.address and t.address + t.nbytes <= start + store.nbytes():
             return _Allocation(whole, start, store.nbytes(), t.memory_type, t.device, False, by_span=True)
-    if t.memory_type == "cuda" and isinstance(t.device, int):
-        # Memory of CuPy's pool, cudaMalloc or an exportable pool: the tensors in one
-        # allocation are one part (CUDA IPC exports the whole allocation anyway).
-        found_range = cuda_ipc.base_allocation(t.address, t.device)
-        if found_range is not None:
-            alloc = _Allocation(None, *found_range, "cuda", t.device, t.readonly, by_span=True, hull=True)
-            found.insert(0, alloc)
-            return alloc
     return _Allocation(t.span, t.address, t.nbytes, t.memory_type, t.device, t.readonly, by_span=True)
 
 
@@ -275,6 +278,21 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
     return columns, allocations
 
 
+def _check_fds(parts: list[Export]) -> None:
+    """Refuse, at export, a bundle that no open could carry: the file
+    descriptors its allocations' best paths send with one grant."""
+    need = sum(max(_paths.by_name(name).grant_fds(part) for name in part.offers) for part in parts)
+    if need > MAX_BACKLOG_FDS:
+        sending = [name for name in dict.fromkeys(n for p in parts for n in p.offers)
+                   if any(_paths.by_name(name).grant_fds(p) for p in parts if name in p.offers)]
+        raise InvalidInputError(
+            f"this bundle cannot be opened: its allocations need {need} file descriptors in one grant "
+            f"({', '.join(sending)}), and one grant carries at most {MAX_BACKLOG_FDS} "
+            "(gpushare._exporter.MAX_BACKLOG_FDS, docs/limits.md); lay the tensors out in fewer buffers "
+            "(gs.share_memory(tree) or gs.Arena) or export with paths= leaving "
+            f"{' and '.join(sending)} out")
+
+
 def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | None, readonly: bool) -> Share:
     """:func:`gpushare.export` of ``tree``: a bundle's share."""
     if policy == "none":
@@ -308,6 +326,7 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
             parts.append(Export(share_id=share_id, token=token, nbytes=alloc.nbytes, device=alloc.device,
                                 memory_type=alloc.memory_type, offers=tuple(offers), descriptors=descs,
                                 policy=policy, readonly=ro, registrations=regs, obj=alloc.obj))
+        _check_fds(parts)
         cliques = fabric_cliques()[0] if any(_paths.fabric.PATH.name in p.offers for p in parts) else {}
         described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly,
                                     cliques.get(p.device) if _paths.fabric.PATH.name in p.offers else None)

@@ -85,18 +85,52 @@ def arena_tree(state: dict, name: str, count: int, nbytes: int) -> Any:
     return share
 
 
-def blocks_tree(state: dict, name: str, blocks: int, per_block: int, nbytes: int) -> Any:
+class _Storage:
+    """What ``untyped_storage()`` gives for a torch CUDA tensor: the memory
+    of that tensor alone (each tensor of an ordinary state dict has a
+    storage of its own), inside a caching-allocator segment."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self._ptr, self._nbytes = ptr, nbytes
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class TorchCudaTensor(base._CaiSlice):
+    """A torch CUDA tensor as gpushare sees one (this machine's torch has no
+    CUDA): ``__cuda_array_interface__``, a storage of its own, a torch type.
+    Grouping by storage would make each one an allocation of its own."""
+
+    __module__ = "torch"
+
+    def untyped_storage(self) -> _Storage:
+        cai = self.__cuda_array_interface__
+        return _Storage(cai["data"][0], int(np.prod(cai["shape"])) * int(cai["typestr"][2:]))
+
+    def new_empty(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("grouped by storage, not by caching-allocator segment")
+
+
+def blocks_tree(state: dict, name: str, blocks: int, per_block: int, nbytes: int, torch_like: bool = False) -> Any:
     """gs.export of ``blocks * per_block`` tensors of ``nbytes`` each, in
     ``blocks`` cuMemAlloc blocks (as a caching allocator packs them): tensor
-    ``k`` of block ``b`` is key ``t{b}_{k}``, its bytes all ``(b * 31 + k) % 251``."""
+    ``k`` of block ``b`` is key ``t{b}_{k}``, its bytes all ``(b * 31 + k) % 251``.
+    ``torch_like``: each tensor a :class:`TorchCudaTensor` with a storage of its own."""
     import gpushare as gs
 
+    if torch_like:
+        import torch  # noqa: F401  # a process of torch tensors has torch loaded, as gpushare's grouping checks
+    kind = TorchCudaTensor if torch_like else base._CaiSlice
     tree: dict[str, Any] = {}
     for b in range(blocks):
         base.legacy_alloc(state, f"blk{b}", per_block * nbytes, 0)
         for k in range(per_block):
             base.write(state, f"blk{b}", k * nbytes, bytes([(b * 31 + k) % 251]) * nbytes)
-            tree[f"t{b}_{k}"] = base._CaiSlice(state["bufs"][f"blk{b}"], k * nbytes, (nbytes,), "|u1")
+            tree[f"t{b}_{k}"] = kind(state["bufs"][f"blk{b}"], k * nbytes, (nbytes,), "|u1")
     share = gs.export(tree)
     state["shares"][name] = share
     return share

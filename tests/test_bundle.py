@@ -325,3 +325,25 @@ def test_a_bundle_share_without_its_manifest_is_refused_in_the_exporting_process
     assert not stripped.is_bundle
     with pytest.raises(gs.InvalidInputError, match="carries no manifest"):
         gs.open(stripped)
+
+
+def test_a_bundle_no_open_could_carry_is_refused_at_export(monkeypatch):
+    """More host-fd memfds than one grant carries: gs.export says so (leading
+    with the reason, naming the way out), not the first open; the same tree
+    without host-fd exports, and leaves no registration behind."""
+    from gpushare import _export_tree
+    from gpushare._paths import broker
+
+    monkeypatch.setattr(_export_tree, "MAX_BACKLOG_FDS", 4)
+    tree = {f"a{i}": gs.empty(16, "uint8", device="host") for i in range(5)}
+    before = len(broker.get_broker())
+    with pytest.raises(gs.InvalidInputError, match=r"^this bundle cannot be opened: its allocations need 5 file "
+                       r"descriptors in one grant \(host-fd\).*gs.share_memory.*paths= leaving host-fd out"):
+        gs.export(tree)
+    assert len(broker.get_broker()) == before  # the refused export's registrations were released
+    share = gs.export(tree, paths=["cma", "ucx-rma"])
+    assert share.allocations == 5 and "host-fd" not in share.offers
+    share.revoke()
+    four = gs.export({k: tree[k] for k in ("a0", "a1", "a2", "a3")}, lifetime="revoked")  # four fit
+    assert "host-fd" in four.offers
+    four.revoke()

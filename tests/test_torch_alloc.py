@@ -100,3 +100,21 @@ def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
     torch.cuda.synchronize()
     del pool
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_an_ordinary_torch_cuda_state_dict_goes_with_a_handle_per_segment():
+    """Every tensor its own storage, as torch.randn gives them: the bundle
+    has one allocation per caching-allocator segment, far fewer than the
+    2,000 tensors, and a spawned worker sums each one over cuda-ipc."""
+    if torch is None or not torch.cuda.is_available():
+        pytest.skip("needs PyTorch with CUDA")
+    state = {f"t{i}": torch.full((64,), float(i % 97), device="cuda:0") for i in range(2000)}
+    torch.cuda.synchronize()
+    segments = {s["address"] for s in torch.cuda.memory_snapshot() if s["device"] == 0}
+    share = gs.export(state)
+    assert share.count == 2000 and share.allocations <= len(segments) < 100, (share.allocations, len(segments))
+    with mp.get_context("spawn").Pool(1) as workers:
+        paths, sums = workers.apply(cuda_sums, (share, "torch"))
+    assert set(paths) == {"cuda-ipc"} and sums == {f"t{i}": 64.0 * (i % 97) for i in range(2000)}
+    share.revoke()

@@ -279,6 +279,9 @@ class Cma:
             return None
         return Offer()
 
+    def grant_fds(self, export: Any) -> int:
+        return 0
+
     def serve(self, export: Any, session: Any) -> Grant:
         """A cma lease: the share's memory, pinned for the lease, and the
         importer's process as the kernel gives it (lock held)."""

@@ -460,6 +460,9 @@ class CudaIpc:
         except GpuShareError:
             return None
 
+    def grant_fds(self, export: Any) -> int:
+        return 0
+
     def serve(self, export: Any, session: Any) -> Grant:
         return Grant(descriptor_payload(export, self.name))
 

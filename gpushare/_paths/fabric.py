@@ -43,6 +43,9 @@ class Fabric:
         except GpuShareError:
             return None  # not supported here (no fabric): not offered
 
+    def grant_fds(self, export: Any) -> int:
+        return 0
+
     def serve(self, export: Any, session: Any) -> Grant:
         return Grant(descriptor_payload(export, self.name))
 

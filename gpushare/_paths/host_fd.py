@@ -626,6 +626,10 @@ class HostFd:
         return own_registration(fds, device="host", sizes=buf.sizes, size=buf.size, owner_uuid=None,
                                 readonly=memory.readonly)
 
+    def grant_fds(self, export: Any) -> int:
+        desc = export.descriptors[self.name]
+        return sum(len(fds) for export_id, fds in export.registrations if export_id == desc.export_id)
+
     def serve(self, export: Any, session: Any) -> Grant:
         if not export.readonly and any(fds and _read_only(fds) for _, fds in export.registrations):
             raise UnsupportedError("the buffer was sealed after this share was made: it maps only "

@@ -23,6 +23,9 @@ class SameProcess:
     def offer(self, memory: Memory) -> Offer | None:
         return Offer()
 
+    def grant_fds(self, export: Any) -> int:
+        return 0
+
     def serve(self, export: Any, session: Any) -> None:
         return None  # never over the control channel: the exporting process opens it itself
 

@@ -48,6 +48,9 @@ class UcxRma:
     def offer(self, memory: Memory) -> Offer | None:
         return None if memory.strided else Offer()
 
+    def grant_fds(self, export: Any) -> int:
+        return 0
+
     def serve(self, export: Any, session: Any) -> Grant:
         """The region server's address, this share's region and a key of its
         own for one lease (lock held); the region is added on the first
