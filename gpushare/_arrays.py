@@ -19,7 +19,7 @@ from ._handles import allocate
 if TYPE_CHECKING:
     import numpy
 
-__all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "host_address_reader", "MAX_DIMS"]
+__all__ = ["CudaArray", "portable_typestr", "check_shape", "describe", "span_of", "MAX_DIMS"]
 
 MAX_DIMS = 32
 _TYPESTR = re.compile(r"^[<>|=][biufcV][0-9]{1,4}\Z")
@@ -369,42 +369,6 @@ def empty_like(a: Any, *, device: Any = None) -> Any:
     except AttributeError:
         raise InvalidInputError(f"empty_like needs an array with shape and dtype, not {type(a).__name__}") from None
     return empty(shape, dtype, device=device)
-
-
-_address_reader: Any = None
-
-
-def host_address_reader() -> Any:
-    """A function that gives the address of a NumPy array's first byte, as
-    ``a.__array_interface__["data"][0]`` does, in a tenth of the time: it
-    reads the array object's data pointer (just past CPython's object
-    header, as NumPy's C API lays it out) where a check on probe arrays, at
-    first use, found that to agree with the array interface; else it is the
-    array interface."""
-    global _address_reader
-    if _address_reader is None:
-        _address_reader = _pick_address_reader()
-    return _address_reader
-
-
-def _pick_address_reader() -> Any:
-    import ctypes
-
-    import numpy as np
-
-    read = ctypes.c_void_p.from_address
-    header = object.__basicsize__  # PyObject_HEAD: the array's data pointer follows it
-
-    def fast(a: Any) -> int:
-        return read(id(a) + header).value or 0
-
-    def slow(a: Any) -> int:
-        return int(a.__array_interface__["data"][0])
-
-    base = np.arange(64, dtype=np.float64)
-    probes = [base, base[3:], base[5:40].view(np.uint8), base.reshape(8, 8)[2:, 1:], np.frombuffer(b"abcdefgh", np.uint8)[3:],
-              np.zeros(0, np.int32), np.zeros((4, 4), np.int16).T]
-    return fast if all(fast(a) == slow(a) for a in probes) else slow
 
 
 def span_of(obj: Any) -> tuple[Any, tuple[int, ...] | None]:

@@ -21,7 +21,7 @@ from typing import Any
 from . import _dlpack
 from ._errors import InvalidInputError
 
-__all__ = ["LocalBuffer", "resolve", "plain_host_nbytes", "MEMORY_TYPES"]
+__all__ = ["LocalBuffer", "resolve", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
 
 #: Memory type names, as accepted by ``memory_type=`` arguments.
 MEMORY_TYPES = ("host", "cuda")
@@ -133,6 +133,42 @@ def plain_host_nbytes(obj: Any) -> int | None:
     return None
 
 
+_address_reader: Any = None
+
+
+def host_address_reader() -> Any:
+    """A function that gives the address of a NumPy array's first byte, as
+    ``a.__array_interface__["data"][0]`` does, in a tenth of the time: it
+    reads the array object's data pointer (just past CPython's object
+    header, as NumPy's C API lays it out) where a check on probe arrays, at
+    first use, found that to agree with the array interface; else it is the
+    array interface."""
+    global _address_reader
+    if _address_reader is None:
+        _address_reader = _pick_address_reader()
+    return _address_reader
+
+
+def _pick_address_reader() -> Any:
+    import ctypes
+
+    import numpy as np
+
+    read = ctypes.c_void_p.from_address
+    header = object.__basicsize__  # PyObject_HEAD: the array's data pointer follows it
+
+    def fast(a: Any) -> int:
+        return read(id(a) + header).value or 0
+
+    def slow(a: Any) -> int:
+        return int(a.__array_interface__["data"][0])
+
+    base = np.arange(64, dtype=np.float64)
+    probes = [base, base[3:], base[5:40].view(np.uint8), base.reshape(8, 8)[2:, 1:], np.frombuffer(b"abcdefgh", np.uint8)[3:],
+              np.zeros(0, np.int32), np.zeros((4, 4), np.int16).T]
+    return fast if all(fast(a) == slow(a) for a in probes) else slow
+
+
 def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuffer:
     """Resolve ``obj`` into a pinned :class:`LocalBuffer`.
 
@@ -155,6 +191,19 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
     """
     if isinstance(obj, LocalBuffer):
         return obj
+    np = sys.modules.get("numpy")
+    if np is not None and type(obj) is np.ndarray and obj.flags.c_contiguous:
+        # the common case (a get's fresh arrays, thousands in a batch), read straight off it: a NumPy
+        # array that other references see cannot be resized, so the reference held here pins it
+        readonly = not obj.flags.writeable
+        if writable and readonly:
+            raise InvalidInputError("ndarray buffer is read-only; a destination must be writable")
+        return LocalBuffer(host_address_reader()(obj) if obj.nbytes else 0, obj.nbytes, "host", readonly, obj)
+    torch = sys.modules.get("torch")
+    if (torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.is_contiguous()
+            and not (obj.requires_grad or obj.is_conj() or obj.is_neg())):
+        # an ordinary torch CPU tensor, as DLPack would give it (which holds no more than this reference)
+        return LocalBuffer(obj.data_ptr(), obj.nbytes, "host", False, obj)
     cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
     if cai is not None and _orders_by_dlpack(obj, cai):
         cai = None

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from . import _batch
-from ._arrays import empty, host_address_reader
+from ._types import collection_paused
+from ._arrays import empty
+from ._buffers import host_address_reader
 from ._errors import ClosedError, InvalidInputError, UnsupportedError
 from ._manifest import Manifest
 from ._paths import Opened
@@ -119,6 +121,39 @@ class _State:
             if view is None:
                 view = self.views[i] = self._make(i)
             return view
+
+    def all_views(self) -> list[View]:
+        """Every tensor's view, by leaf: those not made yet made at once (for
+        the views of a mapped allocation, in one pass)."""
+        with self.lock, collection_paused(self.manifest.count):
+            if self.closed:
+                raise ClosedError("bundle is closed")
+            m = self.manifest
+            missing = [i for i in range(m.count) if i not in self.views]
+            if missing:
+                batches: dict[int, tuple[list[int], list[tuple]]] = {}
+                heads: dict[int, tuple[tuple, tuple, tuple]] = {}
+                trusted = Share._trusted
+                for i, (part, offset, nbytes, shape, typestr, name, dl, strides) in zip(missing, m.rows(missing)):
+                    if self.targets is not None or self.opened[part].mapping is None:
+                        self.views[i] = self._make(i)
+                        continue
+                    batch = batches.get(part)
+                    if batch is None:
+                        f = self.parts[part]._fields_
+                        heads[part] = (f[:6], (f[7],), (f[10], f[11], f[12], f[13]))
+                        batch = batches[part] = ([], [])
+                    head, mid, tail = heads[part]
+                    batch[0].append(i)
+                    batch[1].append((trusted(head + (nbytes,) + mid + (shape, typestr) + tail
+                                             + (offset, name, dl, strides, None)), nbytes, shape, typestr, strides,
+                                     name))
+                for part, (leaves, items) in batches.items():
+                    made = View._of_leaves(items, self.paths[part], self.whys[part], self.opened[part].mapping,
+                                           self.uses[part])
+                    self.views.update(zip(leaves, made))
+            views = self.views
+            return [views[i] for i in range(m.count)]
 
     def _make(self, i: int, *, raw: bool = False) -> View:
         leaf = self.manifest.leaf(i)
@@ -285,7 +320,8 @@ class Bundle:
     def tree(self) -> Any:
         """The same structure as the exported tree (dicts, lists, tuples), of views."""
         self._check()
-        return _build(self._node, self._state.view)
+        views = self._state.all_views()
+        return _build(self._node, views.__getitem__)
 
     # -- copies --------------------------------------------------------------
     def get(self, dests: Any = None, *, timeout: float | None = 60.0) -> Any:
@@ -300,17 +336,22 @@ class Bundle:
         its buffer (``len(buf)`` bytes from the tensor's start) and returns
         ``dests``.  Either way the bytes are there when it returns.
         """
-        out, items = self._targets(dests, "get")
-        request = _batch.get_batch(items)
-        out.prepare()  # while the bytes travel
+        count = self._state.manifest.count
+        with collection_paused(count):
+            out, items = self._targets(dests, "get")
+            request = _batch.get_batch(items)
+            out.prepare()  # while the bytes travel
         request.wait(timeout)
-        return out.done(dests)
+        with collection_paused(count):
+            return out.done(dests)
 
     def put(self, srcs: Any, *, timeout: float | None = 60.0) -> None:
         """Copy ``srcs`` (a structure like part of the tree, of buffers) into
         the tensors, as one batch; read-only bundles refuse it."""
-        _, items = self._targets(srcs, "put")
-        _batch.put_batch(items).wait(timeout)
+        with collection_paused(self._state.manifest.count):
+            _, items = self._targets(srcs, "put")
+            request = _batch.put_batch(items)
+        request.wait(timeout)
 
     async def get_async(self, dests: Any = None, *, timeout: float | None = None) -> Any:
         """:meth:`get` for asyncio: awaits the batch's completion."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from . import _arrays, _buffers, _manifest, _paths
@@ -24,6 +25,7 @@ from ._offering import device_ordinal, memory_of
 from ._paths import cuda_ipc
 from ._paths.broker import release_registrations
 from ._share import PATHS, SHARE_FORMAT, Share, node_key
+from ._types import collection_paused
 
 __all__ = ["export_tree", "is_tree"]
 
@@ -215,7 +217,10 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
     """
     np = sys.modules.get("numpy")
     ndarray = np.ndarray if np is not None else None
-    address_of = _arrays.host_address_reader()
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None)
+    torch_dtypes: dict[Any, int] = {}  # a torch dtype -> its index
+    address_of = _buffers.host_address_reader()
     columns = _manifest.Columns()
     col_part, col_offset, col_span = columns.part, columns.offset, columns.spans
     col_dtype, col_ndim, col_dims = columns.dtype, columns.ndim, columns.dims.extend
@@ -240,6 +245,17 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
                 if dtype < 0:
                     shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
                     dtype = columns.dtype_index(typestr, name, dlpack)
+            elif (type(obj) is tensor_type and obj.device.type == "cpu" and not obj.requires_grad
+                  and obj.is_contiguous()):
+                # an ordinary torch CPU tensor (a state dict holds thousands): read straight off it
+                address, nbytes, ro, memory_type = obj.data_ptr(), obj.nbytes, False, "host"
+                shape = tuple(obj.shape)
+                dtype = torch_dtypes.get(obj.dtype, -1)
+                if dtype < 0:
+                    shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
+                    dtype = columns.dtype_index(typestr, name, dlpack)
+                    if shape == tuple(obj.shape):  # a dtype that travels as items (else as bytes: not kept)
+                        torch_dtypes[obj.dtype] = dtype
             else:
                 t = _Tensor(obj)
                 address, nbytes, ro, memory_type = t.address, t.nbytes, t.readonly, t.memory_type
@@ -278,6 +294,19 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
     return columns, allocations
 
 
+def _part_exports(allocations: list[_Allocation], share_id: str, token: bytes, policy: Any, readonly: bool,
+                  wanted: list[str] | None) -> Iterator[Export]:
+    """Each allocation as an export of its own, offered on the paths that can
+    serve it (made one at a time: those made before a failure are the
+    caller's to release)."""
+    for alloc in allocations:
+        ro = readonly or alloc.readonly
+        offers, descs, regs = _paths.offers(_paths.Memory(alloc.obj, alloc.memory_type, ro, False), wanted)
+        yield Export(share_id=share_id, token=token, nbytes=alloc.nbytes, device=alloc.device,
+                     memory_type=alloc.memory_type, offers=tuple(offers), descriptors=descs, policy=policy,
+                     readonly=ro, registrations=regs, obj=alloc.obj)
+
+
 def _check_fds(parts: list[Export]) -> None:
     """Refuse, at export, a bundle that no open could carry: the file
     descriptors its allocations' best paths send with one grant."""
@@ -305,7 +334,8 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
     if len(objs) > _manifest.MAX_TENSORS:
         raise InvalidInputError(f"a bundle holds at most {_manifest.MAX_TENSORS} tensors; this tree has {len(objs)}")
     try:
-        columns, allocations = _columns(objs)
+        with collection_paused(len(objs)):
+            columns, allocations = _columns(objs)
     except GpuShareError as exc:
         where = _key_path(tree, getattr(exc, "leaf", None))
         if where is None:
@@ -320,12 +350,8 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
     share_id, token = new_ids()
     parts: list[Export] = []
     try:
-        for alloc in allocations:
-            ro = readonly or alloc.readonly
-            offers, descs, regs = _paths.offers(_paths.Memory(alloc.obj, alloc.memory_type, ro, False), wanted)
-            parts.append(Export(share_id=share_id, token=token, nbytes=alloc.nbytes, device=alloc.device,
-                                memory_type=alloc.memory_type, offers=tuple(offers), descriptors=descs,
-                                policy=policy, readonly=ro, registrations=regs, obj=alloc.obj))
+        with collection_paused(len(allocations)):
+            parts.extend(_part_exports(allocations, share_id, token, policy, readonly, wanted))
         _check_fds(parts)
         cliques = fabric_cliques()[0] if any(_paths.fabric.PATH.name in p.offers for p in parts) else {}
         described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly,

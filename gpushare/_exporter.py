@@ -41,6 +41,7 @@ from ._paths.broker import (
 from ._process import PerProcess
 from ._service import Connection, Protocol, get_service
 from ._share import altered
+from ._types import collection_paused
 
 __all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
 
@@ -768,34 +769,26 @@ class _Bundled:
 
 
 def _serve(export: Export, path: str, session: _Session) -> _paths.Grant | None:
-    """The grant of one open (lock held): of ``path`` for a share of one
-    buffer; of each part's path for a bundle, one lease for them all."""
-    if export.parts is None:
-        served = _paths.by_name(path)
-        grant = served.serve(export, session)
-        if grant is not None:
-            grant.path = served
-        return grant
+    """The grant of one open (lock held): each allocation's path served, one
+    lease for them all.  A share of one buffer is its own only allocation,
+    and its grant the path's own; a bundle's is a grant per allocation and
+    how many of the reply's fds are each one's."""
+    bundle = export.parts is not None
+    parts = export.parts if bundle else [export]
     grants: list[_paths.Grant] = []
     try:
-        for i, (part, name) in enumerate(zip(export.parts, path.split(","), strict=True)):
-            served = _paths.by_name(name)
-            try:
-                grant = served.serve(part, session)
-            except GpuShareError as exc:
-                raise _of_part(type(exc)(f"{exc} (the exporter cannot serve allocation {i} of the bundle over "
-                                         f"{name}; the open asked for {_summary(path)})"), i) from None
-            if grant is None:
-                raise _of_part(InvalidInputError(f"{name} is opened in the exporting process only (allocation {i} "
-                                                 "of the bundle)"), i)
-            grant.path = served
-            grants.append(grant)
+        with collection_paused(len(parts)):
+            _serve_each(parts, path, bundle, session, grants)
+        if len(grants) < len(parts):  # opened in the exporting process only
+            return None
     except BaseException:
         for grant in grants:
             for fd in grant.fds:
                 os.close(fd)
             _ended(grant)
         raise
+    if not bundle:
+        return grants[0]
 
     def end() -> None:
         for grant in grants:
@@ -803,6 +796,28 @@ def _serve(export: Export, path: str, session: _Session) -> _paths.Grant | None:
 
     return _paths.Grant({"parts": [g.payload for g in grants], "fds": [len(g.fds) for g in grants]},
                         [fd for g in grants for fd in g.fds], on_end=end, parts=grants, path=_Bundled(path))
+
+
+def _serve_each(parts: list[Export], path: str, bundle: bool, session: _Session, grants: list[_paths.Grant]) -> None:
+    """Each allocation's path served, its grant appended to ``grants`` (the
+    caller's to end on a failure); for a share of one buffer whose path is
+    served in the exporting process only, nothing."""
+    for i, (part, name) in enumerate(zip(parts, path.split(",") if bundle else [path], strict=True)):
+        served = _paths.by_name(name)
+        try:
+            grant = served.serve(part, session)
+        except GpuShareError as exc:
+            if not bundle:
+                raise
+            raise _of_part(type(exc)(f"{exc} (the exporter cannot serve allocation {i} of the bundle over "
+                                     f"{name}; the open asked for {_summary(path)})"), i) from None
+        if grant is None:
+            if not bundle:
+                return
+            raise _of_part(InvalidInputError(f"{name} is opened in the exporting process only (allocation {i} "
+                                             "of the bundle)"), i)
+        grant.path = served
+        grants.append(grant)
 
 
 def _of_part(exc: GpuShareError, part: int) -> GpuShareError:

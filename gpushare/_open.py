@@ -8,31 +8,19 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import time
 import warnings
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar, overload
 
 from . import _paths, _types
-from ._bundle import Bundle
+from ._bundle import Bundle, _State
 from ._cuda import _driver
-from ._errors import (
-    AccessDeniedError,
-    ClosedError,
-    ExporterUnreachableError,
-    GpuShareError,
-    InvalidInputError,
-    SlowPathWarning,
-    UnsupportedError,
-)
-from ._exporter import refusal_text, registered
-from ._importer import get_importer
+from ._errors import GpuShareError, InvalidInputError, SlowPathWarning
 from ._offering import PathList
-from ._open_tree import open_tree
-from ._paths import same_process, ucx_rma
-from ._reach import MESSAGE_CHARS, addresses_for, choose, here_for, raise_refusal, slow_reason, unreachable
-from ._share import BundleShare, Share, altered
+from ._opening import Opened, _open_parts, _PartFailed, open_share, part_shares
+from ._reach import choose, here_for
+from ._share import BundleShare, Share
 from ._view import View
 
 __all__ = ["open", "open_async", "choose", "here_for"]
@@ -100,133 +88,42 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     timeout = _types.positive_timeout(timeout)
     if not isinstance(prefault, bool):
         raise InvalidInputError("prefault must be a bool")
+    device = _device(share, device)
+    got = open_share(share, prefer, exclude, timeout, device, prefault)
     if share.is_bundle:
-        return open_tree(share, prefer, exclude, timeout, _bundle_device(device), prefault)
-    if _types.is_host(device):
-        if share.device != "host":
-            raise InvalidInputError(
-                f"device={device!r}: this share is CUDA memory, which cannot be mapped on the host; "
-                "open it on a CUDA device (or device=None) and copy out with view.get()"
-            )
-        device = None
-    if device is not None:
-        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-            raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0) or 'host', not {device!r}")
-        if share.device == "host":
-            raise InvalidInputError(f"device={device} given for a share of host memory")
-        if _driver.unavailable_reason() is None:
-            _driver.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
-    order, left_out, natural = choose(share, prefer, exclude)
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("opening share %s: candidates %s; %s", share.share_id[:8], order or "none",
-                  "; ".join(left_out) or "nothing left out")
-    if not order:
-        raise UnsupportedError("no path can serve this share here: " + "; ".join(left_out))
-    failures: list[str] = []
-    first = _paths.by_name(order[0])
-    if first is same_process.PATH:
-        export = registered(share)
-        if export is None:  # it ended since the paths were chosen
-            raise ClosedError("cannot open share: its lifetime ended or it was revoked")
-        with export.lock:
-            refusal = export.refusal()
-            target = export.target()
-        if refusal is not None:
-            raise ClosedError(f"cannot open share: {refusal_text(refusal, export.policy)}")
-        why_altered = altered(share.device, share.nbytes, share.offset, share.readonly, export.device,
-                              export.nbytes, export.offset, export.readonly)
-        if export.parts is not None:  # a bundle's share with its manifest taken out
-            why_altered = ("the share names a bundle of tensors but carries no manifest: the share was altered "
-                           "(forged or corrupt)")
-        if why_altered:
-            raise InvalidInputError(why_altered)
-        why = f"{first.name}: {first.reason}"
-        log.info("opened share %s over %s", share.share_id[:8], why)
-        return View._make(share, first.name, why, first.open(share, {"target": target}, [], None, _paths.Options()))
-    key = (share.share_id, share.token, share.device, share.nbytes, share.offset, share.readonly, first.name,
-           prefault) if first.reopens else None
-    if key is not None:
-        kept = get_importer().reopen(share, key)
-        if kept is not None:
-            return _reopened(share, first.name, kept, left_out, natural, prefer, exclude)
-    deadline = time.monotonic() + timeout
-    if first is ucx_rma.PATH:
-        ucx_rma.warm()  # load UCX here while the exporter prepares its offer
-
-    def left() -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ExporterUnreachableError(
-                f"open did not finish within {timeout} s" + (f" ({'; '.join(failures)})" if failures else "")
-            )
-        return remaining
-
-    importer = get_importer()
-    addresses = addresses_for(share)
-    try:
-        # what the share says of the memory: the exporter refuses an open of a share that was altered
-        said = {"device": share.device, "nbytes": share.nbytes, "offset": share.offset, "readonly": share.readonly}
-        for path in order:
-            request = {"op": "open", "share": share.share_id, "token": share.token, "path": path, "said": said}
-            try:
-                reply, lease, fds = importer.open(share, addresses, request, deadline)
-            except ExporterUnreachableError as exc:
-                raise ExporterUnreachableError(unreachable(share, str(exc))) from None
-            if lease is None:
-                if reply.get("code") == "path":
-                    failures.append(f"{path} failed: {str(reply.get('message'))[:MESSAGE_CHARS]}")
-                    log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
-                    continue
-                raise_refusal(reply)
-            try:
-                view = _import(share, path, reply.get("payload"), left(), fds, device, lease, prefault)
-            except AccessDeniedError:
-                lease.failed()
-                raise  # a refusal is final: no other path may grant what this one refused
-            except GpuShareError as exc:
-                failures.append(f"{path} failed: {exc}")
-                log.info("share %s: %s; trying the next path", share.share_id[:8], failures[-1])
-                lease.failed()
-                continue
-            except BaseException:
-                lease.failed()
-                raise
-            mapped = view._mapped
-            # the mapping shows whether the memory is host or CUDA memory, whatever an exporter answered
-            # (it may map CUDA memory on another device than the exporter's: only host or CUDA is compared)
-            real = None if mapped is None else "host" if mapped.device == "host" else share.device
-            why_altered = None if real is None else altered(share.device, 0, 0, False, real, 0, 0, False)
-            if why_altered:  # the share is corrupt: no other path is tried with it
-                view.close()
-                lease.failed()
-                raise InvalidInputError(why_altered)
-            why = _paths.explain(path, left_out, failures)
-            log.info("opened share %s over %s", share.share_id[:8], why)
-            view._attach_lease(lease, why)
-            if key is not None and path == first.name:
-                lease.may_keep(key, view._use)
-            _warn_slow(view, slow_reason(share, path, failures, left_out, natural, prefer, exclude, "gpushare"))
-            return view
-    except GpuShareError:
-        raise
-    except (EOFError, OSError, TimeoutError) as exc:
-        raise ExporterUnreachableError(unreachable(share, f"it stopped answering: {exc}")) from None
-    raise GpuShareError("every path failed: " + "; ".join(failures))
-
-
-def _reopened(share: Share, path: str, kept: tuple, left_out: list[str], natural: list[str],
-              prefer: PathList | None, exclude: PathList | None) -> View:
-    """A view over a closed view's kept lease and mapping (:mod:`gpushare._reopen`)."""
-    lease, use = kept
-    view = View._make(share, path, "", _paths.Opened(mapping=use.mapped), kept=use)
-    view._attach_lease(lease, _paths.explain(path, left_out, []))
-    if log.isEnabledFor(logging.INFO):
+        return _bundle(share, got)
+    path = got.paths[0]
+    if got.targets is not None:  # the exporter is this process
+        opened = _paths.by_name(path).open(share, {"target": got.targets[0]}, [], None, _paths.Options())
+        return View._make(share, path, got.whys[0], opened)
+    if got.kept is not None:  # a closed view's kept lease and mapping (gpushare._reopen)
+        lease, use = got.kept
+        view = View._make(share, path, "", _paths.Opened(mapping=use.mapped), kept=use)
+        view._attach_lease(lease, got.whys[0])
         log.info("opened share %s over %s (reopened a closed view's lease)", share.share_id[:8], view.why)
-    _warn_slow(view, slow_reason(share, path, [], left_out, natural, prefer, exclude, "gpushare"), 4)
+        _warn_slow(view, got.slow, 4)
+        return view
+    view = View._make(share, path, "", got.opened[0])
+    view._attach_lease(got.lease, got.whys[0])
+    log.info("opened share %s over %s", share.share_id[:8], view.why)
+    if got.keep_key is not None:
+        got.lease.may_keep(got.keep_key, view._use)
+    _warn_slow(view, got.slow)
     return view
 
 
-def _warn_slow(view: View, slow: str | None, stacklevel: int = 3) -> None:
+def _bundle(share: Share, got: Opened) -> Bundle:
+    """The :class:`Bundle` over what the open made of each allocation."""
+    state = _State(share, share._bundle, part_shares(share), got.paths, got.opened, got.whys, got.lease,
+                   got.targets)
+    bundle = Bundle._make(state, share._bundle.tree)
+    log.info("opened bundle %s: %d tensors in %d allocations over %s", share.share_id[:8], share._bundle.count,
+             len(got.paths), ", ".join(sorted(set(got.paths))))
+    _warn_slow(bundle, got.slow)
+    return bundle
+
+
+def _warn_slow(opened: View | Bundle, slow: str | None, stacklevel: int = 3) -> None:
     """Warn of a slower path than the pair could use (``SlowPathWarning``,
     at ``open``'s caller); a warning turned into an error leaves nothing open."""
     if slow is None:
@@ -234,34 +131,41 @@ def _warn_slow(view: View, slow: str | None, stacklevel: int = 3) -> None:
     try:
         warnings.warn(SlowPathWarning(slow), stacklevel=stacklevel)
     except BaseException:
-        view.close()
+        opened.close()
         raise
 
 
-def _bundle_device(device: Any) -> int | None:
-    """``device=`` of a bundle's open: where its CUDA allocations are mapped."""
-    if device is None or _types.is_host(device):
+def _device(share: Share, device: Any) -> int | None:
+    """``device=`` of an open: where its CUDA memory is mapped (None: the
+    calling thread's current device, or the memory's own)."""
+    if _types.is_host(device):
+        if not share.is_bundle and share.device != "host":
+            raise InvalidInputError(
+                f"device={device!r}: this share is CUDA memory, which cannot be mapped on the host; "
+                "open it on a CUDA device (or device=None) and copy out with view.get()"
+            )
+        return None
+    if device is None:
         return None
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidInputError(f"device must be a CUDA device ordinal (an int >= 0) or 'host', not {device!r}")
+    if not share.is_bundle and share.device == "host":
+        raise InvalidInputError(f"device={device} given for a share of host memory")
     if _driver.unavailable_reason() is None:
-        _driver.valid_ordinal(device)
+        _driver.valid_ordinal(device)  # a wrong device is the caller's error, not a path's
     return device
 
 
 def _import(share: Share, path: str, payload: Any, timeout: float, fds: list[int],
             device: int | None = None, lease: Any = None, prefault: bool = False) -> View:
-    """Turn an exporter's offer into a view; ``fds`` (owned, closed here)
-    came with the offer over a same-node control connection.  ``prefault``:
-    fault in a host mapping before the view is made."""
+    """One path's grant turned into a view, as the open pipeline does it
+    (``fds``, owned, are closed here): for tests that feed it offers."""
+    deadline = time.monotonic() + timeout
     try:
-        if not isinstance(payload, dict):
-            raise InvalidInputError("exporter sent a malformed offer")
-        opened = _paths.by_name(path).open(share, payload, fds, lease, _paths.Options(device, timeout, prefault))
-        return View._make(share, path, "", opened)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        opened = _open_parts([share], [path], payload, fds, lease, device, deadline, prefault, bundle=False)
+    except _PartFailed as failed:
+        raise failed.error from None
+    return View._make(share, path, "", opened[0])
 
 
 # ---------------------------------------------------------------- asyncio

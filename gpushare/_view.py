@@ -53,6 +53,13 @@ class MappingUse:
                 raise ClosedError("view is closed")
             self.users += 1
 
+    def acquire_many(self, n: int) -> None:
+        """:meth:`acquire` ``n`` times at once."""
+        with self.lock:
+            if self.mapped is None:
+                raise ClosedError("view is closed")
+            self.users += n
+
     def forget_in_child(self) -> None:
         """In a forked child: drop the parent's count (a thread of the parent
         may have held the lock at the fork: a new one)."""
@@ -230,6 +237,47 @@ class View:
         self._finalizer = _Once(use) if use is not None else weakref.finalize(
             self, _release_view, self._use, self._lease)
         return self
+
+    @classmethod
+    def _of_leaves(cls, items: list[tuple], path: str, why: str, mapped: Any, use: MappingUse) -> list[View]:
+        """Views of a bundle's tensors in one mapped allocation, made at once:
+        what :meth:`_make` does for each with ``use``, its users counted once.
+        ``items``: per tensor (share, nbytes, shape, typestr, strides, dtype
+        name), the share's own fields."""
+        use.acquire_many(len(items))
+        device = mapped.device
+        fast = device == "host"
+        notes: dict[Any, str] = {}
+        out = []
+        new = object.__new__
+        for share, nbytes, shape, typestr, strides, name in items:
+            self = new(cls)
+            self.share = share
+            self.path = path
+            if name is None:
+                self.why = why
+            else:
+                note = notes.get(name)
+                if note is None:
+                    note = notes[name] = _dtype_note(share)
+                self.why = why + note
+            self.nbytes = nbytes
+            self.device = device
+            self.shape = shape
+            self.typestr = typestr
+            self.strides = strides
+            self._target = None
+            self._mapped = mapped
+            self._transport = None
+            self._lease = _NO_LEASE
+            self._closed = False
+            self._cai_taken = False
+            self._use = use
+            self._fast_ok = fast and strides is None
+            self._fast = None
+            self._finalizer = _Once(use)
+            out.append(self)
+        return out
 
     def _attach_lease(self, lease: Any, why: str) -> None:
         self._lease.append(lease)

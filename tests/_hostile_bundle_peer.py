@@ -224,6 +224,9 @@ class _Conn:
             conn.send(data, fds)
             conn.send(data)
             return
+        if how.startswith("split:"):  # the grant split over frames, as a grant too long for one is, and altered
+            self._send_split(message, how[6:], fds)
+            return
         if how.startswith("id:"):  # the reply of another request (its id moved by N)
             message["id"] = (message.get("id") or 0) + int(how[3:])
         elif how.startswith("announce:"):  # says it sends N fds more (or fewer) than it does
@@ -236,6 +239,53 @@ class _Conn:
         else:
             raise ValueError(how)
         conn.send(_control.pack(message), fds)
+
+
+    def _send_split(self, message: dict, kind: str, fds: Any) -> None:
+        """The reply as a first frame with allocation 0's grant and ``more``, then
+        continuation frames with the rest (the fds with the first), altered by ``kind``."""
+        from gpushare import _control
+
+        payload = message.get("payload")
+        if not (isinstance(payload, dict) and isinstance(payload.get("parts"), list)
+                and isinstance(payload.get("fds"), list) and len(payload["parts"]) > 1):
+            self._conn.send(_control.pack(message), fds)  # an edit left nothing to split: sent as it is
+            return
+        parts, counts = list(payload["parts"]), list(payload["fds"])
+        first = {**message, "payload": {**payload, "parts": parts[:1], "fds": counts[:1]}, "more": 1}
+        cont: dict = {"id": message.get("id"), "cont": {"parts": parts[1:], "fds": counts[1:]}}
+        conts = [cont]
+        if kind.startswith("more="):  # announces another number of frames
+            first["more"] = json_value(kind[5:])
+        elif kind == "short":  # the continuation never comes
+            conts = []
+        elif kind == "twice":  # one continuation too many
+            conts = [cont, cont]
+        elif kind == "wrong-id":
+            cont["id"] = (cont["id"] or 0) + 1
+        elif kind == "extra":  # more items than the allocations asked for
+            cont["cont"] = {"parts": parts[1:] + parts, "fds": counts[1:] + counts}
+        elif kind == "empty":
+            cont["cont"] = {"parts": [], "fds": []}
+        elif kind == "uneven":
+            cont["cont"]["fds"] = []
+        elif kind == "dict":
+            cont["cont"]["parts"] = {"1": parts[1]}
+        elif kind == "extra-key":
+            cont["cont"]["lease"] = [1]
+        elif kind == "extra-field":
+            cont["lease"] = 7
+        elif kind == "no-lists":  # the first frame lacks its lists
+            del first["payload"]["fds"]
+        elif kind != "genuine":
+            raise ValueError(kind)
+        self._conn.send(b"".join([_control.pack(first)] + [_control.pack(c) for c in conts]), fds)
+
+
+def json_value(text: str) -> Any:
+    import json
+
+    return json.loads(text)
 
 
 # ---------------------------------------------------------------- commands

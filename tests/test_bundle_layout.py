@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare import _arrays, _manifest
+from gpushare import _buffers, _manifest
 
 
 def test_host_address_reader_agrees_with_the_array_interface():
-    read = _arrays.host_address_reader()
+    read = _buffers.host_address_reader()
     base = np.arange(1000, dtype=np.float64)
     readonly = np.arange(10, dtype=np.int8)
     readonly.flags.writeable = False

@@ -134,10 +134,12 @@ CASES = {
     "one part short": ({"edits": [[["parts", 1], "<delete>"], [["fds", 1], "<delete>"]]}, _MALFORMED),
     "a part too many": ({"edits": [[["parts", 2], {"<copy>": ["parts", 1]}], [["fds", 2], 0]]}, _MALFORMED),
     "parts that are a dict": ({"edits": [[["parts"], {"0": {}, "1": {}}]]}, _MALFORMED),
+    # an allocation's grant malformed is its path failing (as for a share of one buffer): its next path is
+    # asked for, and host-fd is the only one here
     "a part that is a list": ({"edits": [[["parts", 0], []]]},
-                              (gs.InvalidInputError, "exporter sent a malformed offer for allocation 0")),
+                              _failed(0, "exporter sent a malformed offer for allocation 0")),
     "a part that is a string": ({"edits": [[["parts", 1], "host-fd"]]},
-                                (gs.InvalidInputError, "exporter sent a malformed offer for allocation 1")),
+                                _failed(1, "exporter sent a malformed offer for allocation 1")),
     # fd counts
     "fd counts not the fds sent": ({"edits": [[["fds", 1], 2]]}, _MALFORMED),
     "a huge fd count": ({"edits": [[["fds", 0], 1 << 62]]}, _MALFORMED),
@@ -237,6 +239,43 @@ MIXED_CASES = {
 }
 
 
+SPLITS = {  # the grant split over frames (as a grant of many allocations is), then altered
+    "more frames announced than allocations": "more=5",
+    "no more frames announced": "more=0",
+    "a negative number of frames": "more=-1",
+    "a bool for the number of frames": "more=true",
+    "a str for the number of frames": 'more="1"',
+    "the continuation never sent": "short",
+    "a continuation too many": "twice",
+    "a continuation of another request": "wrong-id",
+    "more items than allocations": "extra",
+    "a continuation with no items": "empty",
+    "lists of unequal lengths": "uneven",
+    "a continuation's list that is a dict": "dict",
+    "a continuation with another list": "extra-key",
+    "a continuation with another field": "extra-field",
+    "a first frame without its lists": "no-lists",
+}
+
+
+def test_a_genuine_grant_split_over_frames_opens(hostile):
+    got = _attempt(hostile, {"frame": "split:genuine"})
+    assert got["opened"] == ("host-fd", "host-fd") and got["values"] == {k: GENUINE[k] for k in "ab"}, got
+
+
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_an_altered_split_grant_is_refused_and_leaves_nothing(hostile, case):
+    """The importer joins a split grant only as its first frame announces it,
+    within the allocations it asked for: anything else is a GpuShareError
+    (the connection goes, and with it the lease), within the timeout."""
+    got = _attempt(hostile, {"frame": "split:" + SPLITS[case]})
+    if case == "a continuation too many":  # the grant was whole before the stray frame ended the connection
+        assert "error" in got or got.get("values") == {k: GENUINE[k] for k in "ab"} or isinstance(
+            got.get("get_error"), gs.GpuShareError), got
+        return
+    assert isinstance(got.get("error"), gs.GpuShareError), (case, got)
+
+
 @pytest.mark.parametrize("case", list(MIXED_CASES))
 def test_an_altered_cma_grant_is_refused_and_leaves_nothing(hostile, case):
     """In a bundle of host-fd and cma allocations; cma is the only path of allocation 2."""
@@ -263,7 +302,7 @@ PLACES = [[], ["parts"], ["fds"], ["extra"], *[["fds", i] for i in range(3)],
 FD_KINDS = ["real:0", "real:1", "pipe", "dir", "devnull", "socket", "memfd:4096:sealed", "memfd:8192:sealed",
             "memfd:8192", "other"]
 FRAMES = [None, None, None, "id:1", "announce:1", "announce:-1", "cut:10", "close", "lease:-1", "set:fds=-1",
-          "set:payload=[]", 'set:id="1"']
+          "set:payload=[]", 'set:id="1"', "split:genuine", "split:extra", "split:uneven", "split:more=5"]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,6 +1,6 @@
 """A bundle open's reply, as the importer reads it, from a hostile exporter:
 each allocation's grant and the fds that came with them
-(``gpushare._open_tree._open_parts``).  A genuine reply is captured from a
+(``gpushare._opening._open_parts``).  A genuine reply is captured from a
 real open, then fed back altered: table cases (counts, kinds of fd, fds of
 the wrong allocation, grants swapped) and random mutations.  Every one gives
 the allocations' mappings or a GpuShareError, and afterwards no fd and no
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpushare as gs
-from gpushare import _importer, _open_tree
+from gpushare import _importer, _opening
 from gpushare._importer import get_importer
 from gpushare._service import get_service
 
@@ -42,14 +42,14 @@ def reply():
     a[:], b[:] = 1, 2
     share = gs.export({"a": a, "b": b}, lifetime="revoked")
     seen: dict = {}
-    real = _open_tree._open_parts
+    real = _opening._open_parts
 
     def spy(parts, paths, payload, fds, *args):
         seen.update(parts=parts, paths=paths, payload=copy.deepcopy(payload), fds=[os.dup(fd) for fd in fds])
         return real(parts, paths, payload, fds, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_open_tree, "_open_parts", spy)
+        mp.setattr(_opening, "_open_parts", spy)
         mp.setattr(_importer, "IDLE_LINGER", 0.05)
         gs.open(share, exclude=["same-process"]).close()
         # That open's connection to this process's own exporter (two fds here) closes now, not
@@ -77,11 +77,11 @@ def _feed(reply: dict, payload, fds: list[int]) -> list | None:
     GpuShareError (or an allocation's GpuShareError, which the open takes
     as that path failing, and tries the next)."""
     try:
-        opened = _open_tree._open_parts(reply["parts"], reply["paths"], payload, fds, None, None,
+        opened = _opening._open_parts(reply["parts"], reply["paths"], payload, fds, None, None,
                                         time.monotonic() + 2.0, False)
     except gs.GpuShareError:
         return None
-    except _open_tree._PartFailed as failed:
+    except _opening._PartFailed as failed:
         assert isinstance(failed.error, gs.GpuShareError) and 0 <= failed.index < len(reply["parts"])
         return None
     for got in opened:

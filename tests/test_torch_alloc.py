@@ -103,6 +103,7 @@ def test_tensors_of_a_torch_mem_pool_over_an_arena_share_one_offer_per_chunk():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernels
 def test_an_ordinary_torch_cuda_state_dict_goes_with_a_handle_per_segment():
     """Every tensor its own storage, as torch.randn gives them: the bundle
     has one allocation per caching-allocator segment, far fewer than the
