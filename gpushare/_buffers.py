@@ -21,7 +21,7 @@ from typing import Any
 from . import _dlpack
 from ._errors import InvalidInputError
 
-__all__ = ["LocalBuffer", "resolve", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
+__all__ = ["LocalBuffer", "resolve", "pending_stream", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
 
 #: Memory type names, as accepted by ``memory_type=`` arguments.
 MEMORY_TYPES = ("host", "cuda")
@@ -115,6 +115,22 @@ def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:
 def _is_cuda_core_buffer(obj: Any) -> bool:
     mod = type(obj).__module__ or ""
     return mod.startswith("cuda.core") and hasattr(obj, "handle") and hasattr(obj, "size")
+
+
+def pending_stream(obj: Any, lb: LocalBuffer) -> int | None:
+    """For CUDA memory about to be read by another process: the stream to
+    wait on for the work its producer queued on it.  The stream its array
+    interface names (version 3, read as it is; None where it says nothing is
+    pending); else the legacy default stream (1): a DLPack producer resolved
+    with ``stream=1`` orders its work before it, and a cuda.core ``Buffer``
+    or a version 2 interface (torch's) says nothing, so the work is taken to
+    be there or on a blocking stream.  None for host memory."""
+    if lb.memory_type != "cuda":
+        return None
+    cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
+    if isinstance(cai, dict) and "stream" in cai and not _orders_by_dlpack(obj, cai):
+        return lb.stream
+    return 1
 
 
 def plain_host_nbytes(obj: Any) -> int | None:

@@ -7,6 +7,7 @@ import os
 from typing import Any, overload
 
 from . import _arrays, _buffers, _paths
+from ._cuda import _driver
 from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError
 from ._export_tree import export_tree, is_tree
@@ -81,15 +82,18 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         return export_tree(obj, policy, lifetime_name, wanted, bool(readonly))
     # A strided array is served as the memory it spans, with its strides.
     memory, strides = _arrays.span_of(obj)
-    local = _buffers.resolve(memory, writable=False)
+    local = _buffers.resolve(memory, writable=False, stream=_driver.LEGACY_STREAM)
     try:
         nbytes, memory_type, device = local.nbytes, local.memory_type, local.device
         readonly = bool(readonly) or local.readonly
+        pending = _buffers.pending_stream(memory, local)
     finally:
         local.release()
     if nbytes < 1:
         raise InvalidInputError("cannot export an empty buffer")
     device = device_ordinal(local.address, device) if memory_type == "cuda" else "host"
+    if pending is not None and isinstance(device, int):
+        _driver.wait_for_producers({(device, pending)})  # no importer sees the producer's work half done
     offered, offset = memory_of(memory, memory_type, (local.address, nbytes), readonly, strides is not None)
     # get/put move bytes, which a strided array's are not: it goes only where it is mapped.
     offers, descs, regs = _paths.offers(offered, wanted)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import _arrays, _buffers, _manifest, _paths
+from ._cuda import _driver
 from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import GpuShareError, InvalidInputError
 from ._exporter import MAX_BACKLOG_FDS, Export, get_exporter, new_ids, track_auto
@@ -38,16 +39,18 @@ def is_tree(obj: Any) -> bool:
 
 
 class _Tensor:
-    __slots__ = ("obj", "span", "strides", "address", "nbytes", "memory_type", "device", "readonly")
+    __slots__ = ("obj", "span", "strides", "address", "nbytes", "memory_type", "device", "readonly", "pending")
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self.span, self.strides = _arrays.span_of(obj)
-        local = _buffers.resolve(self.span, writable=False)
+        local = _buffers.resolve(self.span, writable=False, stream=_driver.LEGACY_STREAM)
         try:
             self.address, self.nbytes = local.address, local.nbytes
             self.memory_type, self.readonly = local.memory_type, local.readonly
             device = local.device
+            #: the stream its producer's pending work is on (CUDA memory)
+            self.pending = _buffers.pending_stream(self.span, local)
         finally:
             local.release()
         self.device = device_ordinal(self.address, device) if self.memory_type == "cuda" else "host"
@@ -60,6 +63,7 @@ class _Tensor:
         t.strides = None
         t.address, t.nbytes, t.readonly = address, nbytes, readonly
         t.memory_type = t.device = "host"
+        t.pending = None
         return t
 
 
@@ -207,9 +211,10 @@ def _shrink_hulls(objs: list[Any], columns: _manifest.Columns, allocations: list
         alloc.obj = Buffer.from_handle(alloc.address, alloc.nbytes, owner=tuple(members[i]))
 
 
-def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
+def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.Columns, list[_Allocation]]:
     """The manifest's columns of the tensors ``objs``, and the allocations
-    they lie in (the parts, in the order the columns number them).
+    they lie in (the parts, in the order the columns number them); the
+    streams CUDA tensors' producers left work pending on go into ``pending``.
 
     A C-contiguous NumPy array (the common case, thousands of them in a
     state dict) has its facts read straight off it, and a tensor in the same
@@ -259,6 +264,8 @@ def _columns(objs: list[Any]) -> tuple[_manifest.Columns, list[_Allocation]]:
             else:
                 t = _Tensor(obj)
                 address, nbytes, ro, memory_type = t.address, t.nbytes, t.readonly, t.memory_type
+                if t.pending is not None and isinstance(t.device, int):
+                    pending.add((t.device, t.pending))
                 shape, typestr, name, dlpack = _arrays.describe(obj, nbytes, strided=t.strides is not None)
                 dtype = columns.dtype_index(typestr, name, dlpack)
             if not nbytes:
@@ -333,9 +340,10 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         raise InvalidInputError("cannot export an empty bundle: the tree holds no buffer")
     if len(objs) > _manifest.MAX_TENSORS:
         raise InvalidInputError(f"a bundle holds at most {_manifest.MAX_TENSORS} tensors; this tree has {len(objs)}")
+    pending: set[tuple[int, int]] = set()
     try:
         with collection_paused(len(objs)):
-            columns, allocations = _columns(objs)
+            columns, allocations = _columns(objs, pending)
     except GpuShareError as exc:
         where = _key_path(tree, getattr(exc, "leaf", None))
         if where is None:
@@ -347,6 +355,8 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         raise named from None
     if not allocations:
         raise InvalidInputError("cannot export an empty bundle: every tensor in it is empty")
+    if pending:
+        _driver.wait_for_producers(pending)  # no importer sees a producer's work half done
     share_id, token = new_ids()
     parts: list[Export] = []
     try:

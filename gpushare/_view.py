@@ -405,8 +405,9 @@ class View:
         """A DLPack capsule of the mapped memory (host or CUDA), with the
         share's dtype and shape; read-only (DLPack 1.0) for a read-only share.
         The mapping stays until the consumer releases the tensor, even past
-        :meth:`close`.  ``stream`` needs no ordering: gpushare leaves no work
-        pending.  ``numpy.from_dlpack(view)`` and ``torch.from_dlpack(view)``
+        :meth:`close`.  ``stream`` needs no ordering (gpushare leaves no work
+        pending); for CUDA memory it is remembered, and the unmapping waits
+        for the work queued there, as it does for the legacy stream's.  ``numpy.from_dlpack(view)`` and ``torch.from_dlpack(view)``
         take it without a copy."""
         self._check()
         if self._transport is not None:
@@ -421,6 +422,8 @@ class View:
                 return self._target.__dlpack__(stream=stream, max_version=max_version)
             owner: Any = (self._target, lb)  # the exporter's own object keeps the memory
         else:
+            if type(stream) is int and stream > 0 and self.device != "host":
+                self._mapped.used_on(stream)  # closing waits for the consumer's work there
             owner = _Pin()
             self._use.acquire()
             weakref.finalize(owner, self._use.drop)

@@ -434,8 +434,43 @@ def _torch_export_expandable(state: dict, n: int, value: int) -> Any:
     return gs.export(t, lifetime="revoked")
 
 
+def _torch_busy_read_then_close(state: dict, name: str) -> dict:
+    """torch takes the view through DLPack; a kernel that keeps the stream
+    busy, then a sum over the memory, are queued; the tensor is dropped and
+    the view closed (unmapped) with both still queued.  The sum must come
+    out, the context sound."""
+    import torch
+
+    view = state["views"].pop(name)
+    t = torch.from_dlpack(view)
+    torch.cuda._sleep(int(5e8))  # about 0.3 s on an H200
+    total = t.to(torch.int64).sum()
+    del t
+    view.close()
+    del view
+    return {"sum": int(total.item())}
+
+
+def _torch_export_with_pending_fill(state: dict, n: int, value: int) -> Any:
+    """A torch CUDA tensor whose fill is queued behind a kernel that keeps
+    the stream busy, exported at once: no synchronisation of the caller's."""
+    import torch
+
+    import gpushare as gs
+
+    t = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))
+    t.fill_(value)
+    share = gs.export(t, lifetime="revoked")
+    state.setdefault("exported", []).append(t)
+    return share
+
+
 HANDLERS = dict(_share_peer.HANDLERS)
 HANDLERS.update({
+    "torch_busy_read_then_close": _torch_busy_read_then_close,
+    "torch_export_with_pending_fill": _torch_export_with_pending_fill,
     "context": _context,
     "visible": _visible,
     "view_device": _view_device,

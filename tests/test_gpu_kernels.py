@@ -9,6 +9,7 @@ fabric, no IMEX channel.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import gpushare as gs
@@ -121,3 +122,38 @@ def test_gs_empty_arrays_go_into_torch_and_cupy_through_dlpack(fresh_gpu_peer, g
     assert gpu_peer.call("torch_sum", "dl") == 3 * 8 * 256 - 6 + 1000 + 5
     gpu_peer.call("close", "dl")
     maker.call("revoke_all", [share])
+
+
+def test_close_waits_for_a_torch_kernel_still_reading_the_mapping(gpu_peer):
+    """The importer's kernel on the mapping is still queued (behind one that
+    keeps the stream busy) when the view closes: the unmapping waits for
+    it, so the kernel reads the memory, not a hole that poisons the context."""
+    _torch_cuda()
+    n = 8 * MiB
+    buf = gs.allocate(n, device=0)
+    try:
+        data = pattern(n, 5)
+        htod(int(buf.handle), data)
+        share = gs.export(buf, lifetime="revoked")
+        assert gpu_peer.call("open", "busy", share)["path"] == "posix-fd"
+        assert gpu_peer.call("torch_busy_read_then_close", "busy", timeout=120) == {"sum": sum(data)}
+        share.revoke()
+    finally:
+        buf.close()
+
+
+def test_a_torch_tensor_exported_with_its_fill_still_queued_arrives_filled(gpu_peer):
+    """torch.multiprocessing sends an IPC event with each tensor; gpushare's
+    export waits for the producer's stream: the importer maps the filled
+    tensor, not the zeros before the fill."""
+    _torch_cuda()
+    n = 4 * MiB
+    share = gpu_peer.call("torch_export_with_pending_fill", n, 0x42, timeout=120)
+    view = gs.open(share)
+    try:
+        assert view.path == "cuda-ipc"
+        out = np.zeros(n, np.uint8)
+        view.get(out)
+        assert out.tobytes() == b"\x42" * n
+    finally:
+        view.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -33,6 +34,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._errors import CUDAError, InvalidInputError, UnsupportedError, WaitTimeoutError
+
+log = logging.getLogger("gpushare.cuda")
 
 __all__ = [
     "LEGACY_STREAM",
@@ -481,8 +484,9 @@ def _retire_orphans() -> None:
 def wait_for_copies(address: int, size: int) -> None:
     """Block until every copy gpushare queued that touches ``size`` bytes at
     ``address`` has completed: what must happen before that memory is
-    unmapped or freed.  Other work (the user's, on any stream) is not waited
-    for.  A copy's own failure stays with its request (``wait`` raises it).
+    unmapped or freed.  Other work (the user's) is :func:`wait_for_consumers`'
+    to wait for.  A copy's own failure stays with its request (``wait``
+    raises it).
 
     Raises
     ------
@@ -496,6 +500,52 @@ def wait_for_copies(address: int, size: int) -> None:
         # Only synchronised: a dropped request's copy is retired (what it
         # keeps released) by the next copy_async, outside the caller's locks.
         p.sync()
+
+
+def wait_for_producers(pending: set[tuple[int, int]]) -> None:
+    """Block until the work queued on each ``(ordinal, stream)`` has
+    completed: what a producer left pending on memory it exports (see
+    :func:`gpushare._buffers.pending_stream`), which no importer may see
+    half done.  (torch.multiprocessing sends an IPC event for the consumer
+    to wait on; here the export waits, once per stream.)"""
+    drv = driver()
+    for ordinal, stream in sorted(pending):
+        with on_device(ordinal):
+            check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize(the producer's stream)")
+
+
+def wait_for_consumers(ordinal: int, whole_context: bool) -> None:
+    """Before memory mapped on device ``ordinal`` is unmapped or its handle
+    closed: block until the work a consumer may still have queued on it has
+    completed.  On the legacy default stream, which waits for every blocking
+    stream of the context (CuPy's and torch's defaults): an event recorded
+    there.  ``whole_context``: a consumer named a stream of its own (to
+    ``__dlpack__``), so all the context's work is waited for (a stream handle
+    kept until now may have been destroyed meanwhile: it is never used).
+    Work on a non-blocking stream nobody named is not seen.  A failure (the
+    device's sticky error) is logged: the memory goes anyway."""
+    drv = driver()
+    try:
+        with on_device(ordinal):
+            if whole_context:
+                _logged(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+                return
+            # An event recorded on the legacy stream completes after the work queued before it there
+            # and on every blocking stream (a synchronisation of the stream alone waits for its own).
+            event = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            try:
+                _logged(drv.cuEventRecord(event, LEGACY_STREAM), "cuEventRecord(the legacy stream)")
+                _logged(drv.cuEventSynchronize(event), "cuEventSynchronize")
+            finally:
+                drv.cuEventDestroy(event)
+    except CUDAError as exc:
+        log.warning("before unmapping CUDA memory of device %d: %s", ordinal, exc)
+
+
+def _logged(result: tuple, what: str) -> None:
+    err = result[0]
+    if err != driver().CUresult.CUDA_SUCCESS:
+        log.warning("before unmapping CUDA memory: %s failed (%s); unmapping it anyway", what, _name(driver(), err))
 
 
 def inflight_copies() -> int:

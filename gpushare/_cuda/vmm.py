@@ -226,10 +226,11 @@ def _mapping_class() -> type:
                     for fd in export[2]:
                         os.close(fd)
                 # gpushare's own copies on the memory must land before it
-                # goes; the user's other work (any stream, this context's
-                # included) is not waited for, as cuda.core's own VMM resource
-                # does not.  Any thread, the garbage collector's included,
-                # pushes the device's context for the duration.
+                # goes (an importer's view waited for its consumers' work
+                # before it got here: Mapped.close); the exporter's own other
+                # work is not waited for, as cuda.core's VMM resource does
+                # not.  Any thread, the garbage collector's included, pushes
+                # the device's context for the duration.
                 _driver.wait_for_copies(self.ptr, sum(self.sizes))
                 with _driver.on_device(self.ordinal):
                     _driver.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")

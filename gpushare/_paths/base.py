@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _control
+from .._cuda import _driver
 from .._buffers import LocalBuffer
 from .._descriptors import _rebuild
 from .._errors import GpuShareError, InvalidInputError, WaitTimeoutError
@@ -93,12 +94,15 @@ class Mapped:
     view holds): host memory (a HostBuffer) or CUDA memory (a cuda.core
     Buffer on this process's device ``device``)."""
 
-    __slots__ = ("address", "buffer", "device")
+    __slots__ = ("address", "buffer", "device", "streams")
 
     def __init__(self, buffer: Any, device: Any, address: int) -> None:
         self.buffer = buffer
         self.device = device
         self.address = address
+        #: CUDA memory: a consumer named a stream of its own (to ``__dlpack__``):
+        #: closing waits for the whole context's work, not only the legacy stream's
+        self.streams = False
 
     @classmethod
     def host(cls, buf: Any) -> Mapped:
@@ -127,7 +131,15 @@ class Mapped:
         if grant is not None:
             grant(ordinal)
 
+    def used_on(self, stream: int) -> None:
+        """A consumer queues work on the memory on ``stream`` (a handle)."""
+        if stream != _driver.LEGACY_STREAM:
+            self.streams = True
+
     def close(self) -> None:
+        if self.device != "host":
+            # a kernel or copy still queued on the memory would fault once it is gone
+            _driver.wait_for_consumers(self.device, self.streams)
         self.buffer.close()
 
 

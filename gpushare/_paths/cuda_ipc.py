@@ -384,8 +384,8 @@ def _unuse_pool(ref: Any) -> None:
             return
         del _imported_ptrs[ref.key]
         pool_entry = _imported_pools.get(entry[2])
-        # gpushare's own copies on the memory land before it is freed; the
-        # user's other work is not waited for.
+        # gpushare's own copies on the memory land before it is freed (a
+        # view waited for its consumers' work before: Mapped.close).
         _driver.wait_for_copies(entry[0], entry[4])
         with _driver.on_device(entry[3]):
             _free_imported(drv, entry[0])
