@@ -354,21 +354,7 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
                 raise InvalidInputError(f"tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
             return LocalBuffer(tensor.address, tensor.nbytes, "host", tensor.readonly, (obj, tensor))
         if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
-            try:
-                from cuda.core.utils import StridedMemoryView
-            except ImportError:
-                raise ImportError(
-                    "CUDA DLPack tensors need the 'cuda-core' package (pip install cuda-core)"
-                ) from None
-            try:
-                view = StridedMemoryView(obj, stream_ptr=-1 if stream is None else stream)
-                itemsize = view.dtype.itemsize
-            except Exception:  # noqa: BLE001 - a dtype cuda.core cannot name (bfloat16...): read the tensor
-                return _from_cuda_dlpack(obj, stream, int(dev_id))
-            if not _c_contiguous(tuple(view.shape), view.strides and tuple(s * itemsize for s in view.strides), itemsize):
-                raise InvalidInputError(f"CUDA tensor is not C-contiguous; {_CONTIGUOUS_FIX}")
-            nbytes = math.prod(view.shape) * itemsize
-            return LocalBuffer(int(view.ptr), nbytes, "cuda", bool(view.readonly), (obj, view), device=int(dev_id))
+            return _from_cuda_dlpack(obj, stream, int(dev_id))  # read directly: no cuda.core on the way
         raise InvalidInputError(f"DLPack device type {dev_type} is not supported (host and CUDA are)")
     raise InvalidInputError(
         f"{type(obj).__name__} is not a buffer: expected the buffer protocol, "

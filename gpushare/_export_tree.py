@@ -189,7 +189,7 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
 def _shrink_hulls(objs: list[Any], columns: _manifest.Columns, allocations: list[_Allocation]) -> None:
     """Each CUDA allocation of another allocator becomes the span of its
     tensors (what ucx-rma exposes), their offsets counted from its start;
-    the part is a Buffer over that span that holds the tensors."""
+    the part is a _Span over it that holds the tensors."""
     hulls = {i: alloc for i, alloc in enumerate(allocations) if alloc.hull}
     if not hulls:
         return
@@ -203,12 +203,23 @@ def _shrink_hulls(objs: list[Any], columns: _manifest.Columns, allocations: list
     for k, (part, offset, span) in enumerate(zip(columns.part, columns.offset, columns.spans, strict=True)):
         if span and part in hulls:
             columns.offset[k] = offset - lo[part]
-    from cuda.core import Buffer
-
     for i, alloc in hulls.items():
         alloc.address += lo[i]
         alloc.nbytes = hi[i] - lo[i]
-        alloc.obj = Buffer.from_handle(alloc.address, alloc.nbytes, owner=tuple(members[i]))
+        alloc.obj = _Span(alloc.address, alloc.nbytes, tuple(members[i]))
+
+
+class _Span:
+    """The span of a CUDA allocation's tensors, as the paths serve it: CUDA
+    memory described by ``__cuda_array_interface__`` (nothing pending: the
+    export waited for its producers), holding the tensors (no cuda.core)."""
+
+    __slots__ = ("__cuda_array_interface__", "members")
+
+    def __init__(self, address: int, nbytes: int, members: tuple[Any, ...]) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None, "stream": None}
+        self.members = members
 
 
 def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.Columns, list[_Allocation]]:

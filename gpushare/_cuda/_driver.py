@@ -39,6 +39,7 @@ log = logging.getLogger("gpushare.cuda")
 
 __all__ = [
     "LEGACY_STREAM",
+    "DeviceMemory",
     "NO_DEVICE",
     "PER_THREAD_STREAM",
     "CopyRequest",
@@ -552,6 +553,31 @@ def inflight_copies() -> int:
     """How many queued copies gpushare has not yet seen complete."""
     with _inflight_lock:
         return len(_inflight)
+
+
+class DeviceMemory:
+    """CUDA memory mapped into this process, held without cuda.core: its
+    address (``handle``), size and device ordinal (``device_id``, also as
+    ``memory_resource.device_id``, where a cuda.core ``Buffer`` says it), and
+    what releases it: :meth:`close`, or the garbage collector, once."""
+
+    __slots__ = ("handle", "size", "device_id", "_finalizer", "__weakref__")
+
+    def __init__(self, handle: int, size: int, device_id: int, release: Any) -> None:
+        self.handle = handle
+        self.size = size
+        self.device_id = device_id
+        self._finalizer = weakref.finalize(self, release)
+
+    @property
+    def memory_resource(self) -> DeviceMemory:
+        return self
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"<gpushare DeviceMemory 0x{self.handle:x}, {self.size} bytes on device {self.device_id}>"
 
 
 class CopyRequest:

@@ -16,6 +16,7 @@ is closed when the last of them is closed.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -190,7 +191,29 @@ def _export_pool(drv: Any, pool: Any, ptr: int, size: int, ordinal: int) -> Cuda
     )
 
 
+class _Use:
+    """One importer's use of an opened base allocation (released once)."""
+
+    __slots__ = ("key", "ordinal", "done")
+
+    def __init__(self, key: tuple[int, bytes, int], ordinal: int) -> None:
+        self.key = key
+        self.ordinal = ordinal
+        self.done = False
+
+
+def _release(use: _Use) -> None:
+    """``use`` ends: from close() or the garbage collector, so a driver
+    failure is a warning, never an exception."""
+    try:
+        _unuse(use)
+    except CUDAError as exc:
+        warnings.warn(f"closing a CUDA IPC handle failed: {exc}", ResourceWarning, 2)
+
+
 def _ref_class() -> type:
+    """cuda.core's memory resource over a :class:`_Use`, for the ``Buffer``
+    :func:`import_ipc` returns (made, with cuda.core, only when asked for)."""
     global _Ref
     if _Ref is not None:
         return _Ref
@@ -199,24 +222,19 @@ def _ref_class() -> type:
     class IpcRef(MemoryResource):  # type: ignore[misc]
         """One importer's use of an opened base allocation."""
 
-        def __init__(self, key: tuple[int, bytes, int], ordinal: int) -> None:
-            self.key = key
-            self.ordinal = ordinal
-            self.done = False
+        def __init__(self, use: _Use) -> None:
+            self.use = use
 
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             raise UnsupportedError("imported CUDA IPC memory cannot allocate")
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            try:
-                _unuse(self)
-            except CUDAError as exc:  # from close() or the garbage collector: warn, never crash
-                warnings.warn(f"closing a CUDA IPC handle failed: {exc}", ResourceWarning, 2)
+            _release(self.use)
 
         is_device_accessible = property(lambda self: True)
         is_host_accessible = property(lambda self: False)
         is_managed = property(lambda self: False)
-        device_id = property(lambda self: self.ordinal)
+        device_id = property(lambda self: self.use.ordinal)
 
     _Ref = IpcRef
     return _Ref
@@ -244,7 +262,23 @@ def _unuse(ref: Any) -> None:
 
 def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
     """Open (or reuse) the base allocation and return a cuda.core ``Buffer``
-    of the described range."""
+    of the described range (:func:`gpushare.import_buffer`)."""
+    address, use = _open_ipc(desc, device, readonly)
+    from cuda.core import Buffer
+
+    with _driver.on_device(use.ordinal):  # cuda.core records the current context's stream for the free
+        return Buffer.from_handle(address, desc.size, mr=_ref_class()(use))
+
+
+def map_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: bool = False) -> Any:
+    """:func:`import_ipc` for a view: the range as a
+    :class:`gpushare._cuda._driver.DeviceMemory` (no cuda.core on the way)."""
+    address, use = _open_ipc(desc, device, readonly)
+    return _driver.DeviceMemory(address, desc.size, use.ordinal, functools.partial(_release, use))
+
+
+def _open_ipc(desc: CudaIpcBufferDescriptor, device: int | None, readonly: bool) -> tuple[int, _Use]:
+    """Open (or reuse) the base allocation: the described range's address, and this use of it."""
     check_same_node(desc)
     if readonly:
         raise UnsupportedError(
@@ -255,8 +289,6 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: b
             "a CUDA IPC handle cannot be opened in the process that exported it; use the original buffer"
         )
     drv = _driver.driver()
-    from cuda.core import Buffer
-
     ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     key = (desc.pid, desc.handle, ordinal)
     with _driver.on_device(ordinal), _lock:
@@ -281,8 +313,7 @@ def import_ipc(desc: CudaIpcBufferDescriptor, device: int | None, *, readonly: b
                 f"opened allocation of {entry[1]} bytes"
             )
         entry[2] += 1
-        ref = _ref_class()(key, ordinal)
-        return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+        return entry[0] + desc.offset, _Use(key, ordinal)
 
 
 #: (exporter pid, broker export id) -> [imported pool handle, pointers imported from it,
@@ -418,6 +449,13 @@ def _pool_ref_class() -> type:
     class PoolRef(base):  # type: ignore[misc, valid-type]
         """One importer's use of an imported pool allocation."""
 
+        def __init__(self, key: tuple[int, int, bytes], ordinal: int) -> None:
+            self.key = key
+            self.ordinal = ordinal
+            self.done = False
+
+        device_id = property(lambda self: self.ordinal)
+
         def grant(self, ordinal: int) -> None:
             """Give device ``ordinal`` access too, so a copy on it can touch the memory."""
             drv = _driver.driver()
@@ -483,7 +521,7 @@ class CudaIpc:
         no_fds(self.name, fds)
         desc = descriptor_of(share, grant, (CudaIpcBufferDescriptor, CudaPoolBufferDescriptor))
         if isinstance(desc, CudaIpcBufferDescriptor):
-            return Opened(mapping=Mapped.cuda(import_ipc(desc, how.device, readonly=share.readonly)))
+            return Opened(mapping=Mapped.cuda(map_ipc(desc, how.device, readonly=share.readonly)))
         return Opened(mapping=Mapped.cuda(import_pool(desc, how.device, readonly=share.readonly,
                                                       timeout=how.timeout)))
 
