@@ -561,17 +561,21 @@ class DeviceMemory:
     ``memory_resource.device_id``, where a cuda.core ``Buffer`` says it), and
     what releases it: :meth:`close`, or the garbage collector, once."""
 
-    __slots__ = ("handle", "size", "device_id", "_finalizer", "__weakref__")
+    __slots__ = ("handle", "size", "device_id", "readonly", "_resource", "_finalizer", "__weakref__")
 
-    def __init__(self, handle: int, size: int, device_id: int, release: Any) -> None:
+    def __init__(self, handle: int, size: int, device_id: int, release: Any, *, readonly: bool = False,
+                 resource: Any = None) -> None:
         self.handle = handle
         self.size = size
         self.device_id = device_id
+        #: mapped read-only (a read-only share's VMM mapping)
+        self.readonly = readonly
+        self._resource = resource  # what owns the mapping, where it has more to say (``grant``)
         self._finalizer = weakref.finalize(self, release)
 
     @property
-    def memory_resource(self) -> DeviceMemory:
-        return self
+    def memory_resource(self) -> Any:
+        return self if self._resource is None else self._resource
 
     def close(self) -> None:
         self._finalizer()

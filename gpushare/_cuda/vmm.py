@@ -33,7 +33,7 @@ from .._types import round_up
 from . import _driver
 
 __all__ = ["allocate_device", "export_fabric", "export_handle_type", "export_posix_fds", "import_device",
-           "is_vmm_buffer", "mapping_count", "posix_fds"]
+           "map_device", "is_vmm_buffer", "mapping_count", "posix_fds"]
 
 _live_lock = threading.Lock()
 _live: set[int] = set()  # ids of mappings not yet released
@@ -142,119 +142,130 @@ def _release_handles(drv: Any, handles: Sequence[Any]) -> None:
         drv.cuMemRelease(h)
 
 
+class _Vmm:
+    """Owns one contiguous VMM mapping: the reservation and the physical
+    handles mapped into it; :meth:`release` (a cuda.core ``Buffer``'s
+    ``deallocate``) releases them once.  Plain Python: a view's mapping
+    (:func:`map_device`) needs no cuda.core; :func:`_mapping_class` makes
+    it cuda.core's memory resource where a ``Buffer`` is asked for."""
+
+    def __init__(
+        self,
+        ordinal: int,
+        ptr: int,
+        handles: list[Any],
+        sizes: tuple[int, ...],
+        handle_types: list[str],
+        fabric_reason: str | None,
+        exporter: bool,
+        readonly: bool = False,
+    ) -> None:
+        self.ordinal = ordinal
+        self.ptr = ptr
+        self.handles = handles
+        self.sizes = sizes
+        self.handle_types = handle_types
+        self.fabric_reason = fabric_reason
+        self.exporter = exporter
+        self.readonly = readonly
+        self.devices = {ordinal}  # devices with access to the mapping
+        self.lock = threading.Lock()
+        self.closed = False
+        #: The broker's export of the allocations' POSIX fds, made once by
+        #: the posix-fd path: (broker, descriptor, the fds it serves).
+        self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
+        #: The POSIX fds of the allocations, exported once, for shares' own registrations.
+        self.posix_fds: list[int] | None = None
+        with _live_lock:
+            _live.add(id(self))
+
+    def grant(self, ordinal: int) -> None:
+        """Give device ``ordinal`` access too (read-only for a read-only
+        mapping), so a copy or kernel on it can touch the memory."""
+        drv = _driver.driver()
+        with self.lock:
+            if ordinal in self.devices:
+                return
+            if self.closed:
+                raise ClosedError("the mapping is closed")
+            total = sum(self.sizes)
+            _driver.check(drv.cuMemSetAccess(self.ptr, total, [_access(drv, ordinal, self.readonly)], 1),
+                        f"cuMemSetAccess(device {ordinal})")
+            self.devices.add(ordinal)
+
+    def allocate(self, size: int, *, stream: Any = None) -> Any:
+        raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
+
+    def deallocate_all(self) -> None:
+        """:meth:`deallocate` of the whole mapping."""
+        self.deallocate(self.ptr, sum(self.sizes))
+
+    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+        # Called by Buffer.close() and by the garbage collector: a driver
+        # failure becomes a warning, and what is left stays mapped (a leak
+        # is better than a dangling mapping).
+        try:
+            self.release()
+        except CUDAError as exc:
+            warnings.warn(f"releasing a VMM mapping failed; leaking the rest: {exc}", ResourceWarning, 2)
+
+    def release(self) -> None:
+        drv = _driver.driver()
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            export, self.posix_export = self.posix_export, None
+            for fd in self.posix_fds or ():
+                os.close(fd)
+            self.posix_fds = None
+            if export is not None:
+                if export[0].pid == os.getpid():
+                    export[0].revoke(export[1].export_id)
+                for fd in export[2]:
+                    os.close(fd)
+            # gpushare's own copies on the memory must land before it
+            # goes (an importer's view waited for its consumers' work
+            # before it got here: Mapped.close); the exporter's own other
+            # work is not waited for, as cuda.core's VMM resource does
+            # not.  Any thread, the garbage collector's included, pushes
+            # the device's context for the duration.
+            _driver.wait_for_copies(self.ptr, sum(self.sizes))
+            with _driver.on_device(self.ordinal):
+                _driver.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
+                _driver.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
+                for h in self.handles:
+                    _driver.check(drv.cuMemRelease(h), "cuMemRelease")
+            with _live_lock:
+                _live.discard(id(self))
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return False
+
+    @property
+    def is_managed(self) -> bool:
+        return False
+
+    @property
+    def device_id(self) -> int:
+        return self.ordinal
+
+
 def _mapping_class() -> type:
-    """The cuda.core ``MemoryResource`` subclass that owns one mapping (made
-    lazily so that importing gpushare does not import cuda.core)."""
+    """:class:`_Vmm` as a cuda.core ``MemoryResource`` (made lazily so that
+    importing gpushare does not import cuda.core)."""
     global _Mapping
     if _Mapping is not None:
         return _Mapping
     from cuda.core import MemoryResource
 
-    class VmmMapping(MemoryResource):  # type: ignore[misc]
-        """Owns one contiguous VMM mapping: the reservation and the physical
-        handles mapped into it; its ``deallocate`` releases them once."""
-
-        def __init__(
-            self,
-            ordinal: int,
-            ptr: int,
-            handles: list[Any],
-            sizes: tuple[int, ...],
-            handle_types: list[str],
-            fabric_reason: str | None,
-            exporter: bool,
-            readonly: bool = False,
-        ) -> None:
-            self.ordinal = ordinal
-            self.ptr = ptr
-            self.handles = handles
-            self.sizes = sizes
-            self.handle_types = handle_types
-            self.fabric_reason = fabric_reason
-            self.exporter = exporter
-            self.readonly = readonly
-            self.devices = {ordinal}  # devices with access to the mapping
-            self.lock = threading.Lock()
-            self.closed = False
-            #: The broker's export of the allocations' POSIX fds, made once by
-            #: the posix-fd path: (broker, descriptor, the fds it serves).
-            self.posix_export: tuple[Any, PosixFdBufferDescriptor, list[int]] | None = None
-            #: The POSIX fds of the allocations, exported once, for shares' own registrations.
-            self.posix_fds: list[int] | None = None
-            with _live_lock:
-                _live.add(id(self))
-
-        def grant(self, ordinal: int) -> None:
-            """Give device ``ordinal`` access too (read-only for a read-only
-            mapping), so a copy or kernel on it can touch the memory."""
-            drv = _driver.driver()
-            with self.lock:
-                if ordinal in self.devices:
-                    return
-                if self.closed:
-                    raise ClosedError("the mapping is closed")
-                total = sum(self.sizes)
-                _driver.check(drv.cuMemSetAccess(self.ptr, total, [_access(drv, ordinal, self.readonly)], 1),
-                            f"cuMemSetAccess(device {ordinal})")
-                self.devices.add(ordinal)
-
-        def allocate(self, size: int, *, stream: Any = None) -> Any:
-            raise UnsupportedError("allocate through gpushare.allocate(size, device=...)")
-
-        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            # Called by Buffer.close() and by the garbage collector: a driver
-            # failure becomes a warning, and what is left stays mapped (a leak
-            # is better than a dangling mapping).
-            try:
-                self.release()
-            except CUDAError as exc:
-                warnings.warn(f"releasing a VMM mapping failed; leaking the rest: {exc}", ResourceWarning, 2)
-
-        def release(self) -> None:
-            drv = _driver.driver()
-            with self.lock:
-                if self.closed:
-                    return
-                self.closed = True
-                export, self.posix_export = self.posix_export, None
-                for fd in self.posix_fds or ():
-                    os.close(fd)
-                self.posix_fds = None
-                if export is not None:
-                    if export[0].pid == os.getpid():
-                        export[0].revoke(export[1].export_id)
-                    for fd in export[2]:
-                        os.close(fd)
-                # gpushare's own copies on the memory must land before it
-                # goes (an importer's view waited for its consumers' work
-                # before it got here: Mapped.close); the exporter's own other
-                # work is not waited for, as cuda.core's VMM resource does
-                # not.  Any thread, the garbage collector's included, pushes
-                # the device's context for the duration.
-                _driver.wait_for_copies(self.ptr, sum(self.sizes))
-                with _driver.on_device(self.ordinal):
-                    _driver.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
-                    _driver.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")
-                    for h in self.handles:
-                        _driver.check(drv.cuMemRelease(h), "cuMemRelease")
-                with _live_lock:
-                    _live.discard(id(self))
-
-        @property
-        def is_device_accessible(self) -> bool:
-            return True
-
-        @property
-        def is_host_accessible(self) -> bool:
-            return False
-
-        @property
-        def is_managed(self) -> bool:
-            return False
-
-        @property
-        def device_id(self) -> int:
-            return self.ordinal
+    class VmmMapping(_Vmm, MemoryResource):  # type: ignore[misc]
+        """Owns one contiguous VMM mapping (:class:`_Vmm`), as cuda.core's memory resource."""
 
     _Mapping = VmmMapping
     return _Mapping
@@ -425,9 +436,19 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
     A posix-fd descriptor's fds come from ``fetch_fds`` (the posix-fd path
     asks the exporter's broker), called once the sizes are checked; they are
     closed here once imported."""
-    drv = _driver.driver()
-    from cuda.core import Buffer
+    return _import(desc, device, readonly, fetch_fds, buffer=True)
 
+
+def map_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,
+               *, readonly: bool = False, fetch_fds: Callable[[], Sequence[int]] | None = None) -> Any:
+    """:func:`import_device` for a view: the mapping as a
+    :class:`gpushare._cuda._driver.DeviceMemory` (no cuda.core on the way)."""
+    return _import(desc, device, readonly, fetch_fds, buffer=False)
+
+
+def _import(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescriptor, device: int | None,
+            readonly: bool, fetch_fds: Callable[[], Sequence[int]] | None, *, buffer: bool) -> Any:
+    drv = _driver.driver()
     ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     t = drv.CUmemAllocationHandleType
     prop = _prop(drv, ordinal, ())
@@ -471,5 +492,11 @@ def import_device(desc: PosixFdBufferDescriptor | VirtualMemoryFabricBufferDescr
         except BaseException:
             _release_handles(drv, handles)
             raise
+        if not buffer:
+            vmm = _Vmm(ordinal, ptr, handles, desc.sizes, [], None, False, readonly)
+            return _driver.DeviceMemory(ptr, desc.size, ordinal, vmm.deallocate_all, readonly=readonly,
+                                        resource=vmm)
+        from cuda.core import Buffer
+
         mr = _mapping_class()(ordinal, ptr, handles, desc.sizes, [], None, False, readonly)
         return Buffer.from_handle(ptr, desc.size, mr=mr)

@@ -64,7 +64,7 @@ class Fabric:
     def open(self, share: Share, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)
         desc = descriptor_of(share, grant, (VirtualMemoryFabricBufferDescriptor,))
-        return Opened(mapping=Mapped.cuda(vmm.import_device(desc, how.device, readonly=share.readonly)))
+        return Opened(mapping=Mapped.cuda(vmm.map_device(desc, how.device, readonly=share.readonly)))
 
 
 PATH = Fabric()

@@ -73,7 +73,7 @@ class PosixFd:
         desc = descriptor_of(share, grant, (PosixFdBufferDescriptor,))
         if desc.device == "host":
             raise InvalidInputError("exporter sent a descriptor of host memory with a posix-fd offer")
-        return Opened(mapping=Mapped.cuda(import_device(desc, how.device, readonly=share.readonly,
+        return Opened(mapping=Mapped.cuda(import_device(desc, how.device, readonly=share.readonly, view=True,
                                                         timeout=how.timeout)))
 
 
@@ -102,13 +102,16 @@ def export_device(buf: Any) -> PosixFdBufferDescriptor:
 
 
 def import_device(desc: PosixFdBufferDescriptor, device: int | None, *, readonly: bool = False,
-                  timeout: float = _broker.TIMEOUT) -> Any:
+                  timeout: float = _broker.TIMEOUT, view: bool = False) -> Any:
     """Map the CUDA virtual memory a posix-fd descriptor names, its fds
-    fetched from the exporter's broker (within ``timeout`` seconds)."""
+    fetched from the exporter's broker (within ``timeout`` seconds): a
+    cuda.core ``Buffer`` (:func:`gpushare.import_buffer`), or for a view
+    (``view``) a :class:`gpushare._cuda._driver.DeviceMemory`."""
 
     def fetch_fds() -> list[int]:
         check_same_node(desc)
         return _broker.fetch_fds(desc.address, desc.export_id, desc.token, len(desc.sizes), pid=desc.pid,
                                  timeout=timeout)
 
-    return vmm.import_device(desc, device, readonly=readonly, fetch_fds=fetch_fds)
+    importer = vmm.map_device if view else vmm.import_device
+    return importer(desc, device, readonly=readonly, fetch_fds=fetch_fds)
