@@ -101,7 +101,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         view = View._make(share, path, "", _paths.Opened(mapping=use.mapped), kept=use)
         view._attach_lease(lease, got.whys[0])
         log.info("opened share %s over %s (reopened a closed view's lease)", share.share_id[:8], view.why)
-        _warn_slow(view, got.slow, 4)
+        _warn_slow(view, got.slow)
         return view
     view = View._make(share, path, "", got.opened[0])
     view._attach_lease(got.lease, got.whys[0])
@@ -119,7 +119,7 @@ def _bundle(share: Share, got: Opened) -> Bundle:
     bundle = Bundle._make(state, share._bundle.tree)
     log.info("opened bundle %s: %d tensors in %d allocations over %s", share.share_id[:8], share._bundle.count,
              len(got.paths), ", ".join(sorted(set(got.paths))))
-    _warn_slow(bundle, got.slow)
+    _warn_slow(bundle, got.slow, 4)  # at open's caller, past this function
     return bundle
 
 

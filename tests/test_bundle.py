@@ -347,3 +347,35 @@ def test_a_bundle_no_open_could_carry_is_refused_at_export(monkeypatch):
     four = gs.export({k: tree[k] for k in ("a0", "a1", "a2", "a3")}, lifetime="revoked")  # four fit
     assert "host-fd" in four.offers
     four.revoke()
+
+
+def _export_over_ucx_rma(conn) -> None:
+    """In another process: a bundle offered on ucx-rma only, sent as bytes; kept until told."""
+    import numpy as np
+
+    import gpushare as gs
+
+    tree = {"a": np.arange(16, dtype=np.uint8), "b": np.ones(8, np.float32)}
+    share = gs.export(tree, paths=["ucx-rma"], lifetime="revoked")
+    conn.send(share.to_bytes())
+    conn.recv()
+
+
+def test_a_bundles_slow_path_warning_points_at_the_caller_of_open():
+    """The SlowPathWarning of a bundle (here: ucx-rma to a peer on this node,
+    not asked for) is reported at the line that called gs.open."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_export_over_ucx_rma, args=(theirs,))
+    proc.start()
+    try:
+        share = gs.Share.from_bytes(mine.recv())
+        with pytest.warns(gs.SlowPathWarning, match="over ucx-rma, a network transport") as record:
+            bundle = gs.open(share)
+        assert record[0].filename == __file__
+        with bundle:
+            assert bundle.paths == ("ucx-rma", "ucx-rma")
+            assert bundle.get()["a"].tolist() == list(range(16))
+    finally:
+        mine.send(None)
+        proc.join(30)

@@ -220,8 +220,9 @@ def test_failed_probe_falls_back_with_a_warning():
     try:
         share = exporter.call("export", "host", MiB, {"lifetime": "revoked"})
         exporter.call("stop_broker")  # the host-fd probe will fail for real
-        with pytest.warns(gs.SlowPathWarning, match="fell back to ucx-rma"):
+        with pytest.warns(gs.SlowPathWarning, match="fell back to ucx-rma") as record:
             view = gs.open(share)
+        assert record[0].filename == __file__  # at the caller of gs.open
         assert view.path == "ucx-rma"
         assert "host-fd failed" in view.why
         out = bytearray(16)
