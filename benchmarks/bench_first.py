@@ -37,7 +37,10 @@ import statistics
 import sys
 import time
 
-from _report import spread
+# The benchmarks' helpers, also when Python does not put the script's folder on sys.path (-P, PYTHONSAFEPATH).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _report import spread  # noqa: E402
 
 MiB = 1 << 20
 

@@ -7,7 +7,18 @@
    ``gs.import_buffer`` of a descriptor;
 3. ucx-rma put/get between CUDA buffers against ``ucx_perftest -m cuda`` on
    the same transports (both without error handling), and against the mapped
-   path's ``view.get`` / ``view.put`` of section 1.
+   path's ``view.get`` / ``view.put`` of section 1;
+4. torch CUDA tensors (one of 1 MiB and of 1 GiB, a state dict of 2,000)
+   handed to a ready process against ``torch.multiprocessing``, first use
+   included (``benchmarks/_handover_gpu.py``);
+5. the first ``gs.export`` and ``gs.open`` of CUDA memory in fresh
+   processes (``bench_first.py --cuda``).
+
+``--sections`` picks them (default 1, 2, 3 and 5: section 4 starts a fresh
+torch process for each of its 18 hand-overs, more than the GPU check's
+benchmark step has room for beside the others; ask for it with
+``--sections 4,5``, as a second short call of the GPU check can:
+``GPU_CHECK_STEPS=benchmark GPU_CHECK_BENCH_ARGS="--quick --sections 4,5"``).
 
 Unit: MiB/s (2^20 bytes per second) throughout, as ucx_perftest prints;
 latencies in microseconds.  Each figure is the median of ``--runs`` runs,
@@ -297,7 +308,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tls", default="tcp,cuda_copy,cuda_ipc", help="UCX_TLS of section 3 (ucx-rma)")
+    parser.add_argument("--sections", default="1,2,3,5", help="which sections to run (comma list; 4 only when asked)")
     args = parser.parse_args()
+    sections = {int(x) for x in args.sections.split(",") if x.strip()}
     from gpushare._cuda import _driver as _cuda
 
     reason = _cuda.unavailable_reason()
@@ -306,9 +319,20 @@ def main() -> int:
         return 2
     iters = 5 if args.quick else 20
     mapped_size = 64 * MiB if args.quick else 256 * MiB
-    mapped = mapped_copies(mapped_size, args.runs, iters)
-    import_latency(args.runs, 20 if args.quick else 100)
-    rma([64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls, mapped, mapped_size)
+    mapped = mapped_copies(mapped_size, args.runs, iters) if sections & {1, 3} else {}
+    if 2 in sections:
+        import_latency(args.runs, 20 if args.quick else 100)
+    if 3 in sections:
+        rma([64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls, mapped, mapped_size)
+    if 4 in sections:
+        from _handover_gpu import handover
+
+        handover(args.runs, args.quick)
+    if 5 in sections:
+        import bench_first
+
+        print("\n5. ", end="")
+        bench_first.cuda_main(args.runs)
     return 0
 
 

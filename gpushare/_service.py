@@ -56,6 +56,8 @@ _EPOLL = (0, select.EPOLLIN, select.EPOLLOUT, select.EPOLLIN | select.EPOLLOUT)
 _NOT_OUT, _NOT_IN = ~select.EPOLLOUT, ~select.EPOLLIN
 #: Longest wait of a reading caller without looking whether the connection closed.
 _DIRECT_STEP = 0.1
+#: Its first step (doubled at each wait up to _DIRECT_STEP).
+_FIRST_STEP = 0.001
 _local = threading.local()
 
 
@@ -236,12 +238,18 @@ class Connection:
             poller.register(self.fileno, select.POLLIN)
             into = _direct_buffer()
             end = time.monotonic() + timeout
+            step = _FIRST_STEP
             while not done():
                 left = end - time.monotonic()
                 if self.closed or left <= 0:
                     return done()
-                # in steps: a close by another thread does not end a poll
-                if poller.poll(min(left, _DIRECT_STEP) * 1000.0):
+                # In steps: a close by another thread does not end a poll, and the service
+                # thread may have read the reply just before this thread claimed the connection
+                # (done() turns true with nothing more to read): short steps first, so that
+                # such a reply is seen within a millisecond or two, then up to _DIRECT_STEP.
+                ready = poller.poll(min(left, step) * 1000.0)
+                step = min(step * 2, _DIRECT_STEP)
+                if ready:
                     try:
                         self._on_readable(into)
                     except BaseException as exc:

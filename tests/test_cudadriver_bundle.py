@@ -228,6 +228,8 @@ def test_torch_cuda_tensors_group_by_caching_allocator_segment_not_by_storage(sp
     own, and torch's caching allocator packs many storages in one segment
     (a cudaMalloc block): the bundle has one allocation, and one IPC handle,
     per segment.  2,000 tensors in 63 segments, every byte checked."""
+    pytest.importorskip("torch", reason="torch is an optional extra: the tensors' exporter has torch loaded, as "
+                        "gpushare's grouping checks: pip install torch")
     exporter, importer = spawn(), spawn()
     blocks, per_block, nbytes = 63, 32, 256  # 2,016 tensors
     share = exporter.call("blocks_tree", "bundle", blocks, per_block, nbytes, True, timeout=240)
