@@ -18,7 +18,7 @@ from ._bundle import Bundle, _State
 from ._cuda import _driver
 from ._errors import GpuShareError, InvalidInputError, SlowPathWarning
 from ._offering import PathList
-from ._opening import Opened, _open_parts, _PartFailed, open_share, part_shares
+from ._opening import OpenedShare, _open_parts, _PartFailed, open_share, part_shares
 from ._reach import choose, here_for
 from ._share import BundleShare, Share
 from ._view import View
@@ -112,7 +112,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     return view
 
 
-def _bundle(share: Share, got: Opened) -> Bundle:
+def _bundle(share: Share, got: OpenedShare) -> Bundle:
     """The :class:`Bundle` over what the open made of each allocation."""
     state = _State(share, share._bundle, part_shares(share), got.paths, got.opened, got.whys, got.lease,
                    got.targets)

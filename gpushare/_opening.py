@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import _paths
@@ -39,7 +39,7 @@ from ._reach import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_re
 from ._share import Share, altered
 from ._types import collection_paused
 
-__all__ = ["Opened", "open_share", "part_shares"]
+__all__ = ["OpenedShare", "open_share", "part_shares"]
 
 log = logging.getLogger("gpushare.api")
 
@@ -57,7 +57,7 @@ def part_shares(share: Share) -> list[Share]:
 
 
 @dataclass
-class Opened:
+class OpenedShare:
     """What an open made: per allocation, its path, what the path opened and
     ``why``; the one lease; the slow-path warning owed (or None); and, where
     the exporter is this process, its own objects (``targets``), or a closed
@@ -72,7 +72,6 @@ class Opened:
     kept: tuple | None = None
     #: The reopen key this lease may be kept under once its view closes.
     keep_key: tuple | None = None
-    failures: list[list[str]] = field(default_factory=list)
 
 
 def _leaves(tree: Any, out: list[Any]) -> None:
@@ -103,7 +102,7 @@ def _choices(parts: list[Share], prefer: Any, exclude: Any) -> list[tuple[list[s
     return out
 
 
-def _same_process(share: Share, subject: str) -> Opened:
+def _same_process(share: Share, subject: str) -> OpenedShare:
     """The exporter is this process: its own objects, no lease."""
     export = registered(share)
     if export is None:  # it ended since the paths were chosen
@@ -132,12 +131,12 @@ def _same_process(share: Share, subject: str) -> Opened:
     path = same_process.PATH
     count = len(share._bundle.parts) if share.is_bundle else 1
     log.info("opened %s %s over %s", subject, share.share_id[:8], path.name)
-    return Opened([path.name] * count, [_paths.Opened() for _ in range(count)],
+    return OpenedShare([path.name] * count, [_paths.Opened() for _ in range(count)],
                   [f"{path.name}: {path.reason}"] * count, targets=targets)
 
 
 def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: int | None,
-               prefault: bool) -> Opened:
+               prefault: bool) -> OpenedShare:
     """Open every allocation of ``share`` on its best path that works."""
     bundle = share.is_bundle
     subject = "bundle" if bundle else "share"
@@ -164,7 +163,7 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
                prefault)
         kept = importer.reopen(share, key)
         if kept is not None:
-            return Opened([first.name], [], [_paths.explain(first.name, choices[0][1], [])], kept=kept,
+            return OpenedShare([first.name], [], [_paths.explain(first.name, choices[0][1], [])], kept=kept,
                           slow=slow_reason(share, first.name, [], choices[0][1], choices[0][2], prefer, exclude,
                                            "gpushare"))
     picks = [0] * len(parts)
@@ -225,8 +224,7 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     if slow:
         warning = slow[0] if not bundle else "gpushare: " + "; ".join(slow[:3]) + (
             f"; and {len(slow) - 3} more allocations" if len(slow) > 3 else "")
-    return Opened(paths, opened, whys, lease, warning, keep_key=key if paths[0] == first.name else None,
-                  failures=failures)
+    return OpenedShare(paths, opened, whys, lease, warning, keep_key=key if paths[0] == first.name else None)
 
 
 def _request(share: Share, paths: list[str]) -> dict:
