@@ -21,7 +21,7 @@ from typing import Any
 from . import _dlpack
 from ._errors import InvalidInputError
 
-__all__ = ["LocalBuffer", "resolve", "pending_stream", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
+__all__ = ["LocalBuffer", "resolve", "plain_torch_cpu", "pending_stream", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
 
 #: Memory type names, as accepted by ``memory_type=`` arguments.
 MEMORY_TYPES = ("host", "cuda")
@@ -115,6 +115,16 @@ def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:
 def _is_cuda_core_buffer(obj: Any) -> bool:
     mod = type(obj).__module__ or ""
     return mod.startswith("cuda.core") and hasattr(obj, "handle") and hasattr(obj, "size")
+
+
+def plain_torch_cpu(obj: Any) -> bool:
+    """Whether ``obj`` is an ordinary torch CPU tensor, read straight off it
+    (its ``data_ptr`` and ``nbytes``): C-contiguous, no autograd, no lazy
+    conjugate or negation bit, which DLPack would refuse (a state dict holds
+    thousands of such tensors)."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.is_contiguous()
+            and not (obj.requires_grad or obj.is_conj() or obj.is_neg()))
 
 
 def pending_stream(obj: Any, lb: LocalBuffer) -> int | None:
@@ -215,10 +225,8 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
         if writable and readonly:
             raise InvalidInputError("ndarray buffer is read-only; a destination must be writable")
         return LocalBuffer(host_address_reader()(obj) if obj.nbytes else 0, obj.nbytes, "host", readonly, obj)
-    torch = sys.modules.get("torch")
-    if (torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.is_contiguous()
-            and not (obj.requires_grad or obj.is_conj() or obj.is_neg())):
-        # an ordinary torch CPU tensor, as DLPack would give it (which holds no more than this reference)
+    if plain_torch_cpu(obj):
+        # as DLPack would give it (which holds no more than this reference)
         return LocalBuffer(obj.data_ptr(), obj.nbytes, "host", False, obj)
     cai = None if _is_cuda_core_buffer(obj) else _cuda_array_interface(obj)
     if cai is not None and _orders_by_dlpack(obj, cai):

@@ -233,8 +233,6 @@ def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.
     """
     np = sys.modules.get("numpy")
     ndarray = np.ndarray if np is not None else None
-    torch = sys.modules.get("torch")
-    tensor_type = getattr(torch, "Tensor", None)
     torch_dtypes: dict[Any, int] = {}  # a torch dtype -> its index
     address_of = _buffers.host_address_reader()
     columns = _manifest.Columns()
@@ -261,9 +259,7 @@ def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.
                 if dtype < 0:
                     shape, typestr, name, dlpack = _arrays.describe(obj, nbytes)
                     dtype = columns.dtype_index(typestr, name, dlpack)
-            elif (type(obj) is tensor_type and obj.device.type == "cpu" and not obj.requires_grad
-                  and obj.is_contiguous()):
-                # an ordinary torch CPU tensor (a state dict holds thousands): read straight off it
+            elif _buffers.plain_torch_cpu(obj):
                 address, nbytes, ro, memory_type = obj.data_ptr(), obj.nbytes, False, "host"
                 shape = tuple(obj.shape)
                 dtype = torch_dtypes.get(obj.dtype, -1)

@@ -18,7 +18,7 @@ from ._bundle import Bundle, _State
 from ._cuda import _driver
 from ._errors import GpuShareError, InvalidInputError, SlowPathWarning
 from ._offering import PathList
-from ._opening import OpenedShare, _open_parts, _PartFailed, open_share, part_shares
+from ._opening import OpenedShare, _open_parts, _PartFailed, open_share
 from ._reach import choose, here_for
 from ._share import BundleShare, Share
 from ._view import View
@@ -114,7 +114,7 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
 
 def _bundle(share: Share, got: OpenedShare) -> Bundle:
     """The :class:`Bundle` over what the open made of each allocation."""
-    state = _State(share, share._bundle, part_shares(share), got.paths, got.opened, got.whys, got.lease,
+    state = _State(share, share._bundle, got.parts, got.paths, got.opened, got.whys, got.lease,
                    got.targets)
     bundle = Bundle._make(state, share._bundle.tree)
     log.info("opened bundle %s: %d tensors in %d allocations over %s", share.share_id[:8], share._bundle.count,

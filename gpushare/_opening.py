@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import _paths
@@ -72,6 +72,8 @@ class OpenedShare:
     kept: tuple | None = None
     #: The reopen key this lease may be kept under once its view closes.
     keep_key: tuple | None = None
+    #: The share's allocations, each as a share of one buffer (:func:`part_shares`).
+    parts: list[Share] = field(default_factory=list)
 
 
 def _leaves(tree: Any, out: list[Any]) -> None:
@@ -102,7 +104,7 @@ def _choices(parts: list[Share], prefer: Any, exclude: Any) -> list[tuple[list[s
     return out
 
 
-def _same_process(share: Share, subject: str) -> OpenedShare:
+def _same_process(share: Share, parts: list[Share], subject: str) -> OpenedShare:
     """The exporter is this process: its own objects, no lease."""
     export = registered(share)
     if export is None:  # it ended since the paths were chosen
@@ -129,10 +131,10 @@ def _same_process(share: Share, subject: str) -> OpenedShare:
     else:
         targets.append(target)
     path = same_process.PATH
-    count = len(share._bundle.parts) if share.is_bundle else 1
+    count = len(parts)
     log.info("opened %s %s over %s", subject, share.share_id[:8], path.name)
     return OpenedShare([path.name] * count, [_paths.Opened() for _ in range(count)],
-                  [f"{path.name}: {path.reason}"] * count, targets=targets)
+                       [f"{path.name}: {path.reason}"] * count, targets=targets, parts=parts)
 
 
 def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: int | None,
@@ -150,7 +152,7 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
         log.debug("opening %s %s: candidates %s", subject, share.share_id[:8],
                   "; ".join(",".join(order) for order, _, _ in choices[:4]))
     if all(_paths.by_name(order[0]) is same_process.PATH for order, _, _ in choices):
-        return _same_process(share, subject)
+        return _same_process(share, parts, subject)
     orders = [[p for p in order if _paths.by_name(p) is not same_process.PATH] for order, _, _ in choices]
     for i, order in enumerate(orders):
         if not order:
@@ -164,8 +166,8 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
         kept = importer.reopen(share, key)
         if kept is not None:
             return OpenedShare([first.name], [], [_paths.explain(first.name, choices[0][1], [])], kept=kept,
-                          slow=slow_reason(share, first.name, [], choices[0][1], choices[0][2], prefer, exclude,
-                                           "gpushare"))
+                               slow=slow_reason(share, first.name, [], choices[0][1], choices[0][2], prefer,
+                                                exclude, "gpushare"), parts=parts)
     picks = [0] * len(parts)
     failures: list[list[str]] = [[] for _ in parts]
     deadline = time.monotonic() + timeout
@@ -224,7 +226,8 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     if slow:
         warning = slow[0] if not bundle else "gpushare: " + "; ".join(slow[:3]) + (
             f"; and {len(slow) - 3} more allocations" if len(slow) > 3 else "")
-    return OpenedShare(paths, opened, whys, lease, warning, keep_key=key if paths[0] == first.name else None)
+    return OpenedShare(paths, opened, whys, lease, warning, keep_key=key if paths[0] == first.name else None,
+                       parts=parts)
 
 
 def _request(share: Share, paths: list[str]) -> dict:

@@ -18,15 +18,6 @@ def setup() -> dict:
     return state
 
 
-class _Cai:
-    """A device array as CuPy presents one (``__cuda_array_interface__``
-    version 3), naming the stream its pending work is on."""
-
-    def __init__(self, ptr: int, n: int, stream: int | None) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-                                         "strides": None, "stream": stream}
-
-
 class _TorchLike:
     """A tensor as torch presents one: ``__cuda_array_interface__`` version 2
     (no stream), and DLPack, which orders the work queued on its current
@@ -89,9 +80,9 @@ def export_with_queued_work(state: dict, name: str, n: int, value: int, how: str
     ok(d.cuMemsetD8Async(ptr, value, n, stream), "cuMemsetD8Async")
     obj: Any
     if how == "cai":
-        obj = _Cai(ptr, n, stream)
+        obj = base._CudaArray(ptr, n, stream)
     elif how == "legacy":
-        obj = _Cai(ptr, n, 1)
+        obj = base._CudaArray(ptr, n, 1)
     elif how == "torch":
         obj = _TorchLike(ptr, n, stream)
     else:
