@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from . import _manifest
-from ._errors import ClosedError, InvalidInputError
+from ._errors import ClosedError, InvalidInputError, InvalidTypeError
 from ._process import node_key
 from ._types import PATH_NAMES, PathName, in_range, strict_json, text
 
-__all__ = ["Share", "BundleShare", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
+__all__ = ["Share", "BundleShare", "expect_share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
 #: Every path, fastest first.
 PATHS = PATH_NAMES
@@ -427,6 +427,18 @@ class Share:
                     f"{len(self._bundle.parts)} allocations, {self.nbytes} bytes, from pid {self.exporter_pid}>")
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
+
+
+def expect_share(value: Any, caller: str) -> Share:
+    """``value``, a :class:`Share`; anything else is an :class:`InvalidTypeError`
+    saying what ``caller`` takes (and, for bytes, how to read them back)."""
+    if isinstance(value, Share):
+        return value
+    fix = ""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        fix = ("; read bytes from Share.to_bytes() back with gpushare.Share.from_bytes(data) "
+               "(a bundle's too: it gives a BundleShare, as BundleShare.from_bytes does)")
+    raise InvalidTypeError(f"{caller} expects a gpushare.Share, not {type(value).__name__}{fix}")
 
 
 def _rebuild_share(*fields: Any) -> Share:
