@@ -116,7 +116,8 @@ def main() -> None:
 
     transport = gpushare.ray.register(zero_copy=args.zero_copy)  # a fresh key for this job, before the actors
     Trainer, Inference = make_actors(transport)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Every worker registers the transport at its start, so a ray.put in an actor finds it (docs/ray.md).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=gpushare.ray.runtime_env())
     try:
         trainer = Trainer.remote(args.layers, args.hidden, args.plain)
         inference = Inference.remote()

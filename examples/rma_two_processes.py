@@ -30,6 +30,9 @@ def main() -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=exporter, args=(child,))
     proc.start()
+    if not parent.poll(60):
+        proc.kill()
+        raise SystemExit("example failed: the exporter did not answer")
     address, key = parent.recv()
     with ucx.Agent() as agent:
         ep = agent.connect(address)
@@ -40,9 +43,11 @@ def main() -> None:
         ep.mem_put(np.array([-1.0]), rkey.base_address, rkey).wait(timeout=30)
         ep.flush().wait(timeout=30)
     parent.send("done")
-    seen = parent.recv()
+    seen = parent.recv() if parent.poll(60) else None
     proc.join(30)
-    if copy.sum() != sum(range(1024)) or seen != -1.0:
+    if proc.is_alive():
+        proc.kill()
+    if copy.sum() != sum(range(1024)) or seen != -1.0 or proc.exitcode != 0:
         raise SystemExit("example failed: data did not match")
     print("ok")
 

@@ -16,7 +16,8 @@ Run (CPU, gloo backend):
     torchrun --standalone --nproc-per-node 2 examples/torchrun_share.py
 
 ``--without-key`` skips the key step, to show what it is for: rank 1's
-opens are refused (AccessDeniedError).
+opens are refused (AccessDeniedError), rank 0 prints "example failed" and
+every rank exits with status 1 (so torchrun reports the failure).
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ def main() -> int:
                 failed += 1
     outcome = torch.tensor([failed])
     dist.all_reduce(outcome)  # also: rank 0 keeps its shares until rank 1 is done
+    ok = outcome.item() == 0
     if rank == 0:
         for share in shares:
             share.revoke()
-        print(f"{world} ranks: {'ok' if outcome.item() == 0 else 'example failed'}", flush=True)
+        print(f"{world} ranks: {'ok' if ok else 'example failed'}", flush=True)
     dist.destroy_process_group()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

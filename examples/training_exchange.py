@@ -76,8 +76,9 @@ def main() -> int:
     if args.role == "consumer":
         result = consume(gs.ChannelHandle.from_bytes(bytes.fromhex(sys.stdin.readline().split()[-1])))
         print(report(*result))
-        print("ok" if result[1] == args.steps and result[2] == 0 else "example failed")
-        return 0
+        ok = result[1] == args.steps and result[2] == 0
+        print("ok" if ok else "example failed")
+        return 0 if ok else 1
     if args.role == "producer":
         producer = gs.channel(shape, np.float32, consumers=args.consumers, slots=2)
         print(f"handle: {producer.handle.to_bytes().hex()}", flush=True)

@@ -94,8 +94,8 @@ def main() -> int:
                 exp.kill()
         print(f"node a opened node b's share over {result['path']}: {result['why']}")
         print(f"read matches: {result['read_ok']}; node b sees node a's write: {seen == result['wrote']}")
-        ok = result["path"] == "ucx-rma" and result["read_ok"] and seen == result["wrote"]
-        print("ok" if ok else "FAILED")
+        ok = result["path"] == "ucx-rma" and result["read_ok"] and seen == result["wrote"] and exp.returncode == 0
+        print("ok" if ok else "example failed")
         return 0 if ok else 1
     finally:
         subprocess.run(["ip", "netns", "del", A], capture_output=True)

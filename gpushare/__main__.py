@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         if args.size_mib < 1 or args.repeat < 1:
             parser.error("--size-mib and --repeat must be at least 1")
-        return run_demo(args.size_mib << 20, args.repeat, as_json=args.json)
+        # Each copy's progress, as one line rewritten in place, only on a terminal.
+        bar = sys.stdout if sys.stdout.isatty() and not args.json else None
+        return run_demo(args.size_mib << 20, args.repeat, as_json=args.json, bar=bar)
     return 2  # pragma: no cover
 
 

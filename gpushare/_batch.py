@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import _view
-from ._errors import InvalidInputError, WaitTimeoutError
+from ._errors import InvalidTypeError, WaitTimeoutError
 from ._view import View
 
 __all__ = ["BatchRequest", "get_batch", "put_batch"]
@@ -72,14 +72,15 @@ class BatchRequest:
 
 def _items(items: Iterable[Any], direction: str) -> list[tuple[Any, int, Any]]:
     if isinstance(items, (str, bytes)):
-        raise InvalidInputError("a batch is an iterable of (view, offset, buffer) tuples")
+        raise InvalidTypeError(f"a batch is an iterable of (view, offset, buffer) tuples, not {type(items).__name__}")
     try:
         out = list(items)
     except TypeError:
-        raise InvalidInputError("a batch is an iterable of (view, offset, buffer) tuples") from None
+        raise InvalidTypeError(
+            f"a batch is an iterable of (view, offset, buffer) tuples, not {type(items).__name__}") from None
     for i, item in enumerate(out):
         if not isinstance(item, tuple) or len(item) != 3 or not isinstance(item[0], View):
-            raise InvalidInputError(f"batch item {i} is not a (view, offset, buffer) tuple: {item!r:.80}")
+            raise InvalidTypeError(f"batch item {i} is not a (view, offset, buffer) tuple: {item!r:.80}")
         view, offset, buf = item
         _view.check_item(view, offset, buf, direction)  # bounds, state and buffer, before anything moves
     return out

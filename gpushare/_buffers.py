@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _dlpack
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["LocalBuffer", "resolve", "plain_torch_cpu", "pending_stream", "plain_host_nbytes", "host_address_reader", "MEMORY_TYPES"]
 
@@ -364,7 +364,7 @@ def _from_host_or_dlpack(obj: Any, writable: bool, stream: int | None = None) ->
         if dev_type in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
             return _from_cuda_dlpack(obj, stream, int(dev_id))  # read directly: no cuda.core on the way
         raise InvalidInputError(f"DLPack device type {dev_type} is not supported (host and CUDA are)")
-    raise InvalidInputError(
+    raise InvalidTypeError(
         f"{type(obj).__name__} is not a buffer: expected the buffer protocol, "
         "__cuda_array_interface__, DLPack or a cuda.core Buffer"
     )

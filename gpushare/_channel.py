@@ -37,7 +37,8 @@ from ._channel_wire import (
     _close_fd, _exited, _why_gone, _Hub, _Inbox, _join, _passed, _Peer, _record, _run, _run_async, _until,
 )
 from ._channel_wire import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
-from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
+from ._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, InvalidTypeError
+from ._errors import UnsupportedError
 from ._errors import WaitTimeoutError
 from ._handles import allocate
 from ._process import node_key
@@ -557,7 +558,9 @@ def subscribe(handle: ChannelHandle, *, timeout: float = 30.0, device: int | Non
         The producer is gone.
     """
     if not isinstance(handle, ChannelHandle):
-        raise InvalidInputError(f"subscribe expects a gpushare.ChannelHandle, not {type(handle).__name__}")
+        fix = ("; read bytes from ChannelHandle.to_bytes() back with gpushare.ChannelHandle.from_bytes(data)"
+               if isinstance(handle, (bytes, bytearray, memoryview)) else "")
+        raise InvalidTypeError(f"subscribe expects a gpushare.ChannelHandle, not {type(handle).__name__}{fix}")
     return Consumer._create(handle, _types.positive_timeout(timeout), device)
 
 

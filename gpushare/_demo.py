@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from . import _export, _handles, _open
@@ -23,8 +24,23 @@ def _digest(view_or_buf: Any) -> str:
     return hashlib.sha256(np.asarray(view_or_buf).reshape(-1).view(np.uint8)).hexdigest()
 
 
-def _importer(conn: Any, share: Any, prefer: str | None, repeat: int) -> None:
-    """The second process: opens the share, copies out and in, reports."""
+def _bar_sender(conn: Any, what: str) -> Callable[[int, int], None]:
+    """A copy's ``progress=`` callback that sends the bar's text to the
+    parent, at most ten times a second (and at the end)."""
+    last = [0.0]
+
+    def sent(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] >= 0.1:
+            last[0] = now
+            conn.send({"bar": f"{what}: {done * 100 // max(total, 1):3d}% ({done >> 20} of {total >> 20} MiB)"})
+
+    return sent
+
+
+def _importer(conn: Any, share: Any, prefer: str | None, repeat: int, bar: bool = False) -> None:
+    """The second process: opens the share, copies out and in, reports
+    (with ``bar``, each copy's progress too)."""
     import numpy as np
 
     try:
@@ -33,16 +49,18 @@ def _importer(conn: Any, share: Any, prefer: str | None, repeat: int) -> None:
             dst = np.empty(view.nbytes, np.uint8)
             times = []
             for k in range(repeat):
+                progress = _bar_sender(conn, f"get {k + 1}/{repeat} over {view.path}") if bar else None
                 t0 = time.perf_counter()
-                view.get(dst)
+                view.get(dst, progress=progress)
                 times.append(time.perf_counter() - t0)
                 conn.send({"progress": f"importer: get {k + 1}/{repeat}"})
             got = hashlib.sha256(dst).hexdigest()
             src = np.random.default_rng(2).integers(0, 256, view.nbytes, dtype=np.uint8)
             put_times = []
             for k in range(repeat):
+                progress = _bar_sender(conn, f"put {k + 1}/{repeat} over {view.path}") if bar else None
                 t0 = time.perf_counter()
-                view.put(src)
+                view.put(src, progress=progress)
                 put_times.append(time.perf_counter() - t0)
                 conn.send({"progress": f"importer: put {k + 1}/{repeat}"})
             conn.send({"path": view.path, "why": view.why, "got": got, "put": hashlib.sha256(src).hexdigest(),
@@ -112,18 +130,49 @@ class _Progress:
         print(f"[{now - self.start:5.1f} s] {message}", file=self.stream, flush=True)
 
 
+class _Bar:
+    """One line rewritten in place on a terminal: each copy's progress."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(f"\r{text}\x1b[K")
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown and self.stream is not None:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
 def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json: bool = False,
-             progress: TextIO | None = sys.stderr, progress_after: float = 1.0) -> int:
+             progress: TextIO | None = sys.stderr, progress_after: float = 1.0, bar: TextIO | None = None) -> int:
     """Export ``size`` bytes here, open them in a second process; return an exit code.
 
     Human-readable lines go to ``out``; with ``as_json`` one JSON object
     instead.  Progress lines go to ``progress`` (stderr) once the run has
     taken ``progress_after`` seconds, then at most one every ``progress_after``
-    seconds.
+    seconds.  With ``bar`` (the command gives stdout where it is a
+    terminal), each copy's progress is one line rewritten in place there,
+    cleared before the next output.
     """
-    tick = _Progress(progress, progress_after)
+    line = _Bar(bar)
+    ticked = _Progress(progress, progress_after)
+
+    def tick(message: str) -> None:
+        line.clear()
+        ticked(message)
+
+    def said(*args: Any) -> None:
+        line.clear()
+        out(*args)
     report: dict[str, Any] = {"size": size, "repeat": repeat, "runs": []}
-    say = (lambda *_: None) if as_json else out
+    say = (lambda *_: None) if as_json else said
     buf, where = _allocate(size)
     report["memory"] = where
     ctx = mp.get_context("spawn")
@@ -135,14 +184,17 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
             digest = _fill(buf, size)
             share = _export.export(buf, lifetime="revoked")
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_importer, args=(child, share, prefer, repeat), daemon=True)
+            proc = ctx.Process(target=_importer, args=(child, share, prefer, repeat, bar is not None), daemon=True)
             tick("starting the importing process" + (f" (path {prefer})" if prefer else ""))
             proc.start()
             try:
                 while True:
                     if not parent.poll(120):
-                        return _failed(out, as_json, report, "the importing process did not answer within 120 s")
+                        return _failed(said, as_json, report, "the importing process did not answer within 120 s")
                     r = parent.recv()
+                    if "bar" in r:
+                        line.show(str(r["bar"]))
+                        continue
                     if "progress" not in r:
                         break
                     tick(str(r["progress"]))
@@ -152,7 +204,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
                     proc.kill()
                 share.revoke()
             if "error" in r:
-                return _failed(out, as_json, report, f"the importer failed: {r['error']}")
+                return _failed(said, as_json, report, f"the importer failed: {r['error']}")
             tick("checking the bytes the importer wrote")
             get_ok, put_ok = r["got"] == digest, _read(buf, size) == r["put"]
             run = {"path": r["path"], "why": r["why"], "forced": prefer is not None,
@@ -167,6 +219,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
             if r["path"] == ucx_rma.PATH.name:
                 break  # nothing faster to compare with
     finally:
+        line.clear()
         buf.close()
     report["passed"] = ok
     if as_json:

@@ -2,7 +2,8 @@
 
 Every error gpushare raises derives from :class:`GpuShareError`.  Errors about
 input (a malformed descriptor, a key blob from another process, an argument
-out of range) also derive from :class:`ValueError`; errors about a peer that
+out of range) also derive from :class:`ValueError`, and an argument of the
+wrong type (:class:`InvalidTypeError`) from :class:`TypeError` as well; errors about a peer that
 went away also derive from :class:`ConnectionError`; timeouts from
 :class:`TimeoutError`.  Native UCX failures are turned into subclasses of
 :class:`UCXError` by :func:`translate` and nowhere else; they carry UCX's
@@ -17,6 +18,7 @@ __all__ = [
     "GpuShareError",
     "ClosedError",
     "InvalidInputError",
+    "InvalidTypeError",
     "OutOfBoundsError",
     "WaitTimeoutError",
     "UCXError",
@@ -49,6 +51,15 @@ class ClosedError(GpuShareError):
 class InvalidInputError(GpuShareError, ValueError):
     """Input failed validation: a descriptor, key or address from another
     process, or an argument of the wrong type, size or range."""
+
+
+class InvalidTypeError(InvalidInputError, TypeError):
+    """An argument of the wrong type: ``gpushare.open("x")``, ``gpushare.export(object())``.
+
+    Also a :class:`TypeError` (Python's convention for a wrong type) and an
+    :class:`InvalidInputError`, so ``except ValueError`` and ``except
+    InvalidInputError`` clauses written before it still catch it.  The message
+    names what was expected and what was given."""
 
 
 class OutOfBoundsError(InvalidInputError):

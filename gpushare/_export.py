@@ -9,7 +9,7 @@ from typing import Any, overload
 from . import _arrays, _buffers, _paths
 from ._cuda import _driver
 from ._cuda.fabric import cliques as fabric_cliques
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, InvalidTypeError
 from ._export_tree import export_tree, is_tree
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
 from ._offering import PathList, device_ordinal, memory_of, parse_lifetime
@@ -77,7 +77,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
     if paths is not None:
         wanted = _paths.path_list(paths, "paths")
     if readonly is not None and not isinstance(readonly, bool):
-        raise InvalidInputError("readonly must be a bool or None")
+        raise InvalidTypeError(f"readonly must be a bool or None, not {type(readonly).__name__}")
     if is_tree(obj):
         return export_tree(obj, policy, lifetime_name, wanted, bool(readonly))
     # A strided array is served as the memory it spans, with its strides.

@@ -18,7 +18,7 @@ from ._descriptors import (
     VirtualMemoryFabricBufferDescriptor,
     _integer,
 )
-from ._errors import InvalidInputError, UnsupportedError
+from ._errors import InvalidInputError, InvalidTypeError, UnsupportedError
 from ._paths import cuda_ipc, host_fd, posix_fd
 
 __all__ = ["allocate", "export_buffer", "import_buffer"]
@@ -200,7 +200,7 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
     if device is not None:
         device = _integer(device, "device")
     if not isinstance(readonly, bool):
-        raise InvalidInputError("readonly must be a bool")
+        raise InvalidTypeError(f"readonly must be a bool, not {type(readonly).__name__}")
     if isinstance(descriptor, PosixFdBufferDescriptor):
         if descriptor.device == "host":
             if device is not None:
@@ -214,8 +214,8 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
     try:
         fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
     except InvalidInputError:
-        raise InvalidInputError(
-            f"import_buffer expects a descriptor from gpushare.export_buffer, got {type(descriptor).__name__}"
+        raise InvalidTypeError(
+            f"import_buffer expects a descriptor from gpushare.export_buffer, not {type(descriptor).__name__}"
         ) from None
     return vmm.import_device(fabric, device, readonly=readonly)
 

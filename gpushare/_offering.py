@@ -9,7 +9,7 @@ from typing import Any
 
 from . import _arrays, _paths
 from ._cuda import _driver, vmm
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, InvalidTypeError
 from ._paths import host_fd
 from ._share import LIFETIMES
 from ._types import PathName
@@ -22,13 +22,16 @@ PathList = Iterable[PathName] | str
 
 def parse_lifetime(lifetime: Any) -> tuple[Any, str]:
     if isinstance(lifetime, bool):
-        raise InvalidInputError("lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int")
+        raise InvalidTypeError("lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not bool")
     if isinstance(lifetime, int):
         if not 1 <= lifetime <= 999_999_999:
             raise InvalidInputError(f"lifetime={lifetime}: a number of imports must be between 1 and 999999999")
         return lifetime, f"imports={lifetime}"
     if lifetime in LIFETIMES:
         return lifetime, lifetime
+    if not isinstance(lifetime, str):
+        raise InvalidTypeError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not "
+                               f"{type(lifetime).__name__}")
     raise InvalidInputError(f"lifetime must be 'auto', 'closed', 'revoked', 'none' or a positive int, not {lifetime!r}")
 
 

@@ -16,11 +16,11 @@ from typing import Any, Generic, TypeVar, overload
 from . import _paths, _types
 from ._bundle import Bundle, _State
 from ._cuda import _driver
-from ._errors import GpuShareError, InvalidInputError, SlowPathWarning
+from ._errors import GpuShareError, InvalidInputError, InvalidTypeError, SlowPathWarning
 from ._offering import PathList
 from ._opening import OpenedShare, _open_parts, _PartFailed, open_share
 from ._reach import choose, here_for
-from ._share import BundleShare, Share
+from ._share import BundleShare, Share, expect_share
 from ._view import View
 
 __all__ = ["open", "open_async", "choose", "here_for"]
@@ -74,6 +74,9 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
 
     Raises
     ------
+    InvalidTypeError
+        ``share`` is not a :class:`Share` (bytes from :meth:`Share.to_bytes`
+        are read back with :meth:`Share.from_bytes` first).
     ClosedError
         The share was revoked, its lifetime ended, or it is unknown to the exporter.
     AccessDeniedError
@@ -83,11 +86,10 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
     GpuShareError
         Every candidate path failed; the message lists why.
     """
-    if not isinstance(share, Share):
-        raise InvalidInputError(f"open expects a gpushare.Share, not {type(share).__name__}")
+    share = expect_share(share, "open")
     timeout = _types.positive_timeout(timeout)
     if not isinstance(prefault, bool):
-        raise InvalidInputError("prefault must be a bool")
+        raise InvalidTypeError(f"prefault must be a bool, not {type(prefault).__name__}")
     device = _device(share, device)
     got = open_share(share, prefer, exclude, timeout, device, prefault)
     if share.is_bundle:
@@ -222,7 +224,7 @@ def open_async(share: Share, *, prefer: PathList | None = None, exclude: PathLis
     ...     async with gs.open_async(share) as view:
     ...         await view.get_async(out)
     """
-    return Opening(share, prefer, exclude, timeout, device)
+    return Opening(expect_share(share, "open_async"), prefer, exclude, timeout, device)
 
 
 _Opened = TypeVar("_Opened")

@@ -14,16 +14,17 @@ import base64
 import binascii
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 from . import _manifest
-from ._errors import ClosedError, InvalidInputError
+from ._errors import ClosedError, InvalidInputError, InvalidTypeError
 from ._process import node_key
 from ._types import PATH_NAMES, PathName, in_range, strict_json, text
 
-__all__ = ["Share", "BundleShare", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
+__all__ = ["Share", "BundleShare", "expect_share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
 #: Every path, fastest first.
 PATHS = PATH_NAMES
@@ -73,6 +74,10 @@ class Share:
     untrusted transports) and pickle (for channels whose other end is
     trusted to send pickles, such as :mod:`multiprocessing`).  Either way the
     fields are validated one by one.
+
+    In the exporting process a share is a context manager: ``with
+    gs.export(x, lifetime="revoked") as share:`` revokes it when the block
+    ends (see :meth:`__enter__`).
     """
 
     # _sent: in the exporting process, told when the share leaves it (lifetime "auto").
@@ -421,12 +426,52 @@ class Share:
             raise ClosedError(f"only the exporting process (pid {self.exporter_pid}) can revoke this share")
         _revoke(self)
 
+    # -- scope -------------------------------------------------------------------
+    def __enter__(self) -> Share:
+        """``with gs.export(x) as share:``: the share lives for the block.
+
+        Leaving the block (at its end, or by an exception, which goes on)
+        revokes the share as :meth:`revoke` does, whatever its lifetime:
+        opens are refused from then on, cma and ucx-rma views lose access,
+        views mapped on this node stay valid, and the exporter drops its
+        reference to the object (docs/lifetimes.md, "Scoped shares").  A
+        share already ended or revoked in the block is left as it is.
+
+        Raises
+        ------
+        ClosedError
+            This process did not export the share (only the exporter can
+            revoke it; an importer opens it with :func:`gpushare.open`).
+        """
+        if _revoke is None or self.exporter_pid != os.getpid():
+            raise ClosedError(f"only the exporting process (pid {self.exporter_pid}) can scope this share with "
+                              "'with' (its exit revokes the share); open it with gpushare.open")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.revoke()
+        except ClosedError:
+            pass  # ended so long ago that the exporter forgot it: nothing is left to revoke
+
     def __repr__(self) -> str:
         if self._bundle is not None:
             return (f"<gpushare.Share {self.share_id[:8]} bundle of {self.count} tensors in "
                     f"{len(self._bundle.parts)} allocations, {self.nbytes} bytes, from pid {self.exporter_pid}>")
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
+
+
+def expect_share(value: Any, caller: str) -> Share:
+    """``value``, a :class:`Share`; anything else is an :class:`InvalidTypeError`
+    saying what ``caller`` takes (and, for bytes, how to read them back)."""
+    if isinstance(value, Share):
+        return value
+    fix = ""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        fix = ("; read bytes from Share.to_bytes() back with gpushare.Share.from_bytes(data) "
+               "(a bundle's too: it gives a BundleShare, as BundleShare.from_bytes does)")
+    raise InvalidTypeError(f"{caller} expects a gpushare.Share, not {type(value).__name__}{fix}")
 
 
 def _rebuild_share(*fields: Any) -> Share:

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
-from ._errors import InvalidInputError
+from ._errors import InvalidInputError, InvalidTypeError
 
 __all__ = [
     "round_up",
@@ -245,7 +245,7 @@ def strict_json(data: Any, limit: int, caller: str, what: str) -> Any:
     """Bytes from another process read as bounded, strict JSON: ASCII, at most
     ``limit`` bytes, no duplicate keys, floats or constants (``NaN``)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidInputError(f"{caller} expects bytes, not {type(data).__name__}")
+        raise InvalidTypeError(f"{caller} expects bytes, not {type(data).__name__}")
     data = bytes(data)
     if len(data) > limit:
         raise InvalidInputError(f"{what} is {len(data)} bytes; at most {limit}")

@@ -13,11 +13,12 @@ import ctypes
 import logging
 import sys
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Literal
 
-from . import _arrays, _buffers, _dlpack
+from . import _arrays, _buffers, _dlpack, _progress
 from ._cuda import _driver
 from ._errors import (
     ClosedError,
@@ -546,7 +547,8 @@ class View:
         return _driver.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
                                   producer=local.stream, keep=local, what=what)
 
-    def get(self, dst: Any = None, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> Any:
+    def get(self, dst: Any = None, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0,
+            progress: _progress.ProgressCallback | None = None) -> Any:
         """Copy ``len(dst)`` bytes from the shared memory at ``offset`` into
         ``dst``; with no ``dst``, the whole view into a fresh array, returned
         (as :meth:`Bundle.get` does).
@@ -576,6 +578,15 @@ class View:
             has left a sign-of-life request unanswered for
             ``GPUSHARE_PEER_TIMEOUT`` seconds (default 3; about 4 s after it
             stopped, froze or was cut off).
+        progress : callable, optional
+            ``progress(done, total)``, in bytes, for a progress bar: over
+            cma and ucx-rma the copy then moves in pieces of 64 MiB
+            (``gpushare._progress.PIECE``) and it is called after each (done
+            grows to ``total``); on a mapped path once, at the end.  It runs
+            in the calling thread; an exception it raises stops the copy
+            after that piece and goes on.  A copy over cma or ucx-rma larger
+            than 256 MiB also logs its progress at DEBUG on the
+            ``gpushare.progress`` logger (docs/paths.md, "Progress").
 
         The bytes are in ``dst`` when this returns.
 
@@ -583,12 +594,14 @@ class View:
         -------
         The fresh array when ``dst`` is omitted, else None.
         """
+        progress = _progress.check_callback(progress)
         if dst is None:
-            return self._get_fresh(offset, stream, timeout)
-        self._move(dst, offset, "get", stream, timeout)
+            return self._get_fresh(offset, stream, timeout, progress)
+        self._move(dst, offset, "get", stream, timeout, progress)
         return None
 
-    def _get_fresh(self, offset: int, stream: Any, timeout: float | None) -> Any:
+    def _get_fresh(self, offset: int, stream: Any, timeout: float | None,
+                   progress: _progress.ProgressCallback | None = None) -> Any:
         import numpy as np
 
         if offset != 0:
@@ -602,38 +615,76 @@ class View:
                                        "destination of its span, or read it with DLPack")
             out = _arrays.empty(self.shape, self.typestr, device=self.device)
             if self.nbytes:
-                self._move(out, 0, "get", stream, timeout)
+                self._move(out, 0, "get", stream, timeout, progress)
             return out
         if self.strides is None:
             dst = np.empty(self.shape, dtype=dtype)
             if self.nbytes:
-                self._move(dst, 0, "get", stream, timeout)
+                self._move(dst, 0, "get", stream, timeout, progress)
             return dst
         return np.array(np.asarray(self))  # a strided view is mapped: its elements, copied
 
-    def put(self, src: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0) -> None:
+    def put(self, src: Any, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0,
+            progress: _progress.ProgressCallback | None = None) -> None:
         """Copy ``src`` into the shared memory at ``offset``.
 
-        Arguments as for :meth:`get`.  When this returns the bytes are in the
-        shared memory and visible to every process that maps it (CUDA copies
-        are synchronised; a ucx-rma put completes once the exporter has the
-        bytes in its memory).
+        Arguments as for :meth:`get` (``progress`` included).  When this
+        returns the bytes are in the shared memory and visible to every
+        process that maps it (CUDA copies are synchronised; a ucx-rma put
+        completes once the exporter has the bytes in its memory).
         """
+        progress = _progress.check_callback(progress)
         self._check_writable()
-        self._move(src, offset, "put", stream, timeout)
+        self._move(src, offset, "put", stream, timeout, progress)
 
-    def _move(self, buf: Any, offset: int, direction: str, stream: Any, timeout: float | None) -> None:
+    def _move(self, buf: Any, offset: int, direction: str, stream: Any, timeout: float | None,
+              progress: _progress.ProgressCallback | None = None) -> None:
         """One get or put on this view's path, waited for."""
         get = direction == "get"
-        if stream is None and self._fast_copy(buf, offset, get):
-            return
         transport = self._transport
-        if transport is not None:
-            (transport.get if get else transport.put)(offset, buf, timeout, stream, self._span, self._checked)
+        if transport is not None and _progress.listening(progress):
+            self._move_reported(transport, buf, offset, direction, stream, timeout, progress)
             return
-        request = self._copy(buf, offset, direction, stream)
-        if request is not None:
-            request.wait(timeout)
+        if stream is None and self._fast_copy(buf, offset, get):
+            pass
+        elif transport is not None:
+            (transport.get if get else transport.put)(offset, buf, timeout, stream, self._span, self._checked)
+        else:
+            request = self._copy(buf, offset, direction, stream)
+            if request is not None:
+                request.wait(timeout)
+        if progress is not None:  # a mapped copy: done at once
+            local = self._span(buf, offset, False)[0]
+            local.release()
+            progress(local.nbytes, local.nbytes)
+
+    def _move_reported(self, transport: Any, buf: Any, offset: int, direction: str, stream: Any,
+                       timeout: float | None, progress: _progress.ProgressCallback | None) -> None:
+        """A copied path's get or put that someone listens to: in pieces of
+        :data:`gpushare._progress.PIECE`, each reported (one request, as
+        unreported, when only the log listens and the copy is too small to log)."""
+        get = direction == "get"
+        move = transport.get if get else transport.put
+        local, offset = self._span(buf, offset, get, stream)
+        try:
+            total = local.nbytes
+            if progress is None and total <= _progress.LOG_ABOVE:
+                move(offset, buf, timeout, stream, self._span, self._checked)
+                return
+            report = _progress.Progress(f"{direction} of share {self.share.share_id[:8]} over {self.path}", total,
+                                        progress)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            done = 0
+            while done < total:
+                n = min(_progress.PIECE, total - done)
+                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+                move(offset + done, _progress.piece_of(local, done, n), left, stream, self._span, self._checked)
+                done += n
+                report(done)
+            if total == 0:
+                report(0)
+        finally:
+            local.release()
 
     async def get_async(self, dst: Any, offset: int = 0, *, stream: Any = None,
                         timeout: float | None = None) -> None:

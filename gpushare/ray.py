@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import secrets
 import threading
 from typing import Any
@@ -60,7 +61,7 @@ from ._open import open as _open
 from ._share import BundleShare
 
 __all__ = ["DEFAULT_NAME", "ZERO_COPY_PATHS", "GpushareCommunicatorMetadata", "GpushareTransport",
-           "GpushareTransportMetadata", "exported", "register", "stats"]
+           "GpushareTransportMetadata", "exported", "register", "runtime_env", "stats"]
 
 #: The transport's name unless :func:`register` is given another.
 DEFAULT_NAME = "gpushare"
@@ -361,6 +362,76 @@ def register(name: str = DEFAULT_NAME, key: bytes | str | None = None, *, zero_c
     })
     _rdt.register_tensor_transport(upper, ["cpu", "cuda"], cls, torch.Tensor)
     return upper
+
+
+def runtime_env(base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Ray ``runtime_env`` that registers this process's gpushare transports
+    in every worker process before its first task: pass it to ``ray.init``.
+
+    Ray 2.60 sends a custom transport to an actor in a task of its own, which
+    runs beside the actor's methods (in its ``_ray_system`` thread) and
+    imports torch and gpushare there first: an actor whose first method
+    calls ``ray.put(x, _tensor_transport="gpushare")`` usually runs before it
+    and fails with ``ValueError: Invalid tensor transport: GPUSHARE``.  Ray's
+    worker setup hook (``worker_process_setup_hook``) runs in each worker
+    process before any task: this one registers every transport
+    :func:`register` made here (their classes, and the key in them, travel
+    by value as for Ray's own sending), so the first ``ray.put`` finds it.
+
+    ::
+
+        gpushare.ray.register()
+        ray.init(runtime_env=gpushare.ray.runtime_env())
+
+    Parameters
+    ----------
+    base : dict, optional
+        The job's other ``runtime_env`` settings, kept; a
+        ``worker_process_setup_hook`` in it (a callable, or a
+        ``"module.function"`` name) runs after gpushare's.
+
+    Returns
+    -------
+    dict
+        A new dict: ``base`` with the hook set.
+
+    Raises
+    ------
+    ValueError
+        No gpushare transport is registered in this process yet: call
+        :func:`register` first.
+    """
+    transports = {name: info.transport_manager_class for name, info in _rdt.transport_manager_info.items()
+                  if isinstance(info.transport_manager_class, type)
+                  and issubclass(info.transport_manager_class, GpushareTransport)}
+    if not transports:
+        raise ValueError("no gpushare transport is registered in this process: call gpushare.ray.register() "
+                         "before gpushare.ray.runtime_env()")
+    env = dict(base or {})
+    then = env.get("worker_process_setup_hook")
+    if then is not None and not (callable(then) or isinstance(then, str)):
+        raise TypeError(f"worker_process_setup_hook must be a callable or a 'module.function' name, not "
+                        f"{type(then).__name__}")
+
+    # A local function, so cloudpickle sends it by value (the classes with it).
+    def gpushare_ray_worker_setup() -> None:
+        _register_in_worker(transports)
+        if isinstance(then, str):
+            module, _, function = then.rpartition(".")
+            getattr(importlib.import_module(module), function)()
+        elif then is not None:
+            then()
+
+    env["worker_process_setup_hook"] = gpushare_ray_worker_setup
+    return env
+
+
+def _register_in_worker(transports: dict[str, type[GpushareTransport]]) -> None:
+    """In a Ray worker, at its start: register the driver's gpushare
+    transports (Ray's own sending, later, then finds them there)."""
+    for name, cls in transports.items():
+        if name not in _rdt.transport_manager_info:
+            _rdt.register_tensor_transport(name, ["cpu", "cuda"], cls, torch.Tensor)
 
 
 def stats() -> dict[str, Any]:

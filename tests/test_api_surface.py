@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -375,3 +376,83 @@ def test_open_and_import_take_cpu_for_host_memory_and_refuse_it_for_cuda_memory(
         gs.import_buffer(fabric, device="cpu")
     share.revoke()
     buf.close()
+
+
+# ---------------------------------------------------------------- wrong types
+
+
+def _wrong_type_calls(share, view):
+    """(what is called, the call, words the message must hold) for each public
+    entry point given an argument of the wrong type."""
+    return [
+        ("open(str)", lambda: gs.open("x"), r"^open expects a gpushare\.Share, not str$"),
+        ("open(bytes)", lambda: gs.open(share.to_bytes()),
+         r"^open expects a gpushare\.Share, not bytes; .*gpushare\.Share\.from_bytes\(data\).*BundleShare\.from_bytes"),
+        ("open(bytearray)", lambda: gs.open(bytearray(share.to_bytes())), r"^open expects .* not bytearray; .*from_bytes"),
+        ("open(memoryview)", lambda: gs.open(memoryview(share.to_bytes())), r"^open expects .* not memoryview; .*from_bytes"),
+        ("open(dict)", lambda: gs.open({"share": share}), r"^open expects a gpushare\.Share, not dict$"),
+        ("open_async(bytes)", lambda: gs.open_async(share.to_bytes()), r"^open_async expects a gpushare\.Share, not bytes; "),
+        ("export(object())", lambda: gs.export(object()), r"^object is not a buffer: expected the buffer protocol"),
+        ("export(None)", lambda: gs.export(None), r"^NoneType is not a buffer"),
+        ("export(str)", lambda: gs.export("abc"), r"^str is not a buffer"),
+        ("export(readonly=1)", lambda: gs.export(np.zeros(2), readonly=1), r"^readonly must be a bool or None, not int"),
+        ("export(lifetime=object())", lambda: gs.export(np.zeros(2), lifetime=object()),
+         r"^lifetime must be .* not object$"),
+        ("export(lifetime=True)", lambda: gs.export(np.zeros(2), lifetime=True), r"^lifetime must be .* not bool$"),
+        ("Share.from_bytes(str)", lambda: Share.from_bytes("x"), r"^Share\.from_bytes expects bytes, not str$"),
+        ("ChannelHandle.from_bytes(int)", lambda: gs.ChannelHandle.from_bytes(3),
+         r"^ChannelHandle\.from_bytes expects bytes, not int$"),
+        ("subscribe(bytes)", lambda: gs.subscribe(b"x"),
+         r"^subscribe expects a gpushare\.ChannelHandle, not bytes; .*ChannelHandle\.from_bytes"),
+        ("import_buffer(str)", lambda: gs.import_buffer("x"),
+         r"^import_buffer expects a descriptor from gpushare\.export_buffer, not str$"),
+        ("import_buffer(readonly=1)", lambda: gs.import_buffer("x", readonly=1), r"^readonly must be a bool, not int$"),
+        ("get_batch(str)", lambda: gs.get_batch("x"), r"^a batch is an iterable of .* tuples, not str$"),
+        ("get_batch(5)", lambda: gs.get_batch(5), r"^a batch is an iterable of .* tuples, not int$"),
+        ("put_batch([x])", lambda: gs.put_batch(["x"]), r"^batch item 0 is not a \(view, offset, buffer\) tuple"),
+        ("view.get(object())", lambda: view.get(object()), r"^object is not a buffer"),
+        ("open(prefault=1)", lambda: gs.open(share, prefault=1), r"^prefault must be a bool, not int$"),
+    ]
+
+
+def test_wrong_types_raise_an_error_that_is_a_gpushare_error_and_a_type_error():
+    assert issubclass(gs.InvalidTypeError, gs.GpuShareError)
+    assert issubclass(gs.InvalidTypeError, TypeError)
+    # Written before the class existed: these clauses still catch it.
+    assert issubclass(gs.InvalidTypeError, gs.InvalidInputError)
+    assert issubclass(gs.InvalidTypeError, ValueError)
+    share = gs.export(np.arange(8, dtype=np.uint8), lifetime="revoked")
+    view = gs.open(share)
+    try:
+        failed = []
+        for what, call, match in _wrong_type_calls(share, view):
+            try:
+                call()
+            except gs.InvalidTypeError as exc:
+                if not re.search(match, str(exc)):
+                    failed.append(f"{what}: message {str(exc)!r} does not match {match!r}")
+            except Exception as exc:  # noqa: BLE001 (the test reports every entry point at once)
+                failed.append(f"{what}: raised {type(exc).__name__}: {exc}")
+            else:
+                failed.append(f"{what}: raised nothing")
+        assert not failed, "\n".join(failed)
+        # The right types still work after the wrong ones.
+        again = gs.open(Share.from_bytes(share.to_bytes()))
+        assert again.get().tobytes() == bytes(range(8))
+        again.close()
+    finally:
+        view.close()
+        share.revoke()
+
+
+def test_a_bundles_bytes_given_to_open_point_to_from_bytes_and_read_back_as_a_bundle_share():
+    share = gs.export({"a": np.arange(4, dtype=np.int32), "b": np.ones(3)}, lifetime="revoked")
+    try:
+        with pytest.raises(TypeError, match=r"^open expects a gpushare\.Share, not bytes; .*Share\.from_bytes"):
+            gs.open(share.to_bytes())
+        back = gs.BundleShare.from_bytes(share.to_bytes())
+        assert isinstance(back, gs.BundleShare) and back == share
+        with gs.open(back) as bundle:
+            assert bundle["a"].get().tolist() == [0, 1, 2, 3]
+    finally:
+        share.revoke()

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "_version": 0, "_errors": 0, "_types": 0, "_process": 0, "_memory": 0,
     # L1 data and wire
     "_descriptors": 1, "_manifest": 1, "_torch_alloc": 1, "_share": 1, "_buffers": 1, "_dlpack": 1, "_auth": 1, "_control": 1, "_launch": 1, "_reopen": 1,
+    "_progress": 1,
     # L2 engines
     "_service": 2, "_cuda/": 2, "_ucx/": 2,
     # L3 paths

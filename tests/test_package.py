@@ -116,6 +116,38 @@ def test_demo_command_moves_data_and_reports():
     assert r.stdout.count("bytes match the exporter's: True") == 2
     assert r.stdout.count("the exporter sees the bytes: True") == 2
     assert "GB/s" in r.stdout and r.stdout.strip().endswith("demo passed")
+    assert "\r" not in r.stdout and "%" not in r.stdout  # no progress line where stdout is no terminal
+
+
+def test_demo_shows_each_copys_progress_on_a_terminal():
+    import pty
+
+    main, tty = pty.openpty()
+    chunks = []
+    try:
+        with subprocess.Popen([sys.executable, "-m", "gpushare", "demo", "--size-mib", "2", "--repeat", "1"],
+                              stdout=tty, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL) as proc:
+            os.close(tty)
+            tty = -1
+            while True:
+                try:
+                    data = os.read(main, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            assert proc.wait(120) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        os.close(main)
+        if tty != -1:
+            os.close(tty)
+    out = b"".join(chunks).decode()
+    for line in ("get 1/1 over host-fd: 100% (2 of 2 MiB)", "put 1/1 over host-fd: 100% (2 of 2 MiB)",
+                 "get 1/1 over ucx-rma: 100% (2 of 2 MiB)", "put 1/1 over ucx-rma: 100% (2 of 2 MiB)"):
+        assert f"\r{line}\x1b[K" in out, out
+    # The progress line is cleared before each line of the report.
+    assert "\r\x1b[Kpath: host-fd" in out and out.rstrip().endswith("demo passed"), out
 
 
 def test_doctor_reports_capabilities_and_decisions():
@@ -157,6 +189,22 @@ def test_demo_json_and_progress():
     assert all(r["get_ok"] and r["put_ok"] and r["get_gbps"] > 0 for r in report["runs"])
     text = progress.getvalue()
     assert "importer: opened over host-fd" in text and "importer: get 2/2" in text and "importer: put 2/2" in text
+
+
+def test_demo_progress_line_goes_where_asked_and_is_cleared():
+    import io
+
+    from gpushare._demo import run_demo
+
+    lines: list[str] = []
+    bar = io.StringIO()
+    assert run_demo(3 << 20, 2, lines.append, progress=None, bar=bar) == 0
+    text = bar.getvalue()
+    for what in ("get 1/2", "get 2/2", "put 1/2", "put 2/2"):
+        for path in ("host-fd", "ucx-rma"):
+            assert f"\r{what} over {path}: 100% (3 of 3 MiB)\x1b[K" in text, text
+    assert text.endswith("\r\x1b[K")  # nothing left on the line
+    assert lines[-1] == "demo passed"
 
 
 def test_cli_version_and_plain_help():

@@ -144,7 +144,8 @@ def actors():
     assert gsray.register() == "GPUSHARE"
     assert gsray.register("gpushare_zc", zero_copy=True) == "GPUSHARE_ZC"
     Source, Sink = _actor_classes()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Every worker registers the transports at its start (gpushare.ray.runtime_env), as docs/ray.md says.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=gsray.runtime_env())
     try:
         source, sink, spoiled = Source.remote(), Sink.remote(), Sink.remote()
         ray.get([source.stats.remote(), sink.stats.remote(), spoiled.stats.remote()], timeout=120)
@@ -243,6 +244,46 @@ def test_wait_tensor_freed_returns_once_the_ref_is_gone_and_the_share_is_revoked
     del ref
     ray.get(source.wait_freed.remote(30), timeout=60)
     _wait("the kept tensor's share revoked", lambda: ray.get(source.stats.remote())["revoked"] > revoked)
+
+
+@ray.remote(enable_tensor_transport=True, num_cpus=0)
+class _Putter:
+    """A fresh actor whose first act is a ray.put through the transport."""
+
+    def put_first(self, n):
+        try:
+            ref = ray.put(torch.arange(n, dtype=torch.int32), _tensor_transport="gpushare")
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which counts them
+            return f"{type(exc).__name__}: {exc}"
+        return ray.get(ref).tolist(), gsray.stats()["exported"], ref.hex() in gsray.exported()
+
+
+def test_ray_put_is_the_first_thing_twenty_fresh_actors_do_and_all_of_them_succeed(actors):
+    # Ray sends a custom transport to a new actor in a task of its own that runs
+    # beside the actor's methods: without the setup hook of gpushare.ray.runtime_env
+    # most of these fail with "Invalid tensor transport: GPUSHARE".
+    putters = [_Putter.remote() for _ in range(20)]
+    try:
+        got = ray.get([p.put_first.remote(k + 1) for k, p in enumerate(putters)], timeout=170)
+    finally:
+        for p in putters:
+            ray.kill(p)
+    failed = [g for g in got if isinstance(g, str)]
+    assert not failed, f"{len(failed)} of 20 failed: {sorted(set(failed))}"
+    # Each put went through gpushare (one export, live while its ref is) and reads back.
+    assert got == [(list(range(k + 1)), 1, True) for k in range(20)]
+
+
+def test_runtime_env_needs_a_transport_and_keeps_the_jobs_other_settings(actors):
+    env = gsray.runtime_env({"env_vars": {"A": "1"}, "worker_process_setup_hook": "json.dumps"})
+    assert env["env_vars"] == {"A": "1"} and callable(env["worker_process_setup_hook"])
+    blob = ray.cloudpickle.dumps(env["worker_process_setup_hook"])
+    assert type(get_tensor_transport_manager("GPUSHARE"))._key in blob  # the classes travel by value
+    with pytest.raises(TypeError, match="worker_process_setup_hook must be a callable"):
+        gsray.runtime_env({"worker_process_setup_hook": 3})
+    code = "import gpushare.ray as g\ntry:\n    g.runtime_env()\nexcept ValueError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("no gpushare transport is registered in this process: call gpushare.ray.register()")
 
 
 def test_ray_put_in_the_driver_and_get_in_an_actor_and_in_the_driver(actors):

@@ -311,6 +311,104 @@ def test_revocation_stops_remote_access_but_not_existing_mappings(peer, how, pat
     peer.call("close", "rv-fd")
 
 
+def _memfds() -> list[int]:
+    """The inode of each memfd this process holds, once per descriptor."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                found.append(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            pass  # the descriptor listdir itself held
+    return found
+
+
+@pytest.mark.parametrize("lifetime", ["revoked", "auto", "closed", 3])
+def test_a_with_block_revokes_the_share_at_its_exit(peer, lifetime):
+    arr = np.arange(MiB, dtype=np.uint8)
+    arr_ref = weakref.ref(arr)
+    others = set(_memfds())
+    buf = gs.allocate(MiB, device="host")
+    np.asarray(buf)[:4] = 7
+    mine = set(_memfds()) - others
+
+    def fds_of_buf() -> int:  # its own, and those of a share's fd registration
+        return sum(ino in mine for ino in _memfds())
+
+    fds_before = fds_of_buf()
+    assert fds_before >= 1
+    with gs.export(arr, lifetime=lifetime) as cma_share, gs.export(buf, lifetime=lifetime) as fd_share:
+        assert peer.call("open", "scoped-cma", cma_share)["path"] == "cma"
+        assert peer.call("open", "scoped-fd", fd_share)["path"] == "host-fd"
+        assert peer.call("get", "scoped-cma", 0, 4) == bytes([0, 1, 2, 3])
+        assert registered(cma_share) is not None and registered(fd_share) is not None
+        assert fds_of_buf() > fds_before  # the host-fd share's registration holds its memfds
+    try:
+        # The block's end revoked both: no open, and the copied view lost access...
+        for share in (cma_share, fd_share):
+            assert registered(share) is None
+            with pytest.raises(gs.ClosedError, match="revoked"):
+                peer.call("open", "again", share)
+        with pytest.raises(gs.ClosedError, match="revoked"):
+            peer.call("get", "scoped-cma", 0, 4)
+        # ...while a mapping made on this node stays valid, as for share.revoke().
+        np.asarray(buf)[:4] = 9
+        assert peer.call("get", "scoped-fd", 0, 4) == b"\x09" * 4
+        # The share's fd registration (its memfds) is withdrawn at once.
+        assert fds_of_buf() == fds_before
+    finally:
+        peer.call("close", "scoped-cma")
+        peer.call("close", "scoped-fd")
+    # The exporter holds the array no longer: once the importer's cma lease
+    # (which pins the memory for a copy in flight) has ended, it is freed.
+    del arr
+    assert _wait_for(lambda: gc.collect() is not None and arr_ref() is None, timeout=5)
+    assert fds_of_buf() == fds_before
+
+
+def test_a_with_block_left_by_an_exception_revokes_and_the_exception_goes_on(peer):
+    arr = np.ones(4096, np.uint8)
+    arr_ref = weakref.ref(arr)
+    with pytest.raises(KeyError, match="inside"):
+        with gs.export(arr, lifetime="revoked") as share:
+            assert peer.call("open", "raised", share)["path"] == "cma"
+            raise KeyError("inside")
+    try:
+        with pytest.raises(gs.ClosedError, match="revoked"):
+            peer.call("open", "again", share)
+        with pytest.raises(gs.ClosedError, match="revoked"):
+            peer.call("get", "raised", 0, 4)
+    finally:
+        peer.call("close", "raised")
+    del arr
+    assert _wait_for(lambda: gc.collect() is not None and arr_ref() is None, timeout=5)
+
+
+def test_a_with_block_of_a_bundle_and_a_share_revoked_inside_it():
+    tree = {"a": np.arange(4, dtype=np.int32), "b": np.ones(3)}
+    with gs.export(tree, lifetime="revoked") as bundle_share:
+        assert isinstance(bundle_share, gs.BundleShare)
+        with gs.open(pickle.loads(pickle.dumps(bundle_share))) as bundle:
+            assert bundle["a"].get().tolist() == [0, 1, 2, 3]
+    assert registered(bundle_share) is None
+    with pytest.raises(gs.ClosedError, match="revoked"):
+        gs.open(pickle.loads(pickle.dumps(bundle_share)))
+    # Revoked in the block already: the exit leaves it as it is.
+    with gs.export(np.ones(8), lifetime="revoked") as share:
+        share.revoke()
+    assert registered(share) is None
+
+
+def test_only_the_exporter_can_scope_a_share_with_with(peer):
+    share = peer.call("export", "numpy", 64)
+    with pytest.raises(gs.ClosedError, match=r"^only the exporting process \(pid \d+\) can scope this share"):
+        with share:
+            pass
+    # Refused before anything happened: the share is still the exporter's to use.
+    assert peer.call("open", "still", share)["nbytes"] == 64
+    peer.call("close", "still")
+
+
 def test_only_the_exporter_can_revoke(peer):
     share = peer.call("export", "numpy", 64)
     with pytest.raises(gs.ClosedError, match="only the exporting process"):
