@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from . import _buffers, _paths, _types
-from ._cuda import _driver
+from ._cuda import _copies, _driver
 from ._export import export
 from ._open import open as open_share
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
@@ -509,7 +509,7 @@ def _fill(arr: Any, data: Any) -> None:
         try:
             if local.nbytes != arr.nbytes:
                 raise InvalidInputError(f"data is {local.nbytes} bytes; a step is {arr.nbytes}")
-            _driver.copy_async(arr.ptr, local.address, arr.nbytes, ordinal=arr.device, stream=None,
+            _copies.copy_async(arr.ptr, local.address, arr.nbytes, ordinal=arr.device, stream=None,
                                producer=local.stream, keep=local, what="copy into a channel slot").wait(60.0)
         except BaseException:
             local.release()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from . import _export, _handles, _open
-from ._cuda import _driver
+from ._cuda import _copies, _driver
 from ._errors import GpuShareError
 from ._paths import ucx_rma
 
@@ -87,7 +87,7 @@ def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> 
     in device memory where the importer reads them."""
     dev, hst = int(buf.handle), host.ctypes.data
     dst, src = (dev, hst) if to_device else (hst, dev)
-    _driver.copy_async(dst, src, size, ordinal=int(buf.device_id), stream=None, producer=None, keep=host,
+    _copies.copy_async(dst, src, size, ordinal=int(buf.device_id), stream=None, producer=None, keep=host,
                      what=what).wait()
 
 

@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Literal
 
 from . import _arrays, _buffers, _dlpack, _progress
-from ._cuda import _driver
+from ._cuda import _copies, _driver
 from ._errors import (
     ClosedError,
     GpuShareError,
@@ -134,6 +134,11 @@ def _release_view(use: MappingUse | None, lease: list | tuple) -> None:
     _end_lease(lease)
     if use is not None:
         use.drop()
+
+
+#: (source, destination) memory types -> the kind of CUDA copy between them.
+_KINDS = {("cuda", "cuda"): _copies.KIND_DTOD, ("host", "cuda"): _copies.KIND_HTOD,
+          ("cuda", "host"): _copies.KIND_DTOH}
 
 
 class View:
@@ -509,12 +514,22 @@ class View:
             np_.copyto(shared[offset:offset + n], mine)
         return True
 
-    def _copy(self, buf: Any, offset: int, direction: str, stream: Any) -> Any:
+    def _copy(self, buf: Any, offset: int, direction: str, stream: Any, wait: bool = False,
+              timeout: float | None = None) -> Any:
         """Start a copy between ``buf`` and the mapped memory; a request for
-        CUDA copies, ``None`` when the copy is already done."""
+        CUDA copies, ``None`` when the copy is already done.  ``wait``: a
+        CUDA copy is waited for here (``timeout`` seconds at most), without
+        the GIL (:func:`gpushare._cuda._copies.copy_sync`)."""
         handle = _driver.stream_handle(stream)
-        # A DLPack producer orders its pending work before the copy's stream.
-        consumer = handle if handle is not None else _driver.LEGACY_STREAM
+        # A DLPack producer orders its pending work before the stream the copy
+        # runs on: the one named, else gpushare's own of a CUDA view's device,
+        # else the legacy default stream.
+        if handle is not None:
+            consumer = handle
+        elif isinstance(self.device, int):
+            consumer = _copies.own_stream(self.device)
+        else:
+            consumer = _driver.LEGACY_STREAM
         local, offset = self._span(buf, offset, direction == "get", consumer)
         try:
             shared = self._local()
@@ -529,13 +544,13 @@ class View:
                 ctypes.memmove(dst, src, local.nbytes)
                 local.release()
                 return None
-            return self._cuda_copy(local, shared, src, dst, handle, direction)
+            return self._cuda_copy(local, shared, src, dst, handle, consumer, direction, wait, timeout)
         except BaseException:
             local.release()
             raise
 
     def _cuda_copy(self, local: _buffers.LocalBuffer, shared: _buffers.LocalBuffer, src: int, dst: int,
-                   stream: int | None, direction: str) -> Any:
+                   stream: int | None, consumer: int, direction: str, wait: bool, timeout: float | None) -> Any:
         ordinal = _driver.stream_ordinal(stream) if stream is not None else None
         if ordinal is None:
             ordinal = local.device if local.memory_type == "cuda" and local.device is not None else shared.device
@@ -544,8 +559,17 @@ class View:
         if self._mapped is not None and ordinal != self.device:
             self._mapped.grant(ordinal)  # the copy runs on another device: it needs access too
         what = f"copy {'from' if direction == 'get' else 'to'} the shared CUDA memory"
-        return _driver.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream,
-                                  producer=local.stream, keep=local, what=what)
+        # The copy comes after the producer's work: on the stream its array
+        # interface names, else the one DLPack ordered it before.
+        producer = local.stream if local.stream is not None else consumer
+        if not wait:
+            return _copies.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream, producer=producer,
+                                      keep=local, what=what)
+        kind = _KINDS.get((shared.memory_type, local.memory_type) if direction == "get"
+                          else (local.memory_type, shared.memory_type), _copies.KIND_ANY)
+        _copies.copy_sync(dst, src, local.nbytes, ordinal=ordinal, kind=kind, stream=stream, producer=producer,
+                          keep=local, what=what, timeout=timeout)
+        return None
 
     def get(self, dst: Any = None, offset: int = 0, *, stream: Any = None, timeout: float | None = 60.0,
             progress: _progress.ProgressCallback | None = None) -> Any:
@@ -650,9 +674,7 @@ class View:
         elif transport is not None:
             (transport.get if get else transport.put)(offset, buf, timeout, stream, self._span, self._checked)
         else:
-            request = self._copy(buf, offset, direction, stream)
-            if request is not None:
-                request.wait(timeout)
+            self._copy(buf, offset, direction, stream, True, timeout)
         if progress is not None:  # a mapped copy: done at once
             local = self._span(buf, offset, False)[0]
             local.release()

@@ -104,7 +104,7 @@ import inspect  # noqa: E402
 #: Each completion class, at the places it may live (the first that exists is checked).
 COMPLETIONS = {
     "ucx Request": ["gpushare._ucx._agent:Request"],
-    "CUDA CopyRequest": ["gpushare._cuda._driver:CopyRequest"],
+    "CUDA CopyRequest": ["gpushare._cuda._copies:CopyRequest"],
     "cma Transfer": ["gpushare._importer:Transfer", "gpushare._paths.cma:Transfer"],
     "BatchRequest": ["gpushare._batch:BatchRequest"],
 }

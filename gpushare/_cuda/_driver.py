@@ -21,19 +21,17 @@ writes ``Device.uuid`` (``"xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"``, no
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import logging
 import os
 import re
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import CUDAError, InvalidInputError, UnsupportedError, WaitTimeoutError
+from .._errors import CUDAError, InvalidInputError, UnsupportedError
 
 log = logging.getLogger("gpushare.cuda")
 
@@ -42,10 +40,8 @@ __all__ = [
     "DeviceMemory",
     "NO_DEVICE",
     "PER_THREAD_STREAM",
-    "CopyRequest",
     "bytes_of",
     "check",
-    "copy_async",
     "current_ordinal",
     "ipc_allocation_size",
     "device_count",
@@ -53,7 +49,6 @@ __all__ = [
     "device_uuid",
     "driver",
     "import_ordinal",
-    "inflight_copies",
     "normalize_uuid",
     "on_device",
     "ordinal_of_uuid",
@@ -64,7 +59,6 @@ __all__ = [
     "stream_ordinal",
     "unavailable_reason",
     "valid_ordinal",
-    "wait_for_copies",
 ]
 
 _lock = threading.Lock()
@@ -379,130 +373,6 @@ def own_stream() -> Iterator[Any]:
         drv.cuStreamDestroy(stream)
 
 
-# ---------------------------------------------------------------- copies in flight
-
-_inflight_lock = threading.Lock()
-#: Every stream-ordered copy gpushare queued that nobody has yet seen complete.
-_inflight: set[_Pending] = set()
-
-
-class _Pending:
-    """The event recorded after one queued copy, the memory the copy touches,
-    and what it keeps alive; shared by its :class:`CopyRequest` and the
-    registry that :func:`wait_for_copies` searches.
-
-    ``lock`` serialises the driver calls on the event: whoever holds it may
-    synchronise; the event is destroyed once the copy is known complete and
-    nobody can ask again (the request finished or was dropped).
-    """
-
-    __slots__ = ("ordinal", "event", "spans", "keep", "lock", "complete", "error", "orphan", "retired")
-
-    def __init__(self, ordinal: int, event: Any, spans: tuple[tuple[int, int], ...], keep: Any) -> None:
-        self.ordinal = ordinal
-        self.event = event
-        self.spans = spans
-        self.keep = keep
-        self.lock = threading.Lock()
-        self.complete = False
-        self.error: BaseException | None = None
-        self.orphan = False
-        self.retired = False
-
-    def overlaps(self, start: int, end: int) -> bool:
-        return any(a < end and start < b for a, b in self.spans)
-
-    def _settle(self, err: Any) -> None:
-        drv = _driver
-        self.complete = True
-        if err != drv.CUresult.CUDA_SUCCESS:
-            self.error = CUDAError(_name(drv, err), "copy")
-
-    def query(self) -> bool:
-        """Whether the copy is known complete; never blocks (a thread that
-        is synchronising on it holds the lock: not yet)."""
-        if self.complete:
-            return True
-        if not self.lock.acquire(blocking=False):
-            return False
-        try:
-            if not self.complete:
-                drv = driver()
-                with on_device(self.ordinal):
-                    (err,) = drv.cuEventQuery(self.event)
-                if err == drv.CUresult.CUDA_ERROR_NOT_READY:
-                    return False
-                self._settle(err)
-            return True
-        finally:
-            self.lock.release()
-
-    def sync(self) -> None:
-        """Block until the copy has completed (or failed)."""
-        with self.lock:
-            if not self.complete:
-                drv = driver()
-                with on_device(self.ordinal):
-                    (err,) = drv.cuEventSynchronize(self.event)
-                self._settle(err)
-
-    def retire(self) -> None:
-        """Forget a completed copy: release what it kept and its event."""
-        with _inflight_lock:
-            if self.retired:
-                return
-            self.retired = True
-            _inflight.discard(self)
-        keep, self.keep = self.keep, None
-        release = getattr(keep, "release", None)
-        if release is not None:
-            release()
-        with self.lock:
-            _destroy_event(self.ordinal, self.event)
-
-
-def _orphan(pending: _Pending) -> None:
-    """The request was dropped unfinished: the registry alone holds the
-    copy now, and retires it once it is seen complete."""
-    pending.orphan = True
-    if pending.complete:
-        pending.retire()
-
-
-def _retire_orphans() -> None:
-    """Retire the dropped requests whose copies have completed."""
-    with _inflight_lock:
-        orphans = [p for p in _inflight if p.orphan]
-    for p in orphans:
-        try:
-            if p.query():
-                p.retire()
-        except CUDAError:
-            p.complete = True  # the context is gone or poisoned: nothing left to wait for
-            p.retire()
-
-
-def wait_for_copies(address: int, size: int) -> None:
-    """Block until every copy gpushare queued that touches ``size`` bytes at
-    ``address`` has completed: what must happen before that memory is
-    unmapped or freed.  Other work (the user's) is :func:`wait_for_consumers`'
-    to wait for.  A copy's own failure stays with its request (``wait``
-    raises it).
-
-    Raises
-    ------
-    CUDAError
-        If the device's context cannot be made current.
-    """
-    end = address + size
-    with _inflight_lock:
-        touching = [p for p in _inflight if p.overlaps(address, end)]
-    for p in touching:
-        # Only synchronised: a dropped request's copy is retired (what it
-        # keeps released) by the next copy_async, outside the caller's locks.
-        p.sync()
-
-
 def wait_for_producers(pending: set[tuple[int, int]]) -> None:
     """Block until the work queued on each ``(ordinal, stream)`` has
     completed: what a producer left pending on memory it exports (see
@@ -549,12 +419,6 @@ def _logged(result: tuple, what: str) -> None:
         log.warning("before unmapping CUDA memory: %s failed (%s); unmapping it anyway", what, _name(driver(), err))
 
 
-def inflight_copies() -> int:
-    """How many queued copies gpushare has not yet seen complete."""
-    with _inflight_lock:
-        return len(_inflight)
-
-
 class DeviceMemory:
     """CUDA memory mapped into this process, held without cuda.core: its
     address (``handle``), size and device ordinal (``device_id``, also as
@@ -582,122 +446,6 @@ class DeviceMemory:
 
     def __repr__(self) -> str:
         return f"<gpushare DeviceMemory 0x{self.handle:x}, {self.size} bytes on device {self.device_id}>"
-
-
-class CopyRequest:
-    """A stream-ordered copy in flight: complete when the event recorded
-    after it has completed, which is when its bytes are in the destination
-    memory and visible to every process that maps it.
-
-    ``wait(timeout)``, ``done()`` and ``await`` as for
-    :class:`gpushare.ucx.Request`.  A request dropped before it finished
-    leaves its copy in the registry of copies in flight, which keeps its
-    buffers alive until the copy is seen complete.
-    """
-
-    __slots__ = ("_pending", "_finished", "_error", "_finalizer", "__weakref__")
-
-    def __init__(self, pending: _Pending) -> None:
-        self._pending = pending
-        self._finished = False
-        self._error: BaseException | None = None
-        self._finalizer = weakref.finalize(self, _orphan, pending)
-
-    def _finish(self) -> None:
-        self._finished = True
-        self._error = self._pending.error
-        self._finalizer.detach()
-        self._pending.retire()
-
-    def done(self) -> bool:
-        """Whether the copy has completed (or failed)."""
-        if self._finished:
-            return True
-        if not self._pending.query():
-            return False
-        self._finish()
-        return True
-
-    def exception(self) -> BaseException | None:
-        """The error the copy ended with, or ``None``."""
-        return self._error if self.done() else None
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the copy completes; raise its error.
-
-        Raises
-        ------
-        WaitTimeoutError
-            If ``timeout`` seconds pass first; the copy stays queued.
-        CUDAError
-            If the copy failed.
-        """
-        if not self._finished:
-            if timeout is None:
-                self._pending.sync()
-                self._finish()
-            else:
-                deadline = time.monotonic() + timeout
-                spin_until = time.monotonic() + 5e-5
-                delay = 1e-5
-                while not self.done():
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise WaitTimeoutError(f"the CUDA copy did not complete within {timeout} s")
-                    if now >= spin_until:
-                        time.sleep(min(delay, deadline - now))
-                        delay = min(delay * 2, 1e-3)
-        if self._error is not None:
-            raise self._error
-
-    def __await__(self) -> Any:
-        delay = 1e-5
-        while not self.done():
-            yield from asyncio.sleep(delay).__await__()
-            delay = min(delay * 2, 1e-3)
-        if self._error is not None:
-            raise self._error
-
-
-def _destroy_event(ordinal: int, event: Any) -> None:
-    drv = driver()
-    try:
-        with on_device(ordinal):
-            drv.cuEventDestroy(event)
-    except CUDAError:
-        pass  # the context is gone or poisoned: nothing left to free
-
-
-def copy_async(dst: int, src: int, n: int, *, ordinal: int, stream: int | None,
-               producer: int | None, keep: Any, what: str) -> CopyRequest:
-    """Queue ``n`` bytes from ``src`` to ``dst`` in device ``ordinal``'s
-    context: on ``stream``, else on the producer's stream, else on the legacy
-    default stream, after the producer's earlier work; return the request
-    that completes when the bytes have landed.  ``keep`` (released when the
-    request ends) keeps the buffers alive meanwhile."""
-    drv = driver()
-    _retire_orphans()
-    no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-    with on_device(ordinal):
-        s = stream if stream is not None else (producer if producer is not None else LEGACY_STREAM)
-        if producer is not None and producer != s:
-            after = check(drv.cuEventCreate(no_timing), "cuEventCreate")
-            try:
-                check(drv.cuEventRecord(after, producer), "cuEventRecord(the producer's stream)")
-                check(drv.cuStreamWaitEvent(s, after, 0), "cuStreamWaitEvent")
-            finally:
-                drv.cuEventDestroy(after)
-        check(drv.cuMemcpyAsync(dst, src, n, s), what)
-        event = check(drv.cuEventCreate(no_timing), "cuEventCreate")
-        try:
-            check(drv.cuEventRecord(event, s), "cuEventRecord")
-        except BaseException:
-            drv.cuEventDestroy(event)
-            raise
-    pending = _Pending(ordinal, event, ((dst, dst + n), (src, src + n)), keep)
-    with _inflight_lock:
-        _inflight.add(pending)
-    return CopyRequest(pending)
 
 
 def import_ordinal(owner_uuid: str | None, device: int | None) -> int:

@@ -30,7 +30,7 @@ from .._descriptors import (
 )
 from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
 from .._types import round_up
-from . import _driver
+from . import _copies, _driver
 
 __all__ = ["allocate_device", "export_fabric", "export_handle_type", "export_posix_fds", "import_device",
            "map_device", "is_vmm_buffer", "mapping_count", "posix_fds"]
@@ -230,7 +230,7 @@ class _Vmm:
             # work is not waited for, as cuda.core's VMM resource does
             # not.  Any thread, the garbage collector's included, pushes
             # the device's context for the duration.
-            _driver.wait_for_copies(self.ptr, sum(self.sizes))
+            _copies.wait_for_copies(self.ptr, sum(self.sizes))
             with _driver.on_device(self.ordinal):
                 _driver.check(drv.cuMemUnmap(self.ptr, sum(self.sizes)), "cuMemUnmap")
                 _driver.check(drv.cuMemAddressFree(self.ptr, sum(self.sizes)), "cuMemAddressFree")

@@ -23,7 +23,7 @@ import threading
 import warnings
 from typing import Any
 
-from .._cuda import _driver, vmm
+from .._cuda import _copies, _driver, vmm
 from .._descriptors import CudaIpcBufferDescriptor, CudaPoolBufferDescriptor
 from .._errors import (
     ClosedError,
@@ -255,7 +255,7 @@ def _unuse(ref: Any) -> None:
             # gpushare's own copies on the memory land first.  Any thread may
             # get here (close, finalizers, the garbage collector): the handle
             # belongs to the device's context.
-            _driver.wait_for_copies(entry[0], entry[1])
+            _copies.wait_for_copies(entry[0], entry[1])
             with _driver.on_device(ref.ordinal):
                 _driver.check(drv.cuIpcCloseMemHandle(entry[0]), "cuIpcCloseMemHandle")
 
@@ -417,7 +417,7 @@ def _unuse_pool(ref: Any) -> None:
         pool_entry = _imported_pools.get(entry[2])
         # gpushare's own copies on the memory land before it is freed (a
         # view waited for its consumers' work before: Mapped.close).
-        _driver.wait_for_copies(entry[0], entry[4])
+        _copies.wait_for_copies(entry[0], entry[4])
         with _driver.on_device(entry[3]):
             _free_imported(drv, entry[0])
             if pool_entry is not None:

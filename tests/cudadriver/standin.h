@@ -115,6 +115,7 @@ struct sstream {
     pthread_t owner;     /* SK_PER_THREAD */
     unsigned long long id;
     struct op *head, *tail;
+    double busy_until_ms; /* timed-copy mode: when its queued work will have run */
     struct sstream *next;
 };
 
@@ -145,6 +146,8 @@ struct op {
     CUstreamCallback cb;
     void *ud;
     double t_ms;            /* OP_RECORD: when it executed */
+    double cost_ms;         /* timed-copy mode: how long the work takes (set before enqueue) */
+    double ready_ms;        /* timed-copy mode: when it will have run on a GPU */
 };
 
 enum { RK_LEGACY = 1, RK_IPC, RK_HOST, RK_HOSTREG, RK_VMM, RK_POOL };
@@ -225,6 +228,9 @@ struct spool {
 extern pthread_mutex_t g_lock;
 extern int g_inited, g_nphys, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
 extern int g_trace, g_fabric;
+/* GPUSHARE_STANDIN_COPY_GBPS: timed-copy mode (0: off), see README.md */
+extern double g_copy_gbps;
+double standin_now_ms(void);
 extern int g_forked; /* this process forked from one that had called cuInit */
 extern __thread int t_ptds; /* inside a per-thread-default-stream variant */
 extern __thread int t_in_hostfn; /* inside a host function or stream callback */

@@ -17,6 +17,7 @@
 pthread_mutex_t g_lock;
 int g_inited, g_nphys = 2, g_nvis, g_vis[MAXDEV], g_phys2ord[MAXDEV];
 int g_trace, g_fabric;
+double g_copy_gbps;
 __thread int t_ptds;
 __thread int t_in_hostfn;
 struct sctx *g_ctxs;
@@ -61,6 +62,8 @@ __attribute__((constructor)) static void standin_setup(void) {
     g_trace = t && *t && strcmp(t, "0") != 0;
     const char *v = getenv("GPUSHARE_STANDIN_DRIVER_VERSION");
     if (v && *v) g_driver_version = atoi(v);
+    const char *bw = getenv("GPUSHARE_STANDIN_COPY_GBPS");
+    if (bw && *bw) g_copy_gbps = atof(bw);
 }
 
 int standin_lock(void) {

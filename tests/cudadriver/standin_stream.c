@@ -105,6 +105,44 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+double standin_now_ms(void) { return now_ms(); }
+
+/* Timed-copy mode: a stream's work runs one operation after another, each
+   from when it was queued or when the one before will have run, whichever is
+   later, and takes its cost (a copy: its bytes at GPUSHARE_STANDIN_COPY_GBPS). */
+static void time_op(struct sstream *s, struct op *o) {
+    if (g_copy_gbps <= 0) return;
+    double t = now_ms();
+    if (s->busy_until_ms > t) t = s->busy_until_ms;
+    o->ready_ms = t + o->cost_ms;
+    s->busy_until_ms = o->ready_ms;
+}
+
+/* Timed-copy mode: whether `o` will have run by now on a GPU (a copy ran
+   when queued: it is ready when its time has passed). */
+static int op_ready(const struct op *o) { return g_copy_gbps <= 0 || !o || o->ready_ms <= now_ms(); }
+
+/* Timed-copy mode: block until `t_ms`, without the lock (other threads'
+   calls go on, as with a driver).  Only from a call that took the lock once
+   (GUARD, not nested). */
+static void sleep_unlocked_until(double t_ms) {
+    double ms = t_ms - now_ms();
+    if (ms <= 0) return;
+    pthread_mutex_unlock(&g_lock);
+    struct timespec ts = {(time_t)(ms / 1e3), (long)((ms - (double)(time_t)(ms / 1e3) * 1e3) * 1e6)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    pthread_mutex_lock(&g_lock);
+}
+
+/* Timed-copy mode: block until `o` will have run on a GPU. */
+static void wait_ready(struct op *o) {
+    if (op_ready(o)) return;
+    o->refs++;
+    sleep_unlocked_until(o->ready_ms);
+    op_unref(o);
+}
+
 static struct sstream *stream_new(struct sctx *c, int kind, unsigned flags, int prio) {
     struct sstream *s = calloc(1, sizeof *s);
     if (!s) return NULL;
@@ -191,6 +229,7 @@ void op_unref(struct op *o) {
 
 void enqueue(struct sstream *s, struct op *o) {
     o->s = s;
+    time_op(s, o);
     if (s->tail)
         s->tail->next = o;
     else
@@ -414,6 +453,7 @@ EXPORT CUresult cuStreamSynchronize(CUstream h) {
     struct sstream *s;
     CUresult r = stream_for(h, &s);
     if (r) RET(r);
+    if (g_copy_gbps > 0) sleep_unlocked_until(s->busy_until_ms);
     drain_stream(s);
     RET(s->ctx->sticky);
 }
@@ -423,7 +463,10 @@ EXPORT CUresult cuStreamQuery(CUstream h) {
     struct sstream *s;
     CUresult r = stream_for(h, &s);
     if (r) RET(r);
-    if (s->head) {
+    if (g_copy_gbps > 0) { /* timed: pending until its work will have run, then complete */
+        if (s->busy_until_ms > now_ms()) RET(CUDA_ERROR_NOT_READY);
+        drain_stream(s);
+    } else if (s->head) {
         /* Report the pending work, then let it complete, as a GPU would. */
         drain_stream(s);
         RET(CUDA_ERROR_NOT_READY);
@@ -594,6 +637,11 @@ EXPORT CUresult cuEventQuery(CUevent ev) {
     if (r) RET(r);
     if (!event_valid(ev)) RET(CUDA_ERROR_INVALID_HANDLE);
     if (ev->rec && !ev->rec->done) {
+        if (g_copy_gbps > 0) { /* timed: pending until it will have run, then complete */
+            if (!op_ready(ev->rec)) RET(CUDA_ERROR_NOT_READY);
+            run_until(ev->rec);
+            RET(ev->ctx->sticky);
+        }
         run_until(ev->rec); /* reported as pending, then completed */
         RET(CUDA_ERROR_NOT_READY);
     }
@@ -605,6 +653,7 @@ EXPORT CUresult cuEventSynchronize(CUevent ev) {
     CUresult r = need_init();
     if (r) RET(r);
     if (!event_valid(ev)) RET(CUDA_ERROR_INVALID_HANDLE);
+    if (ev->rec) wait_ready(ev->rec);
     run_until(ev->rec);
     RET(ev->ctx->sticky);
 }
@@ -672,6 +721,7 @@ CUresult copy_submit(struct sctx *c, CUstream h, uintptr_t dst, uintptr_t src, s
     o->dst = dst;
     o->src = src;
     o->n = n;
+    if (g_copy_gbps > 0) o->cost_ms = (double)n / (g_copy_gbps * 1e6);
     if (src_pageable) {
         if (sync && s->tail) run_until(s->tail); /* "a stream sync is performed before the copy" */
         if (s->ctx->sticky) {
@@ -691,9 +741,13 @@ CUresult copy_submit(struct sctx *c, CUstream h, uintptr_t dst, uintptr_t src, s
     enqueue(s, o);
     int host_only = !dst_dev && !src_dev;
     if (host_only || (sync && (!dst_dev || (!src_dev && !src_pageable)))) {
+        if (sync) wait_ready(o);
         run_until(o);
         return s->ctx->sticky;
     }
+    /* Timed: the bytes move now, within the time the copy is given (so that
+       what a caller measures beyond it is its own); done when that has passed. */
+    if (g_copy_gbps > 0) run_until(o);
     return CUDA_SUCCESS;
 }
 
