@@ -8,7 +8,6 @@ from typing import Any, overload
 
 from . import _arrays, _buffers, _paths
 from ._cuda import _driver
-from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError
 from ._export_tree import export_tree, is_tree
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
@@ -116,9 +115,7 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         release_registrations(regs)
         raise
     exporter.add(record)
-    fabric = None
-    if _paths.fabric.PATH.name in offers:
-        fabric = fabric_cliques()[0].get(device)
+    fabric = _paths.cliques([(tuple(offers), device)])[0]
     log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
              "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")

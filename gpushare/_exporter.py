@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -31,7 +30,6 @@ from typing import Any
 from . import _auth, _control, _paths, _reopen, _share
 from ._errors import ClosedError, GpuShareError, InvalidInputError
 from ._manifest import MAX_PARTS as _MAX_PARTS
-from ._paths import cma, host_fd
 from ._paths.broker import (
     control_address,
     may_share,
@@ -326,9 +324,7 @@ class Exporter:
                 return
             self._stopped = True
             exports = list(self._exports.values())
-        cma = sys.modules.get("gpushare._paths.cma")
-        if cma is not None:
-            cma.stop()  # no copy goes on into an importer once the connections close
+        _paths.stop()  # no copy goes on into an importer once the connections close
         self._service.unlisten(self._listener)
         if self._local is not None:
             self._service.unlisten(self._local)
@@ -537,10 +533,10 @@ class _Session(Protocol):
 
     refusal_text = staticmethod(lambda code, policy: refusal_text(code, policy))
 
-    def take_copy(self) -> bool:
-        """Count one more copy queued for this connection, unless it has too many."""
+    def take_copy(self, limit: int) -> bool:
+        """Count one more copy queued for this connection, unless it has ``limit`` already."""
         with self._copies_lock:
-            if self._copies >= cma.MAX_QUEUED:
+            if self._copies >= limit:
                 return False
             self._copies += 1
             return True
@@ -598,8 +594,8 @@ class _Session(Protocol):
                                      "proof": _auth.proof("exporter", importer_nonce, exporter_nonce)}))
         elif op == "open":
             self._open(conn, rid, msg)
-        elif op == cma.OP:
-            cma.serve_copy(self, conn, rid, msg)
+        elif (handler := _paths.control_op(op)) is not None:
+            handler(self, conn, rid, msg)
         elif op == "ping":  # an importer waiting on a transfer asks for a sign of life
             conn.send(_control.pack({"id": rid, "ok": True}))
         elif op in ("close", "failed"):
@@ -950,7 +946,7 @@ def _sealed() -> None:
         exp.sealed()
 
 
-host_fd.on_seal(_sealed)
+_paths.on_seal(_sealed)
 
 
 def _peer(conn: Any) -> str:

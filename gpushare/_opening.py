@@ -34,7 +34,6 @@ from ._errors import (
 )
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
-from ._paths import same_process, ucx_rma
 from ._reach import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
 from ._share import Share, altered
 from ._types import collection_paused
@@ -104,8 +103,9 @@ def _choices(parts: list[Share], prefer: Any, exclude: Any) -> list[tuple[list[s
     return out
 
 
-def _same_process(share: Share, parts: list[Share], subject: str) -> OpenedShare:
-    """The exporter is this process: its own objects, no lease."""
+def _open_own_export(share: Share, parts: list[Share], subject: str, path: _paths.Path) -> OpenedShare:
+    """The exporter is this process, and ``path`` (an in-process one) takes
+    it: its own objects, no lease."""
     export = registered(share)
     if export is None:  # it ended since the paths were chosen
         raise ClosedError("cannot open share: its lifetime ended or it was revoked")
@@ -130,7 +130,6 @@ def _same_process(share: Share, parts: list[Share], subject: str) -> OpenedShare
         _leaves(target, targets)
     else:
         targets.append(target)
-    path = same_process.PATH
     count = len(parts)
     log.info("opened %s %s over %s", subject, share.share_id[:8], path.name)
     return OpenedShare([path.name] * count, [_paths.Opened() for _ in range(count)],
@@ -151,9 +150,9 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     if log.isEnabledFor(logging.DEBUG):
         log.debug("opening %s %s: candidates %s", subject, share.share_id[:8],
                   "; ".join(",".join(order) for order, _, _ in choices[:4]))
-    if all(_paths.by_name(order[0]) is same_process.PATH for order, _, _ in choices):
-        return _same_process(share, parts, subject)
-    orders = [[p for p in order if _paths.by_name(p) is not same_process.PATH] for order, _, _ in choices]
+    if all(_paths.by_name(order[0]).in_process for order, _, _ in choices):
+        return _open_own_export(share, parts, subject, _paths.by_name(choices[0][0][0]))
+    orders = [[p for p in order if not _paths.by_name(p).in_process] for order, _, _ in choices]
     for i, order in enumerate(orders):
         if not order:
             raise UnsupportedError(f"allocation {i} of this bundle can be opened only in its exporting process")
@@ -171,8 +170,7 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     picks = [0] * len(parts)
     failures: list[list[str]] = [[] for _ in parts]
     deadline = time.monotonic() + timeout
-    if any(_paths.by_name(order[0]) is ucx_rma.PATH for order in orders):
-        ucx_rma.warm()  # load UCX here while the exporter prepares its offer
+    _paths.warm([order[0] for order in orders])  # (load UCX) while the exporter prepares its offer
     addresses = addresses_for(share)
 
     def next_path(i: int, why: str) -> None:
