@@ -33,12 +33,12 @@ LAYERS: dict[str, int] = {
     # L3 paths
     "_paths/": 3,
     # L4 endpoints
-    "_exporter": 4, "_importer": 4, "_handles": 4, "_arrays": 4, "_arena": 4,
+    "_exporter/": 4, "_importer": 4, "_handles": 4, "_arrays": 4, "_arena": 4,
     # L5 sharing API
     "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_reach": 5, "_opening": 5, "_open": 5,
     "_batch": 5, "_bundle": 5, "_layout": 5,
     # L6 built on the API
-    "_channel_wire": 6, "_channel": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
+    "_channel/": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
     # L7 surface: may import everything
     "__init__": 7, "ucx": 7, "ray": 7, "__main__": 7,
 }

@@ -307,9 +307,9 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
     import json
     import struct
 
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
-    monkeypatch.setattr(_exporter, "MAX_BACKLOG", 64 << 10)
+    monkeypatch.setattr(sessions, "MAX_BACKLOG", 64 << 10)
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
     host, port = share.control[0]
 
