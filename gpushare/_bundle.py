@@ -22,6 +22,7 @@ from . import _batch
 from ._types import collection_paused
 from ._arrays import empty
 from ._buffers import host_address_reader
+from ._bundle_tree import build, build_from, build_list, leaf_indices, pair
 from ._errors import ClosedError, InvalidInputError, UnsupportedError
 from ._manifest import Manifest
 from ._paths import Opened
@@ -321,7 +322,7 @@ class Bundle:
         """The same structure as the exported tree (dicts, lists, tuples), of views."""
         self._check()
         views = self._state.all_views()
-        return _build(self._node, views.__getitem__)
+        return build(self._node, views.__getitem__)
 
     # -- copies --------------------------------------------------------------
     def get(self, dests: Any = None, *, timeout: float | None = 60.0) -> Any:
@@ -374,13 +375,13 @@ class Bundle:
         if given is None:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
-            indices = range(s.manifest.count) if self._node is s.manifest.tree else _leaf_indices(self._node)
+            indices = range(s.manifest.count) if self._node is s.manifest.tree else leaf_indices(self._node)
             return _Fresh(s, self._node, indices, items), items
         if direction == "put":
-            _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
+            pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
             return given, items
         pairs: list[tuple[int, Any]] = []
-        _pair(self._node, given, lambda i, buf: pairs.append((i, buf)), "")
+        pair(self._node, given, lambda i, buf: pairs.append((i, buf)), "")
         return _Copies(_into(s, pairs, items)), items
 
     # -- state ---------------------------------------------------------------
@@ -440,13 +441,13 @@ class _Fresh:
         if self.tree is None:
             for raw, leaves, at in self.groups:
                 _rows(self.state.manifest, raw, leaves, at, self.arrays)
-            self.tree = _build_list(self.node, self.arrays, self.state.manifest)
+            self.tree = build_list(self.node, self.arrays, self.state.manifest)
 
     def done(self, _: Any) -> Any:
         self.prepare()
         if not self.pending:
             return self.tree
-        return _build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
+        return build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
 
 
 class _Copies:
@@ -645,82 +646,6 @@ def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[in
             base = raw_address[id(raw)] = address_of(raw)
         after.append((address_of(buf), base + at, buf.nbytes, (buf, raw)))
     return after
-
-
-def _leaf_indices(node: Any) -> list[int]:
-    if type(node) is int:
-        return [node]
-    kind, items = node
-    out: list[int] = []
-    for item in items:
-        out.extend(_leaf_indices(item[1] if kind == "d" else item))
-    return out
-
-
-def _build_list(node: Any, arrays: list[Any], m: Manifest) -> Any:
-    """:func:`_build` with ``arrays`` by tensor; a node of tensors numbered
-    one after another (a state dict's) made in one step."""
-    if type(node) is int:
-        return arrays[node]
-    run = m.run_of(node)
-    if run is not None:
-        keys, first = run
-        values = arrays[first:first + len(keys if keys is not None else node[1])]
-        kind = node[0]
-        return dict(zip(keys, values, strict=True)) if kind == "d" else values if kind == "l" else tuple(values)
-    kind, items = node
-    if kind == "d":
-        return {name: arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for name, sub in items}
-    out = [arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for sub in items]
-    return out if kind == "l" else tuple(out)
-
-
-def _build(node: Any, leaf: Any) -> Any:
-    if type(node) is int:
-        return leaf(node)
-    kind, items = node
-    if kind == "d":
-        return {name: leaf(sub) if type(sub) is int else _build(sub, leaf) for name, sub in items}
-    out = [leaf(sub) if type(sub) is int else _build(sub, leaf) for sub in items]
-    return out if kind == "l" else tuple(out)
-
-
-def _build_from(given: Any, leaf: Any) -> Any:
-    if isinstance(given, dict):
-        return {k: _build_from(v, leaf) for k, v in given.items()}
-    if isinstance(given, list):
-        return [_build_from(v, leaf) for v in given]
-    if isinstance(given, tuple):
-        return tuple(_build_from(v, leaf) for v in given)
-    return leaf(given)
-
-
-def _pair(node: Any, given: Any, add: Any, where: str) -> None:
-    """Walk ``given`` (part of the tree's structure) along ``node``."""
-    if type(node) is int:
-        if isinstance(given, (dict, list, tuple)):
-            raise InvalidInputError(f"bundle item {where or '[]'} is a tensor; got a {type(given).__name__}")
-        add(node, given)
-        return
-    kind, items = node
-    if kind == "d":
-        if not isinstance(given, dict):
-            raise InvalidInputError(f"bundle item {where or '[]'} is a dict; got a {type(given).__name__}")
-        names = dict(items)
-        for key, value in given.items():
-            sub = names.get(key)
-            if sub is None:
-                raise InvalidInputError(f"the bundle has no item {where}[{key!r}]")
-            if type(sub) is int and not isinstance(value, (dict, list, tuple)):
-                add(sub, value)  # a tensor's buffer, the common case: no walk down
-            else:
-                _pair(sub, value, add, f"{where}[{key!r}]")
-        return
-    if not isinstance(given, (list, tuple)) or len(given) != len(items):
-        raise InvalidInputError(f"bundle item {where or '[]'} is a {'list' if kind == 'l' else 'tuple'} of "
-                                f"{len(items)}; got {type(given).__name__} of {len(given) if hasattr(given, '__len__') else '?'}")
-    for j, (sub, value) in enumerate(zip(items, given, strict=True)):
-        _pair(sub, value, add, f"{where}[{j}]")
 
 
 async def _awaited(request: Any) -> None:

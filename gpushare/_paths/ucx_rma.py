@@ -20,7 +20,7 @@ from .._errors import (
     WaitTimeoutError,
 )
 from .._process import await_alive
-from .._ucx import _device, _loader, _server
+from .._ucx import _device, _loader, _node, _peer, _server
 from .base import KINDS, Grant, Here, Memory, Offer, Opened, Options, Paced, Path, exporter_exited, no_fds
 
 if TYPE_CHECKING:
@@ -91,11 +91,11 @@ class UcxRma(Path):
         no_fds(self.name, fds)
         address, region_id, key = grant.get("address"), grant.get("region"), grant.get("key")
         if (not isinstance(address, bytes) or isinstance(region_id, bool) or not isinstance(region_id, int)
-                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _server.KEY_BYTES):
+                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _node.KEY_BYTES):
             raise InvalidInputError("exporter sent a malformed ucx-rma offer")
         # One connection per exporter, shared by every view of its shares;
         # the exporter checks this view's key on every transfer.
-        peer = _server.client().connect(address, timeout=how.timeout)
+        peer = _peer.client().connect(address, timeout=how.timeout)
         return Opened(transport=RmaTransport(share, peer, (region_id, key), lease))
 
 
@@ -104,7 +104,7 @@ PATH: Path = UcxRma()
 
 def warm() -> None:
     """Load UCX while the exporter prepares its offer."""
-    _server.warm()
+    _node.warm()
 
 
 def _revoke(region: Any, key: bytes) -> None:
