@@ -133,22 +133,18 @@ class _State:
             missing = [i for i in range(m.count) if i not in self.views]
             if missing:
                 batches: dict[int, tuple[list[int], list[tuple]]] = {}
-                heads: dict[int, tuple[tuple, tuple, tuple]] = {}
-                trusted = Share._trusted
                 for i, (part, offset, nbytes, shape, typestr, name, dl, strides) in zip(missing, m.rows(missing)):
                     if self.targets is not None or self.opened[part].mapping is None:
                         self.views[i] = self._make(i)
                         continue
                     batch = batches.get(part)
                     if batch is None:
-                        f = self.parts[part]._fields_
-                        heads[part] = (f[:6], (f[7],), (f[10], f[11], f[12], f[13]))
                         batch = batches[part] = ([], [])
-                    head, mid, tail = heads[part]
                     batch[0].append(i)
-                    batch[1].append((trusted(head + (nbytes,) + mid + (shape, typestr) + tail
-                                             + (offset, name, dl, strides, None)), nbytes, shape, typestr, strides,
-                                     name))
+                    batch[1].append((self.parts[part]._replace(nbytes=nbytes, shape=shape, typestr=typestr,
+                                                               offset=offset, dtype_name=name, dlpack_dtype=dl,
+                                                               strides=strides, manifest=None),
+                                     nbytes, shape, typestr, strides, name))
                 for part, (leaves, items) in batches.items():
                     made = View._of_leaves(items, self.paths[part], self.whys[part], self.opened[part].mapping,
                                            self.uses[part])
@@ -165,9 +161,8 @@ class _State:
         else:
             leaf_shape, typestr, strides, name, dl = leaf.shape, leaf.typestr, leaf.strides, leaf.dtype_name, \
                 leaf.dlpack_dtype
-        f = part._fields_
-        share = Share._trusted(f[:6] + (leaf.nbytes, f[7], leaf_shape, typestr, f[10], f[11], f[12], f[13],
-                                        leaf.offset, name, dl, strides, None))
+        share = part._replace(nbytes=leaf.nbytes, shape=leaf_shape, typestr=typestr, offset=leaf.offset,
+                              dtype_name=name, dlpack_dtype=dl, strides=strides, manifest=None)
         opened = self.opened[leaf.part]
         if self.targets is not None:
             return View._make(share, path, self.whys[leaf.part], Opened(target=self.targets[i]))

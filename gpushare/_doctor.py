@@ -14,7 +14,7 @@ from ._capabilities import capabilities
 from ._errors import UCXLibraryError
 from ._ucx import _loader
 from ._open import choose
-from ._share import SHARE_FORMAT, Share, node_key
+from ._share import Share, node_key
 
 __all__ = ["run_doctor", "ucx_library", "ucx_transports", "live_check"]
 
@@ -63,9 +63,9 @@ def ucx_transports() -> dict[str, Any]:
 
 
 def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
-    shape, typestr = (4096,), "|u1"
-    share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
-                        shape, typestr, offers, "closed", None, False)
+    share = Share._make(*Share._fields_of(
+        share_id="0" * 32, token=b"\0" * 32, exporter_pid=1, node=node, control=(("127.0.0.1", 1),), nbytes=4096,
+        device=device, shape=(4096,), typestr="|u1", offers=offers, lifetime="closed", fabric=None, readonly=False))
     order, left_out, _ = choose(share, None, None)
     if not order:
         return "none", "; ".join(left_out)

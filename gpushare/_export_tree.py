@@ -23,7 +23,7 @@ from ._errors import GpuShareError, InvalidInputError
 from ._exporter import MAX_BACKLOG_FDS, Export, get_exporter, new_ids, track_auto
 from ._offering import device_ordinal, memory_of
 from ._paths.broker import release_registrations
-from ._share import PATHS, SHARE_FORMAT, Share, node_key
+from ._share import PATHS, Share, node_key
 from ._types import collection_paused
 
 __all__ = ["export_tree", "is_tree"]
@@ -379,9 +379,11 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
                         memory_type=parts[0].memory_type, offers=union, descriptors={}, policy=policy,
                         readonly=all_readonly, parts=parts, digest=made.digest)
         record.obj = tree
-        share = Share._make_bundle((SHARE_FORMAT, share_id, token, os.getpid(), node_key(), get_exporter().addresses,
-                                    total, parts[0].device, (total,), "|u1", union, lifetime_name,
-                                    described[0].fabric, all_readonly, 0, None, None, None, manifest), made)
+        share = Share._make_bundle(Share._fields_of(
+            share_id=share_id, token=token, exporter_pid=os.getpid(), node=node_key(),
+            control=get_exporter().addresses, nbytes=total, device=parts[0].device, shape=(total,), typestr="|u1",
+            offers=union, lifetime=lifetime_name, fabric=described[0].fabric, readonly=all_readonly,
+            manifest=manifest), made)
     except BaseException:
         for part in parts:
             release_registrations(part.registrations)

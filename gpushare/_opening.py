@@ -49,9 +49,9 @@ def part_shares(share: Share) -> list[Share]:
     own only allocation."""
     if not share.is_bundle:
         return [share]
-    f = share._fields_
-    return [Share._trusted(f[:6] + (p.nbytes, p.device, (p.nbytes,), "|u1", p.offers, f[11], p.fabric, p.readonly,
-                                    0, None, None, None, None))
+    return [share._replace(nbytes=p.nbytes, device=p.device, shape=(p.nbytes,), typestr="|u1", offers=p.offers,
+                           fabric=p.fabric, readonly=p.readonly, offset=0, dtype_name=None, dlpack_dtype=None,
+                           strides=None, manifest=None)
             for p in share._bundle.parts]
 
 

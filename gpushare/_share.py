@@ -197,6 +197,30 @@ class Share:
         object.__setattr__(self, "_bundle", None)
         return self
 
+    @classmethod
+    def _fields_of(cls, **named: Any) -> tuple:
+        """A share's fields in their wire order from named ones (``version``
+        defaults to :data:`SHARE_FORMAT`, the optional fields to theirs), for
+        :meth:`_make` and :meth:`_make_bundle`."""
+        named.setdefault("version", SHARE_FORMAT)
+        unknown = set(named) - set(cls._NAMES)
+        missing = [name for name in cls._BASE if name not in named]
+        if unknown or missing:
+            raise TypeError(f"share fields: unknown {sorted(unknown)}, missing {missing}")
+        return tuple(named[name] for name in cls._BASE) + tuple(named.get(name, default)
+                                                               for name, default in cls._OPTIONAL)
+
+    def _replace(self, **fields: Any) -> Share:
+        """A share like this one with the named ``fields`` replaced (a bundle's
+        part or tensor), as :meth:`_trusted`: the values are not checked again."""
+        values = list(self._fields_)
+        for name, value in fields.items():
+            at = _FIELD_AT.get(name)
+            if at is None:
+                raise TypeError(f"a share has no field {name!r}")
+            values[at] = value
+        return Share._trusted(tuple(values))
+
     def _on_send(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` when this share is pickled, copied or turned into bytes."""
         object.__setattr__(self, "_sent", hook)
@@ -427,6 +451,10 @@ class Share:
                     f"{len(self._bundle.parts)} allocations, {self.nbytes} bytes, from pid {self.exporter_pid}>")
         return (f"<gpushare.Share {self.share_id[:8]} {self.nbytes} bytes on {self.device} "
                 f"from pid {self.exporter_pid}, offers {', '.join(self.offers)}>")
+
+
+#: Each field's place in a share's fields, by name (for :meth:`Share._replace`).
+_FIELD_AT = {name: i for i, name in enumerate(Share._NAMES)}
 
 
 def _rebuild_share(*fields: Any) -> Share:
