@@ -47,7 +47,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._export import export
-from ._handles import allocate, export_buffer, import_buffer
+from ._by_descriptor import allocate, export_buffer, import_buffer
 from ._launch import set_authkey_from_process_group
 from ._layout import share_memory
 from ._open import open, open_async

@@ -362,21 +362,21 @@ class Bundle:
         _, items = self._targets(srcs, "put")
         await with_timeout(_awaited(_batch.put_batch(items)), timeout)
 
-    def _targets(self, given: Any, direction: str) -> tuple[Any, list[tuple[View, int, Any]]]:
+    def _targets(self, buffers: Any, direction: str) -> tuple[Any, list[tuple[View, int, Any]]]:
         """(the structure returned, the batch's items)."""
         self._check()
         s = self._state
         items: list[tuple[View, int, Any]] = []
-        if given is None:
+        if buffers is None:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
             indices = range(s.manifest.count) if self._node is s.manifest.tree else leaf_indices(self._node)
             return _Fresh(s, self._node, indices, items), items
         if direction == "put":
-            pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
-            return given, items
+            pair(self._node, buffers, lambda i, buf: items.append((s.view(i), 0, buf)), "")
+            return buffers, items
         pairs: list[tuple[int, Any]] = []
-        pair(self._node, given, lambda i, buf: pairs.append((i, buf)), "")
+        pair(self._node, buffers, lambda i, buf: pairs.append((i, buf)), "")
         return _Copies(_into(s, pairs, items)), items
 
     # -- state ---------------------------------------------------------------
@@ -425,8 +425,8 @@ class _Fresh:
             covered = np.zeros(s.manifest.count, dtype=bool)
             for _, leaves, _ in self.groups:
                 covered[leaves] = True
-            mine = _index_array(indices)
-            rest = mine[~covered[mine]].tolist()
+            wanted = _index_array(indices)
+            rest = wanted[~covered[wanted]].tolist()
         for i in rest:
             got = self.arrays[i] = _fresh(s, i, items)
             if type(got) is _Staged:
@@ -524,8 +524,8 @@ def _span_groups(s: _State, indices: Any) -> list[tuple[int, int, int, np.ndarra
         idx, part, offset, span = idx[keep], part[keep], offset[keep], span[keep]
     out = []
     for p in np.unique(part).tolist():
-        mine = part == p
-        leaves, at, size = (idx, offset, span) if mine.all() else (idx[mine], offset[mine], span[mine])
+        in_part = part == p
+        leaves, at, size = (idx, offset, span) if in_part.all() else (idx[in_part], offset[in_part], span[in_part])
         lo, hi = int(at.min()), int((at + size).max())
         if len(leaves) >= 2 and int(size.sum()) >= _WHOLE * (hi - lo):
             out.append((p, lo, hi, leaves, at - lo))

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from . import _export, _handles, _open, _paths
+from . import _by_descriptor, _export, _open, _paths
 from ._cuda import _driver
 from ._errors import GpuShareError
 
@@ -55,10 +55,10 @@ def _allocate(size: int) -> tuple[Any, str]:
     reason = _driver.unavailable_reason()
     if reason is None:
         try:
-            return _handles.allocate(size, device=0), "CUDA device 0"
+            return _by_descriptor.allocate(size, device=0), "CUDA device 0"
         except GpuShareError as exc:
             reason = str(exc)
-    return _handles.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
+    return _by_descriptor.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
 
 
 def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> None:

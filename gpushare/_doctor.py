@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from . import _export, _handles, _open, _paths
+from . import _by_descriptor, _export, _open, _paths
 from ._capabilities import capabilities
 from ._errors import UCXLibraryError
 from ._ucx import _loader
@@ -93,7 +93,7 @@ def _probe(conn: Any, tries: list[tuple[str, bytes]], expected: bytes) -> None:
 def live_check(timeout: float = 60.0) -> dict[str, str]:
     """Share 4 KiB of host memory with a second process on this node over each
     path host memory can take; return what happened on each ("works" or why not)."""
-    buf = _handles.allocate(4096, device="host")
+    buf = _by_descriptor.allocate(4096, device="host")
     expected = bytes(range(256)) * 16
     buf.memoryview()[:] = expected
     plain = bytearray(expected)  # memory gpushare did not allocate

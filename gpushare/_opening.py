@@ -2,7 +2,7 @@
 one allocation.
 
 For each allocation, the paths this process can take, best first
-(:func:`gpushare._reach.choose`).  Then one request to the exporter naming
+(:func:`gpushare._open_plan.choose`).  Then one request to the exporter naming
 a path per allocation, and one lease for them all.  A path the exporter
 refuses, or that this process cannot map, names its allocation as data (the
 refusal's ``part``, or :class:`_PartFailed`): everything opened is closed
@@ -34,7 +34,7 @@ from ._errors import (
 )
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
-from ._reach import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
+from ._open_plan import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
 from ._share import Share, altered
 from ._types import collection_paused
 
@@ -185,9 +185,9 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     try:
         while True:
             if deadline - time.monotonic() <= 0:
-                said = "; ".join(f for fs in failures for f in fs)
+                failed = "; ".join(f for fs in failures for f in fs)
                 raise ExporterUnreachableError(f"open did not finish within {timeout} s" + (
-                    f" ({said})" if said else ""))
+                    f" ({failed})" if failed else ""))
             paths = [order[pick] for order, pick in zip(orders, picks, strict=True)]
             try:
                 reply, lease, fds = importer.open(share, addresses, _request(share, paths), deadline)
@@ -262,7 +262,7 @@ def _open_parts(parts: list[Share], paths: list[str], payload: Any, fds: list[in
 def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int], lease: Any,
                device: int | None, deadline: float, prefault: bool, bundle: bool) -> list[_paths.Opened]:
     opened: list[_paths.Opened] = []
-    given: list[list[int]] = [fds]  # each list's fds are closed at the end, unless a path took them
+    fds_of_part: list[list[int]] = [fds]  # each list's fds are closed at the end, unless a path took them
     one = not bundle
     try:
         if one:
@@ -275,16 +275,16 @@ def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int
         else:
             payloads, counts = payload["parts"], payload["fds"]
         at = 0
-        given = []
+        fds_of_part = []
         for count in counts:
-            given.append(fds[at:at + count])
+            fds_of_part.append(fds[at:at + count])
             at += count
-        for i, (part, path, grant, mine) in enumerate(zip(parts, paths, payloads, given, strict=True)):
+        for i, (part, path, grant, part_fds) in enumerate(zip(parts, paths, payloads, fds_of_part, strict=True)):
             how = _paths.Options(device, max(0.001, deadline - time.monotonic()), prefault, part=None if one else i)
             try:
                 if not isinstance(grant, dict):
                     raise InvalidInputError("exporter sent a malformed offer" + ("" if one else f" for allocation {i}"))
-                got = _paths.by_name(path).open(part, grant, mine, lease, how)
+                got = _paths.by_name(path).open(part, grant, part_fds, lease, how)
             except GpuShareError as exc:
                 raise _PartFailed(i, exc) from None
             opened.append(got)
@@ -302,7 +302,7 @@ def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int
                 got.transport.close()
         raise
     finally:
-        for mine in given:  # a path that keeps fds clears its list
-            for fd in mine:
+        for part_fds in fds_of_part:  # a path that keeps fds clears its list
+            for fd in part_fds:
                 os.close(fd)
     return opened

@@ -5,7 +5,7 @@ layers, never of a higher one.  Imports under ``if TYPE_CHECKING:`` are exempt.
 Everything here reads the files with :mod:`ast`; no module of gpushare is
 imported, so a cycle or a broken import cannot hide itself.
 
-docs/design.md ("Layers") has the same table in prose.  A new module must be
+docs/design.md ("Layers") has the same table in prose (a test checks that the two agree).  A new module must be
 added to :data:`LAYERS`; the test says so when it finds one that is not there.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 from collections.abc import Iterable, Mapping
 
 import pytest
@@ -33,9 +34,9 @@ LAYERS: dict[str, int] = {
     # L3 paths
     "_paths/": 3,
     # L4 endpoints
-    "_exporter/": 4, "_hello": 4, "_importer": 4, "_handles": 4, "_arrays": 4, "_arena": 4,
+    "_exporter/": 4, "_hello": 4, "_importer": 4, "_by_descriptor": 4, "_arrays": 4, "_arena": 4,
     # L5 sharing API
-    "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_reach": 5, "_opening": 5, "_open": 5,
+    "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_open_plan": 5, "_opening": 5, "_open": 5,
     "_batch": 5, "_bundle_tree": 5, "_bundle": 5, "_layout": 5,
     # L6 built on the API
     "_channel/": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
@@ -440,3 +441,26 @@ def test_long_files_counts_lines(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.py").write_text("x = 1\n" * 5)
     assert long_files(tmp_path, 3) == {"sub/b.py": 5}
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+
+def design_layers(text: str) -> dict[str, int]:
+    """The layer of each module in docs/design.md's table (rows ``| L<n> ... | `mod`, ... |``)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        row = re.match(r"\| L(\d) [^|]*\| ([^|]*)\|", line)
+        if row:
+            for name in re.findall(r"`([^`]+)`", row.group(2)):
+                out[name] = int(row.group(1))
+    return out
+
+
+def test_the_design_table_is_this_table():
+    assert design_layers(DESIGN.read_text()) == LAYERS, "docs/design.md's layer table and LAYERS disagree"
+
+
+def test_design_layers_reads_the_table():
+    text = "| layer | modules |\n| --- | --- |\n| L0 base | `_a`, `_b/` | stdlib |\n| L3 paths | `_c` | L0 |\n"
+    assert design_layers(text) == {"_a": 0, "_b/": 0, "_c": 3}

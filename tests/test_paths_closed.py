@@ -139,7 +139,7 @@ def test_no_module_outside_the_paths_names_a_path_or_handle_type():
     ('"""Docs may say host-fd."""\nx = 1\n', "_open", []),
     ('if name == "ucx-rma":\n    pass\n', "_open", ["_open.py:1: names 'ucx-rma'"]),
     ('from ._paths import cma\n', "_exporter", ["_exporter.py:1: imports the path module cma"]),
-    ('from ._paths.host_fd import HostBuffer\n', "_handles", ["_handles.py:1: imports from the path module host_fd"]),
+    ('from ._paths.host_fd import HostBuffer\n', "_by_descriptor", ["_by_descriptor.py:1: imports from the path module host_fd"]),
     ('x = _paths.fabric.PATH\n', "_export", ["_export.py:1: reaches the path module fabric past the registry"]),
     ('from ._paths import Opened, by_name\n', "_bundle", []),
     ('FABRIC = "fabric"\n', "_cuda/vmm", []),
@@ -147,7 +147,7 @@ def test_no_module_outside_the_paths_names_a_path_or_handle_type():
     ('if t == "fabric":\n    pass\n', "_cuda/vmm", ["_cuda/vmm.py:1: names 'fabric'"]),
     ('class D:\n    handle_type = "posix-fd"\n', "_descriptors", []),
     ('T = ("tcp", "cma")\nok = tl == "cma"\n', "_ucx/_local", []),
-    ('ok = tl == "cma"\n', "_reach", ["_reach.py:1: names 'cma'"]),
+    ('ok = tl == "cma"\n', "_open_plan", ["_open_plan.py:1: names 'cma'"]),
     ('class S:\n    _BASE = ("offers", "fabric")\n', "_share", []),
 ])
 def test_the_check_sees_what_it_should_and_no_more(source, module, expected):

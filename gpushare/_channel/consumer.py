@@ -14,7 +14,7 @@ from .._open import open as open_share
 from .._arrays import CudaArray
 from .._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError
 from .._errors import WaitTimeoutError
-from .._handles import allocate
+from .._by_descriptor import allocate
 from .waits import _close_fd, _until, _passed, _run, _run_async
 from .handle import ChannelHandle
 from .records import _RELEASE, _LEAVE, _record

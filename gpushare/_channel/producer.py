@@ -17,7 +17,7 @@ from .._export import export
 from .._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from .._errors import ChannelBrokenError, ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from .._errors import WaitTimeoutError
-from .._handles import allocate
+from .._by_descriptor import allocate
 from .._process import node_key
 from .waits import _until, _passed, _exited, _why_gone, _run, _run_async
 from .handle import HANDLE_FORMAT, MAX_CONSUMERS, MAX_SLOTS, ChannelHandle

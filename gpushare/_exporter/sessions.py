@@ -203,9 +203,10 @@ class Session(Protocol):
         """Answer ``rid`` with a refusal; ``part``: the bundle's allocation it is about (data the
         importer acts on, as its next path for that allocation)."""
         if refusals.allow():
-            said = f" (pid {self.claimed_pid}, as it says)" if self.claimed_pid is not None and not self.local else ""
+            claimed = (f" (pid {self.claimed_pid}, as it says)" if self.claimed_pid is not None and not self.local
+                       else "")
             log.log(logging.WARNING if code in ("denied", "bad") else logging.INFO, "refused %s%s%s: %s (%s)",
-                    _peer(conn), said, "" if self.ready else " before it proved the key", message, code)
+                    _peer(conn), claimed, "" if self.ready else " before it proved the key", message, code)
         reply = {"id": rid, "ok": False, "code": code, "message": message}
         if part is not None:
             reply["part"] = part
@@ -282,9 +283,9 @@ class Session(Protocol):
                          f"already, the most one connection may hold (gpushare._exporter.MAX_LEASES): close "
                          "views it no longer uses")
             return
-        said = msg.get("said")
-        if said is not None:  # what the importer's share says of the memory (absent from older importers)
-            why = _said_altered(said, export)
+        described = msg.get("said")  # the wire's name for it
+        if described is not None:  # what the importer's share says of the memory (absent from older importers)
+            why = _altered_description(described, export)
             if why is not None:
                 self._refuse(conn, rid, "altered" if why else "bad", why or "malformed 'said' in an open request")
                 return
@@ -498,13 +499,13 @@ def _bundle_request(msg: dict, export: Export) -> tuple[str, str | None]:
     return ",".join(paths), None
 
 
-def _said_altered(said: Any, export: Export) -> str | None:
-    """Why an open's ``said`` (the device, size, offset and read-only flag its
-    share names) does not describe ``export``: the share was altered; ``""``
-    for a malformed ``said``; ``None`` when it matches."""
-    if not isinstance(said, dict) or len(said) != 4:
+def _altered_description(described: Any, export: Export) -> str | None:
+    """Why the memory an open's share describes (its ``said``: the device,
+    size, offset and read-only flag) is not ``export``'s: the share was
+    altered; ``""`` for a malformed description; ``None`` when it matches."""
+    if not isinstance(described, dict) or len(described) != 4:
         return ""
-    device, nbytes, offset, readonly = (said.get(k) for k in ("device", "nbytes", "offset", "readonly"))
+    device, nbytes, offset, readonly = (described.get(k) for k in ("device", "nbytes", "offset", "readonly"))
     if not (device == "host" or (type(device) is int and 0 <= device < 1 << 16)) or not all(
             type(v) is int and 0 <= v < 1 << 62 for v in (nbytes, offset)) or type(readonly) is not bool:
         return ""
