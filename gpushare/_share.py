@@ -507,11 +507,13 @@ def _bundle_of(manifest: Any, fields: tuple, made: _manifest.Manifest | None = N
     as a whole)."""
     decoded = _manifest.decode(manifest) if made is None or made.digest != _manifest.digest(manifest) else made
     parts = decoded.parts
-    nbytes, device, shape, typestr, offers, fabric, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 12, 13))
+    f = dict(zip(Share._NAMES, fields, strict=True))
+    nbytes = f["nbytes"]
     union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
     total = sum(part.nbytes for part in parts)
-    if (nbytes != total or device != parts[0].device or shape != (nbytes,) or typestr != "|u1" or offers != union
-            or fields[14:18] != (0, None, None, None) or readonly != all(p.readonly for p in parts)
-            or fabric != parts[0].fabric):
+    whole = (f["offset"], f["dtype_name"], f["dlpack_dtype"], f["strides"]) == (0, None, None, None)
+    if (nbytes != total or f["device"] != parts[0].device or f["shape"] != (nbytes,) or f["typestr"] != "|u1"
+            or f["offers"] != union or not whole or f["readonly"] != all(p.readonly for p in parts)
+            or f["fabric"] != parts[0].fabric):
         raise InvalidInputError("a bundle's share fields do not describe its manifest (altered or corrupt)")
     return decoded
