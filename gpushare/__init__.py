@@ -48,11 +48,11 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._export import export
-from ._handles import allocate, export_buffer, import_buffer
+from ._by_descriptor import allocate, export_buffer, import_buffer
 from ._launch import set_authkey_from_process_group
 from ._layout import share_memory
 from ._open import open, open_async
-from ._paths.host_fd import HostBuffer
+from ._paths.handles import HostBuffer
 from ._share import BundleShare, Share
 from ._version import __version__
 from ._view import View

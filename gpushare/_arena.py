@@ -25,7 +25,7 @@ import numpy as np
 from . import _torch_alloc, _types
 from ._arrays import CudaArray, check_shape, nbytes_of, portable_typestr
 from ._errors import ClosedError, InvalidInputError
-from ._handles import allocate
+from ._by_descriptor import allocate
 
 __all__ = ["Arena"]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from . import _dlpack, _memory, _types
 from ._cuda import _driver
 from ._errors import CUDAOutOfMemoryError, InvalidInputError
-from ._handles import allocate
+from ._by_descriptor import allocate
 
 if TYPE_CHECKING:
     import numpy

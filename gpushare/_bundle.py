@@ -22,6 +22,7 @@ from . import _batch
 from ._types import collection_paused
 from ._arrays import empty
 from ._buffers import host_address_reader
+from ._bundle_tree import build, build_from, build_list, leaf_indices, pair
 from ._errors import ClosedError, InvalidInputError, UnsupportedError
 from ._manifest import Manifest
 from ._paths import Opened
@@ -132,22 +133,18 @@ class _State:
             missing = [i for i in range(m.count) if i not in self.views]
             if missing:
                 batches: dict[int, tuple[list[int], list[tuple]]] = {}
-                heads: dict[int, tuple[tuple, tuple, tuple]] = {}
-                trusted = Share._trusted
                 for i, (part, offset, nbytes, shape, typestr, name, dl, strides) in zip(missing, m.rows(missing)):
                     if self.targets is not None or self.opened[part].mapping is None:
                         self.views[i] = self._make(i)
                         continue
                     batch = batches.get(part)
                     if batch is None:
-                        f = self.parts[part]._fields_
-                        heads[part] = (f[:6], (f[7],), (f[10], f[11], f[12], f[13]))
                         batch = batches[part] = ([], [])
-                    head, mid, tail = heads[part]
                     batch[0].append(i)
-                    batch[1].append((trusted(head + (nbytes,) + mid + (shape, typestr) + tail
-                                             + (offset, name, dl, strides, None)), nbytes, shape, typestr, strides,
-                                     name))
+                    batch[1].append((self.parts[part]._replace(nbytes=nbytes, shape=shape, typestr=typestr,
+                                                               offset=offset, dtype_name=name, dlpack_dtype=dl,
+                                                               strides=strides, manifest=None),
+                                     nbytes, shape, typestr, strides, name))
                 for part, (leaves, items) in batches.items():
                     made = View._of_leaves(items, self.paths[part], self.whys[part], self.opened[part].mapping,
                                            self.uses[part])
@@ -164,9 +161,8 @@ class _State:
         else:
             leaf_shape, typestr, strides, name, dl = leaf.shape, leaf.typestr, leaf.strides, leaf.dtype_name, \
                 leaf.dlpack_dtype
-        f = part._fields_
-        share = Share._trusted(f[:6] + (leaf.nbytes, f[7], leaf_shape, typestr, f[10], f[11], f[12], f[13],
-                                        leaf.offset, name, dl, strides, None))
+        share = part._replace(nbytes=leaf.nbytes, shape=leaf_shape, typestr=typestr, offset=leaf.offset,
+                              dtype_name=name, dlpack_dtype=dl, strides=strides, manifest=None)
         opened = self.opened[leaf.part]
         if self.targets is not None:
             return View._make(share, path, self.whys[leaf.part], Opened(target=self.targets[i]))
@@ -321,7 +317,7 @@ class Bundle:
         """The same structure as the exported tree (dicts, lists, tuples), of views."""
         self._check()
         views = self._state.all_views()
-        return _build(self._node, views.__getitem__)
+        return build(self._node, views.__getitem__)
 
     # -- copies --------------------------------------------------------------
     def get(self, dests: Any = None, *, timeout: float | None = 60.0) -> Any:
@@ -366,21 +362,21 @@ class Bundle:
         _, items = self._targets(srcs, "put")
         await with_timeout(_awaited(_batch.put_batch(items)), timeout)
 
-    def _targets(self, given: Any, direction: str) -> tuple[Any, list[tuple[View, int, Any]]]:
+    def _targets(self, buffers: Any, direction: str) -> tuple[Any, list[tuple[View, int, Any]]]:
         """(the structure returned, the batch's items)."""
         self._check()
         s = self._state
         items: list[tuple[View, int, Any]] = []
-        if given is None:
+        if buffers is None:
             if direction == "put":
                 raise InvalidInputError("put needs the buffers to copy in")
-            indices = range(s.manifest.count) if self._node is s.manifest.tree else _leaf_indices(self._node)
+            indices = range(s.manifest.count) if self._node is s.manifest.tree else leaf_indices(self._node)
             return _Fresh(s, self._node, indices, items), items
         if direction == "put":
-            _pair(self._node, given, lambda i, buf: items.append((s.view(i), 0, buf)), "")
-            return given, items
+            pair(self._node, buffers, lambda i, buf: items.append((s.view(i), 0, buf)), "")
+            return buffers, items
         pairs: list[tuple[int, Any]] = []
-        _pair(self._node, given, lambda i, buf: pairs.append((i, buf)), "")
+        pair(self._node, buffers, lambda i, buf: pairs.append((i, buf)), "")
         return _Copies(_into(s, pairs, items)), items
 
     # -- state ---------------------------------------------------------------
@@ -429,8 +425,8 @@ class _Fresh:
             covered = np.zeros(s.manifest.count, dtype=bool)
             for _, leaves, _ in self.groups:
                 covered[leaves] = True
-            mine = _index_array(indices)
-            rest = mine[~covered[mine]].tolist()
+            wanted = _index_array(indices)
+            rest = wanted[~covered[wanted]].tolist()
         for i in rest:
             got = self.arrays[i] = _fresh(s, i, items)
             if type(got) is _Staged:
@@ -440,13 +436,13 @@ class _Fresh:
         if self.tree is None:
             for raw, leaves, at in self.groups:
                 _rows(self.state.manifest, raw, leaves, at, self.arrays)
-            self.tree = _build_list(self.node, self.arrays, self.state.manifest)
+            self.tree = build_list(self.node, self.arrays, self.state.manifest)
 
     def done(self, _: Any) -> Any:
         self.prepare()
         if not self.pending:
             return self.tree
-        return _build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
+        return build_from(self.tree, lambda leaf: leaf.result() if type(leaf) is _Staged else leaf)
 
 
 class _Copies:
@@ -528,8 +524,8 @@ def _span_groups(s: _State, indices: Any) -> list[tuple[int, int, int, np.ndarra
         idx, part, offset, span = idx[keep], part[keep], offset[keep], span[keep]
     out = []
     for p in np.unique(part).tolist():
-        mine = part == p
-        leaves, at, size = (idx, offset, span) if mine.all() else (idx[mine], offset[mine], span[mine])
+        in_part = part == p
+        leaves, at, size = (idx, offset, span) if in_part.all() else (idx[in_part], offset[in_part], span[in_part])
         lo, hi = int(at.min()), int((at + size).max())
         if len(leaves) >= 2 and int(size.sum()) >= _WHOLE * (hi - lo):
             out.append((p, lo, hi, leaves, at - lo))
@@ -645,82 +641,6 @@ def _into(s: _State, pairs: list[tuple[int, Any]], items: list) -> list[tuple[in
             base = raw_address[id(raw)] = address_of(raw)
         after.append((address_of(buf), base + at, buf.nbytes, (buf, raw)))
     return after
-
-
-def _leaf_indices(node: Any) -> list[int]:
-    if type(node) is int:
-        return [node]
-    kind, items = node
-    out: list[int] = []
-    for item in items:
-        out.extend(_leaf_indices(item[1] if kind == "d" else item))
-    return out
-
-
-def _build_list(node: Any, arrays: list[Any], m: Manifest) -> Any:
-    """:func:`_build` with ``arrays`` by tensor; a node of tensors numbered
-    one after another (a state dict's) made in one step."""
-    if type(node) is int:
-        return arrays[node]
-    run = m.run_of(node)
-    if run is not None:
-        keys, first = run
-        values = arrays[first:first + len(keys if keys is not None else node[1])]
-        kind = node[0]
-        return dict(zip(keys, values, strict=True)) if kind == "d" else values if kind == "l" else tuple(values)
-    kind, items = node
-    if kind == "d":
-        return {name: arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for name, sub in items}
-    out = [arrays[sub] if type(sub) is int else _build_list(sub, arrays, m) for sub in items]
-    return out if kind == "l" else tuple(out)
-
-
-def _build(node: Any, leaf: Any) -> Any:
-    if type(node) is int:
-        return leaf(node)
-    kind, items = node
-    if kind == "d":
-        return {name: leaf(sub) if type(sub) is int else _build(sub, leaf) for name, sub in items}
-    out = [leaf(sub) if type(sub) is int else _build(sub, leaf) for sub in items]
-    return out if kind == "l" else tuple(out)
-
-
-def _build_from(given: Any, leaf: Any) -> Any:
-    if isinstance(given, dict):
-        return {k: _build_from(v, leaf) for k, v in given.items()}
-    if isinstance(given, list):
-        return [_build_from(v, leaf) for v in given]
-    if isinstance(given, tuple):
-        return tuple(_build_from(v, leaf) for v in given)
-    return leaf(given)
-
-
-def _pair(node: Any, given: Any, add: Any, where: str) -> None:
-    """Walk ``given`` (part of the tree's structure) along ``node``."""
-    if type(node) is int:
-        if isinstance(given, (dict, list, tuple)):
-            raise InvalidInputError(f"bundle item {where or '[]'} is a tensor; got a {type(given).__name__}")
-        add(node, given)
-        return
-    kind, items = node
-    if kind == "d":
-        if not isinstance(given, dict):
-            raise InvalidInputError(f"bundle item {where or '[]'} is a dict; got a {type(given).__name__}")
-        names = dict(items)
-        for key, value in given.items():
-            sub = names.get(key)
-            if sub is None:
-                raise InvalidInputError(f"the bundle has no item {where}[{key!r}]")
-            if type(sub) is int and not isinstance(value, (dict, list, tuple)):
-                add(sub, value)  # a tensor's buffer, the common case: no walk down
-            else:
-                _pair(sub, value, add, f"{where}[{key!r}]")
-        return
-    if not isinstance(given, (list, tuple)) or len(given) != len(items):
-        raise InvalidInputError(f"bundle item {where or '[]'} is a {'list' if kind == 'l' else 'tuple'} of "
-                                f"{len(items)}; got {type(given).__name__} of {len(given) if hasattr(given, '__len__') else '?'}")
-    for j, (sub, value) in enumerate(zip(items, given, strict=True)):
-        _pair(sub, value, add, f"{where}[{j}]")
 
 
 async def _awaited(request: Any) -> None:

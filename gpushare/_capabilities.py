@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ._cuda import _driver, fabric
+from ._paths.handles import CUDA_HANDLE_TYPES, HOST_HANDLE_TYPES
 from ._process import node_identity
 from ._types import public_handle_types
 from ._version import __version__
@@ -45,7 +46,7 @@ def _devices(device: int | None, imex: dict[str, Any]) -> tuple[list[dict[str, A
                 "ordinal": i,
                 "name": _driver.device_name(i),
                 "uuid": uuids[i],
-                "handle_types": public_handle_types(types) + ["cuda-ipc"],
+                "handle_types": public_handle_types(types) + list(CUDA_HANDLE_TYPES),
                 "fabric_reason": why_not,
                 "fabric": found.get(i, {"reason": fabric_reason}),
             }
@@ -87,7 +88,7 @@ def capabilities(device: int | None = None) -> dict[str, Any]:
     return {
         "node": node_identity(),
         "host": {
-            "handle_types": ["posix-fd"] if host_ok else [],
+            "handle_types": list(HOST_HANDLE_TYPES) if host_ok else [],
             "reason": None if host_ok else "os.memfd_create is unavailable on this platform",
         },
         "cuda": {

@@ -10,10 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from . import _export, _handles, _open
+from . import _by_descriptor, _export, _open, _paths
 from ._cuda import _copies, _driver
 from ._errors import GpuShareError
-from ._paths import ucx_rma
 
 __all__ = ["run_demo"]
 
@@ -74,10 +73,10 @@ def _allocate(size: int) -> tuple[Any, str]:
     reason = _driver.unavailable_reason()
     if reason is None:
         try:
-            return _handles.allocate(size, device=0), "CUDA device 0"
+            return _by_descriptor.allocate(size, device=0), "CUDA device 0"
         except GpuShareError as exc:
             reason = str(exc)
-    return _handles.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
+    return _by_descriptor.allocate(size, device="host"), f"host memory (no usable GPU: {reason.split(' (')[0]})"
 
 
 def _device_copy(buf: Any, host: Any, size: int, to_device: bool, what: str) -> None:
@@ -179,7 +178,8 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
     ok = True
     try:
         say(f"exporting {size >> 20} MiB of {where} from process {mp.current_process().pid}")
-        for prefer in (None, ucx_rma.PATH.name):
+        network = next(p.name for p in _paths.PATHS if p.network)  # ucx-rma, for comparison
+        for prefer in (None, network):
             tick(f"filling {size >> 20} MiB with random bytes")
             digest = _fill(buf, size)
             share = _export.export(buf, lifetime="revoked")
@@ -216,7 +216,7 @@ def run_demo(size: int = 64 << 20, repeat: int = 5, out: Any = print, *, as_json
             say(f"  get: {run['get_gbps']:6.2f} GB/s, bytes match the exporter's: {get_ok}")
             say(f"  put: {run['put_gbps']:6.2f} GB/s, the exporter sees the bytes: {put_ok}")
             ok = ok and get_ok and put_ok
-            if r["path"] == ucx_rma.PATH.name:
+            if r["path"] == network:
                 break  # nothing faster to compare with
     finally:
         line.clear()

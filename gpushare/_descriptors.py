@@ -16,7 +16,7 @@ from typing import Any
 
 from ._errors import InvalidInputError
 from ._types import OLD_HANDLE_TYPES
-from ._types import integer as _integer  # the name its callers here and in _handles use
+from ._types import integer as _integer  # the name its callers here and in _by_descriptor use
 from ._types import text as _text
 
 __all__ = [

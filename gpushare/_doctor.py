@@ -9,12 +9,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from . import _export, _handles, _open
+from . import _by_descriptor, _export, _open, _paths
 from ._capabilities import capabilities
 from ._errors import UCXLibraryError
 from ._ucx import _loader
 from ._open import choose
-from ._share import SHARE_FORMAT, Share, node_key
+from ._share import Share, node_key
 
 __all__ = ["run_doctor", "ucx_library", "ucx_transports", "live_check"]
 
@@ -63,9 +63,9 @@ def ucx_transports() -> dict[str, Any]:
 
 
 def _decide(node: str, device: Any, offers: tuple[str, ...]) -> tuple[str, str]:
-    shape, typestr = (4096,), "|u1"
-    share = Share._make(SHARE_FORMAT, "0" * 32, b"\0" * 32, 1, node, (("127.0.0.1", 1),), 4096, device,
-                        shape, typestr, offers, "closed", None, False)
+    share = Share._make(*Share._fields_of(
+        share_id="0" * 32, token=b"\0" * 32, exporter_pid=1, node=node, control=(("127.0.0.1", 1),), nbytes=4096,
+        device=device, shape=(4096,), typestr="|u1", offers=offers, lifetime="closed", fabric=None, readonly=False))
     order, left_out, _ = choose(share, None, None)
     if not order:
         return "none", "; ".join(left_out)
@@ -93,13 +93,17 @@ def _probe(conn: Any, tries: list[tuple[str, bytes]], expected: bytes) -> None:
 def live_check(timeout: float = 60.0) -> dict[str, str]:
     """Share 4 KiB of host memory with a second process on this node over each
     path host memory can take; return what happened on each ("works" or why not)."""
-    paths = ["host-fd", "cma", "ucx-rma"]
-    buf = _handles.allocate(4096, device="host")
+    buf = _by_descriptor.allocate(4096, device="host")
     expected = bytes(range(256)) * 16
     buf.memoryview()[:] = expected
     plain = bytearray(expected)  # memory gpushare did not allocate
     share, plain_share = _export.export(buf, lifetime="revoked"), _export.export(plain, lifetime="revoked")
-    tries = [("host-fd", share.to_bytes()), ("cma", plain_share.to_bytes()), ("ucx-rma", share.to_bytes())]
+    tries = []  # each path another process can take, over the first of the two shares that offers it
+    for path in _paths.PATHS:
+        offering = [s for s in (share, plain_share) if path.name in s.offers]
+        if offering and not path.in_process:
+            tries.append((path.name, offering[0].to_bytes()))
+    paths = [name for name, _ in tries]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_probe, args=(child, tries, expected), daemon=True)
@@ -131,17 +135,14 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     caps["ucx"]["library"] = ucx_library()
     here, elsewhere = node_key(), "another-node"
     cuda_devices = caps["cuda"]["devices"] or []
-    scenarios = [
-        ("host memory from gpushare.allocate", "host", ("host-fd", "ucx-rma")),
-        ("other host memory (a NumPy array)", "host", ("cma", "ucx-rma")),
-    ]
-    if cuda_devices:
-        types = cuda_devices[0].get("handle_types", [])
-        vmm = tuple(p for p, t in (("fabric", "fabric"), ("posix-fd", "posix-fd")) if t in types)
-        scenarios += [
-            ("CUDA memory from gpushare.allocate", 0, vmm + ("ucx-rma",)),
-            ("other CUDA memory (CuPy pool, torch)", 0, ("cuda-ipc", "ucx-rma")),
-        ]
+    types = cuda_devices[0].get("handle_types", []) if cuda_devices else []
+    scenarios = []
+    for kind in _paths.KINDS:  # each kind of memory, offered as each path that serves it would offer it
+        if kind.cuda and not cuda_devices:
+            continue
+        offers = tuple(p.name for p in _paths.PATHS if kind in p.serves and not p.in_process
+                       and (not kind.cuda or p.device_handle is None or p.device_handle in types))
+        scenarios.append((kind.label, 0 if kind.cuda else "host", offers))
     decisions = []
     for label, device, offers in scenarios:
         for where, node in (("same node", here), ("another node", elsewhere)):

@@ -8,13 +8,12 @@ from typing import Any, overload
 
 from . import _arrays, _buffers, _paths
 from ._cuda import _driver
-from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import InvalidInputError, InvalidTypeError
 from ._export_tree import export_tree, is_tree
 from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
 from ._offering import PathList, device_ordinal, memory_of, parse_lifetime
 from ._paths.broker import release_registrations
-from ._share import SHARE_FORMAT, BundleShare, Share, node_key
+from ._share import BundleShare, Share, node_key
 from ._types import Lifetime
 
 __all__ = ["export", "PathList"]
@@ -116,15 +115,15 @@ def export(obj: Any, *, lifetime: Lifetime = "auto", paths: PathList | None = No
         release_registrations(regs)
         raise
     exporter.add(record)
-    fabric = None
-    if _paths.fabric.PATH.name in offers:
-        fabric = fabric_cliques()[0].get(device)
+    fabric = _paths.cliques([(tuple(offers), device)])[0]
     log.info("exported share %s: %d bytes of %s memory%s, offered on %s, lifetime %s%s", share_id[:8], nbytes,
              "host" if device == "host" else "CUDA", "" if device == "host" else f" on device {device}",
              ", ".join(offers), lifetime_name, ", read-only" if readonly else "")
-    share = Share._make(SHARE_FORMAT, share_id, token, os.getpid(), node_key(), exporter.addresses, nbytes,
-                        device, shape, typestr, tuple(offers), lifetime_name, fabric, readonly, offset, dtype_name,
-                        dlpack_dtype, strides)
+    share = Share._make(*Share._fields_of(
+        share_id=share_id, token=token, exporter_pid=os.getpid(), node=node_key(), control=exporter.addresses,
+        nbytes=nbytes, device=device, shape=shape, typestr=typestr, offers=tuple(offers), lifetime=lifetime_name,
+        fabric=fabric, readonly=readonly, offset=offset, dtype_name=dtype_name, dlpack_dtype=dlpack_dtype,
+        strides=strides))
     if policy == "auto":
         track_auto(obj, share, record)
     return share

@@ -19,13 +19,11 @@ from typing import Any
 
 from . import _arrays, _buffers, _manifest, _paths
 from ._cuda import _driver
-from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import GpuShareError, InvalidInputError
 from ._exporter import MAX_BACKLOG_FDS, Export, get_exporter, new_ids, track_auto
 from ._offering import device_ordinal, memory_of
-from ._paths import cuda_ipc
 from ._paths.broker import release_registrations
-from ._share import PATHS, SHARE_FORMAT, Share, node_key
+from ._share import PATHS, Share, node_key
 from ._types import collection_paused
 
 __all__ = ["export_tree", "is_tree"]
@@ -170,7 +168,7 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
         # Memory of CuPy's pool, torch's caching allocator (a segment holds many
         # storages), cudaMalloc or an exportable pool: the tensors in one allocation
         # are one part (CUDA IPC exports the whole allocation anyway).
-        found_range = cuda_ipc.base_allocation(t.address, t.device)
+        found_range = _paths.base_allocation(t.address, t.device)
         if found_range is not None:
             alloc = _Allocation(None, *found_range, "cuda", t.device, t.readonly, by_span=True, hull=True)
             found.insert(0, alloc)
@@ -370,10 +368,9 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
         with collection_paused(len(allocations)):
             parts.extend(_part_exports(allocations, share_id, token, policy, readonly, wanted))
         _check_fds(parts)
-        cliques = fabric_cliques()[0] if any(_paths.fabric.PATH.name in p.offers for p in parts) else {}
-        described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly,
-                                    cliques.get(p.device) if _paths.fabric.PATH.name in p.offers else None)
-                     for p in parts]
+        cliques = _paths.cliques([(p.offers, p.device) for p in parts])
+        described = [_manifest.Part(p.device, p.nbytes, p.offers, p.readonly, clique)
+                     for p, clique in zip(parts, cliques, strict=True)]
         manifest, made = columns.encode(described, shape_of, tree_doc)
         total = sum(p.nbytes for p in parts)
         union = tuple(name for name in PATHS if any(name in p.offers for p in parts))
@@ -382,9 +379,11 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
                         memory_type=parts[0].memory_type, offers=union, descriptors={}, policy=policy,
                         readonly=all_readonly, parts=parts, digest=made.digest)
         record.obj = tree
-        share = Share._make_bundle((SHARE_FORMAT, share_id, token, os.getpid(), node_key(), get_exporter().addresses,
-                                    total, parts[0].device, (total,), "|u1", union, lifetime_name,
-                                    described[0].fabric, all_readonly, 0, None, None, None, manifest), made)
+        share = Share._make_bundle(Share._fields_of(
+            share_id=share_id, token=token, exporter_pid=os.getpid(), node=node_key(),
+            control=get_exporter().addresses, nbytes=total, device=parts[0].device, shape=(total,), typestr="|u1",
+            offers=union, lifetime=lifetime_name, fabric=described[0].fabric, readonly=all_readonly,
+            manifest=manifest), made)
     except BaseException:
         for part in parts:
             release_registrations(part.registrations)

@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import _auth, _control, _reopen
-from ._errors import (
-    AccessDeniedError,
-    ClosedError,
-    ExporterUnreachableError,
-    GpuShareError,
-    InvalidInputError,
-)
+from ._errors import ClosedError, ExporterUnreachableError, GpuShareError, InvalidInputError
+from ._hello import connect_local, refusal_error, say_hello, seconds_left
 from ._manifest import MAX_PARTS
-from ._paths.broker import check_peer, control_address
 from ._process import (
     QUIET,
     PerProcess,
@@ -329,7 +322,7 @@ class _Link(Protocol):
             if rid is None and message.get("ok") is False and not self.answered:
                 # The exporter refused the connection (the proof of the key
                 # this process sent): every request gets that error.
-                self.refused = _refusal(self.exporter_pid, message)
+                self.refused = refusal_error(self.exporter_pid, message)
                 raise self.refused
             granted = message.get("ok") is True and isinstance(lease, int) and not isinstance(lease, bool)
             count = message.get("fds", 0)
@@ -546,13 +539,13 @@ class Importer:
         """
         link = self._link(share, addresses, deadline)
         try:
-            reply, fds = link.request(message, _left(deadline))
+            reply, fds = link.request(message, seconds_left(deadline))
         except _Lost as exc:
             if not link.answered:
                 raise _unreachable(share, exc) from None
             link = self._link(share, addresses, deadline)
             try:
-                reply, fds = link.request(message, _left(deadline))
+                reply, fds = link.request(message, seconds_left(deadline))
             except _Lost as exc2:
                 raise _unreachable(share, exc2) from None
         if not reply.get("ok"):
@@ -586,12 +579,12 @@ class Importer:
         if self.service.in_service_thread():
             raise InvalidInputError("gpushare.open cannot be called from gpushare's service thread")
         _auth.key()  # a malformed GPUSHARE_AUTHKEY is this process's error, said before anything is sent
-        sock = _connect_local(share, deadline)
+        sock = connect_local(share, deadline)
         link = _Link(self, key, share.exporter_pid, local=sock is not None)
         if sock is None:
-            sock = _control.connect(addresses, _left(deadline))
+            sock = _control.connect(addresses, seconds_left(deadline))
             try:
-                _hello(sock, share.exporter_pid, deadline, share.node)
+                say_hello(sock, share.exporter_pid, deadline, share.node)
             except BaseException:
                 sock.close()
                 raise
@@ -635,71 +628,6 @@ class Importer:
 
 def _unreachable(share: Any, exc: BaseException) -> ExporterUnreachableError:
     return ExporterUnreachableError(f"the exporter (pid {share.exporter_pid}) stopped answering: {exc}")
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the open ran out of time")
-    return left
-
-
-def _connect_local(share: Any, deadline: float) -> socket.socket | None:
-    """A control connection over the exporter's Unix socket, when it is on
-    this node and answers as the exporter, of this user or root; else None
-    (and the caller uses TCP)."""
-    if share.node != node_key():
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(_left(deadline))
-        sock.connect(control_address(share.exporter_pid, share.control[0][1]))
-        check_peer(sock, share.exporter_pid, "the control socket")
-        _hello(sock, share.exporter_pid, deadline, share.node)
-    except AccessDeniedError:
-        sock.close()
-        raise  # a refusal is final: no other way in is tried
-    except (OSError, EOFError, GpuShareError):
-        sock.close()
-        return None
-    return sock
-
-
-def _hello(sock: socket.socket, exporter_pid: int, deadline: float, node: str = "") -> None:
-    """Say hello on a new control connection, and prove with the exporter,
-    each to the other, that both hold the key (:mod:`gpushare._auth`).  The
-    hello says nothing about this process (a nonce and the protocol only);
-    its pid and node go with its proof, once the exporter proved the key.
-    Nothing the exporter says is used before that."""
-    mine = _auth.new_nonce()
-    _control.send(sock, {"op": "hello", "v": _control.PROTOCOL, "nonce": mine})
-    reply = _control.recv(sock, _left(deadline), Stopped(exporter_pid, node))
-    if reply.get("code") == "denied":
-        raise _refusal(exporter_pid, reply)
-    if not reply.get("ok") or reply.get("op") != "hello" or reply.get("v") != _control.PROTOCOL:
-        why = reply.get("message") or f"it speaks control protocol {reply.get('v')!r:.20}, not {_control.PROTOCOL}"
-        raise ExporterUnreachableError(
-            f"exporter pid {exporter_pid} refused the connection: {str(why)[:200]} "
-            "(run the same gpushare version on both sides)"
-        )
-    theirs = reply.get("nonce")
-    if not isinstance(theirs, bytes) or len(theirs) != _auth.NONCE_BYTES or not _auth.verify(
-            "exporter", mine, theirs, reply.get("proof")):
-        raise AccessDeniedError(
-            f"the exporter (pid {exporter_pid}) could not prove it holds this process's key: it is another "
-            "program (set the same key on both sides: GPUSHARE_AUTHKEY or gpushare.set_authkey) or an impostor"
-        )
-    _control.send(sock, {"op": "auth", "proof": _auth.proof("importer", mine, theirs), "pid": os.getpid(),
-                         "node": node_key()})
-
-
-def _refusal(exporter_pid: int, reply: dict) -> GpuShareError:
-    """The error for an exporter's refusal of the connection (its hello, or
-    this process's proof of the key): the same on this node and from another."""
-    message = str(reply.get("message"))[:300]
-    if reply.get("code") == "denied":
-        return AccessDeniedError(f"exporter pid {exporter_pid} refused this process: {message}")
-    return ExporterUnreachableError(f"exporter pid {exporter_pid} refused the connection: {message}")
 
 
 _instance: PerProcess[Importer] = PerProcess(Importer, stop=Importer.stop, abandon=Importer.abandon)

@@ -8,9 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import _arrays, _paths
-from ._cuda import _driver, vmm
+from ._cuda import _driver
 from ._errors import InvalidInputError, InvalidTypeError
-from ._paths import host_fd
 from ._share import LIFETIMES
 from ._types import PathName
 
@@ -42,18 +41,11 @@ def memory_of(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool,
     offset = 0
     if isinstance(obj, _arrays.CudaArray) and obj.ptr == int(getattr(obj.base, "handle", -1)):
         obj = obj.base  # a gpushare.empty array: its buffer goes every way, typed as the array
-    if memory_type == "cuda" and span[1] and not vmm.is_vmm_buffer(obj):
-        # A CuPy or torch array (a slice, a typed view) over gpushare.allocate
-        # memory: the importer maps the whole buffer and views its part.
-        found = vmm.containing(*span)
-        if found is not None:
-            obj, offset = found
-    if memory_type == "host" and not isinstance(obj, host_fd.HostBuffer):
-        # An array over gpushare.allocate memory (a typed view, a slice):
-        # the importer maps the whole buffer and views its part of it.
-        found = host_fd.containing(*span)
-        if found is not None:
-            obj, offset = found
+    # An array (a CuPy or torch array, a slice, a typed view) over
+    # gpushare.allocate memory: the importer maps the whole buffer and views its part.
+    found = _paths.holder(obj, memory_type, span)
+    if found is not None:
+        obj, offset = found
     return _paths.Memory(obj, memory_type, readonly, strided), offset
 
 

@@ -19,7 +19,7 @@ from ._cuda import _driver
 from ._errors import GpuShareError, InvalidInputError, InvalidTypeError, SlowPathWarning
 from ._offering import PathList
 from ._opening import OpenedShare, _open_parts, _PartFailed, open_share
-from ._reach import choose, here_for
+from ._open_plan import choose, here_for
 from ._share import BundleShare, Share, expect_share
 from ._view import View
 

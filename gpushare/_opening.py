@@ -2,7 +2,7 @@
 one allocation.
 
 For each allocation, the paths this process can take, best first
-(:func:`gpushare._reach.choose`).  Then one request to the exporter naming
+(:func:`gpushare._open_plan.choose`).  Then one request to the exporter naming
 a path per allocation, and one lease for them all.  A path the exporter
 refuses, or that this process cannot map, names its allocation as data (the
 refusal's ``part``, or :class:`_PartFailed`): everything opened is closed
@@ -34,8 +34,7 @@ from ._errors import (
 )
 from ._exporter import refusal_text, registered
 from ._importer import get_importer
-from ._paths import same_process, ucx_rma
-from ._reach import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
+from ._open_plan import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
 from ._share import Share, altered
 from ._types import collection_paused
 
@@ -50,9 +49,9 @@ def part_shares(share: Share) -> list[Share]:
     own only allocation."""
     if not share.is_bundle:
         return [share]
-    f = share._fields_
-    return [Share._trusted(f[:6] + (p.nbytes, p.device, (p.nbytes,), "|u1", p.offers, f[11], p.fabric, p.readonly,
-                                    0, None, None, None, None))
+    return [share._replace(nbytes=p.nbytes, device=p.device, shape=(p.nbytes,), typestr="|u1", offers=p.offers,
+                           fabric=p.fabric, readonly=p.readonly, offset=0, dtype_name=None, dlpack_dtype=None,
+                           strides=None, manifest=None)
             for p in share._bundle.parts]
 
 
@@ -104,8 +103,9 @@ def _choices(parts: list[Share], prefer: Any, exclude: Any) -> list[tuple[list[s
     return out
 
 
-def _same_process(share: Share, parts: list[Share], subject: str) -> OpenedShare:
-    """The exporter is this process: its own objects, no lease."""
+def _open_own_export(share: Share, parts: list[Share], subject: str, path: _paths.Path) -> OpenedShare:
+    """The exporter is this process, and ``path`` (an in-process one) takes
+    it: its own objects, no lease."""
     export = registered(share)
     if export is None:  # it ended since the paths were chosen
         raise ClosedError("cannot open share: its lifetime ended or it was revoked")
@@ -130,7 +130,6 @@ def _same_process(share: Share, parts: list[Share], subject: str) -> OpenedShare
         _leaves(target, targets)
     else:
         targets.append(target)
-    path = same_process.PATH
     count = len(parts)
     log.info("opened %s %s over %s", subject, share.share_id[:8], path.name)
     return OpenedShare([path.name] * count, [_paths.Opened() for _ in range(count)],
@@ -151,9 +150,9 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     if log.isEnabledFor(logging.DEBUG):
         log.debug("opening %s %s: candidates %s", subject, share.share_id[:8],
                   "; ".join(",".join(order) for order, _, _ in choices[:4]))
-    if all(_paths.by_name(order[0]) is same_process.PATH for order, _, _ in choices):
-        return _same_process(share, parts, subject)
-    orders = [[p for p in order if _paths.by_name(p) is not same_process.PATH] for order, _, _ in choices]
+    if all(_paths.by_name(order[0]).in_process for order, _, _ in choices):
+        return _open_own_export(share, parts, subject, _paths.by_name(choices[0][0][0]))
+    orders = [[p for p in order if not _paths.by_name(p).in_process] for order, _, _ in choices]
     for i, order in enumerate(orders):
         if not order:
             raise UnsupportedError(f"allocation {i} of this bundle can be opened only in its exporting process")
@@ -171,8 +170,7 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     picks = [0] * len(parts)
     failures: list[list[str]] = [[] for _ in parts]
     deadline = time.monotonic() + timeout
-    if any(_paths.by_name(order[0]) is ucx_rma.PATH for order in orders):
-        ucx_rma.warm()  # load UCX here while the exporter prepares its offer
+    _paths.warm([order[0] for order in orders])  # (load UCX) while the exporter prepares its offer
     addresses = addresses_for(share)
 
     def next_path(i: int, why: str) -> None:
@@ -187,9 +185,9 @@ def open_share(share: Share, prefer: Any, exclude: Any, timeout: float, device: 
     try:
         while True:
             if deadline - time.monotonic() <= 0:
-                said = "; ".join(f for fs in failures for f in fs)
+                failed = "; ".join(f for fs in failures for f in fs)
                 raise ExporterUnreachableError(f"open did not finish within {timeout} s" + (
-                    f" ({said})" if said else ""))
+                    f" ({failed})" if failed else ""))
             paths = [order[pick] for order, pick in zip(orders, picks, strict=True)]
             try:
                 reply, lease, fds = importer.open(share, addresses, _request(share, paths), deadline)
@@ -264,7 +262,7 @@ def _open_parts(parts: list[Share], paths: list[str], payload: Any, fds: list[in
 def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int], lease: Any,
                device: int | None, deadline: float, prefault: bool, bundle: bool) -> list[_paths.Opened]:
     opened: list[_paths.Opened] = []
-    given: list[list[int]] = [fds]  # each list's fds are closed at the end, unless a path took them
+    fds_of_part: list[list[int]] = [fds]  # each list's fds are closed at the end, unless a path took them
     one = not bundle
     try:
         if one:
@@ -277,16 +275,16 @@ def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int
         else:
             payloads, counts = payload["parts"], payload["fds"]
         at = 0
-        given = []
+        fds_of_part = []
         for count in counts:
-            given.append(fds[at:at + count])
+            fds_of_part.append(fds[at:at + count])
             at += count
-        for i, (part, path, grant, mine) in enumerate(zip(parts, paths, payloads, given, strict=True)):
+        for i, (part, path, grant, part_fds) in enumerate(zip(parts, paths, payloads, fds_of_part, strict=True)):
             how = _paths.Options(device, max(0.001, deadline - time.monotonic()), prefault, part=None if one else i)
             try:
                 if not isinstance(grant, dict):
                     raise InvalidInputError("exporter sent a malformed offer" + ("" if one else f" for allocation {i}"))
-                got = _paths.by_name(path).open(part, grant, mine, lease, how)
+                got = _paths.by_name(path).open(part, grant, part_fds, lease, how)
             except GpuShareError as exc:
                 raise _PartFailed(i, exc) from None
             opened.append(got)
@@ -304,7 +302,7 @@ def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int
                 got.transport.close()
         raise
     finally:
-        for mine in given:  # a path that keeps fds clears its list
-            for fd in mine:
+        for part_fds in fds_of_part:  # a path that keeps fds clears its list
+            for fd in part_fds:
                 os.close(fd)
     return opened

@@ -202,6 +202,30 @@ class Share:
         object.__setattr__(self, "_bundle", None)
         return self
 
+    @classmethod
+    def _fields_of(cls, **named: Any) -> tuple:
+        """A share's fields in their wire order from named ones (``version``
+        defaults to :data:`SHARE_FORMAT`, the optional fields to theirs), for
+        :meth:`_make` and :meth:`_make_bundle`."""
+        named.setdefault("version", SHARE_FORMAT)
+        unknown = set(named) - set(cls._NAMES)
+        missing = [name for name in cls._BASE if name not in named]
+        if unknown or missing:
+            raise TypeError(f"share fields: unknown {sorted(unknown)}, missing {missing}")
+        return tuple(named[name] for name in cls._BASE) + tuple(named.get(name, default)
+                                                               for name, default in cls._OPTIONAL)
+
+    def _replace(self, **fields: Any) -> Share:
+        """A share like this one with the named ``fields`` replaced (a bundle's
+        part or tensor), as :meth:`_trusted`: the values are not checked again."""
+        values = list(self._fields_)
+        for name, value in fields.items():
+            at = _FIELD_AT.get(name)
+            if at is None:
+                raise TypeError(f"a share has no field {name!r}")
+            values[at] = value
+        return Share._trusted(tuple(values))
+
     def _on_send(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` when this share is pickled, copied or turned into bytes."""
         object.__setattr__(self, "_sent", hook)
@@ -474,6 +498,10 @@ def expect_share(value: Any, caller: str) -> Share:
     raise InvalidTypeError(f"{caller} expects a gpushare.Share, not {type(value).__name__}{fix}")
 
 
+#: Each field's place in a share's fields, by name (for :meth:`Share._replace`).
+_FIELD_AT = {name: i for i, name in enumerate(Share._NAMES)}
+
+
 def _rebuild_share(*fields: Any) -> Share:
     return Share._make(*fields)
 
@@ -524,11 +552,13 @@ def _bundle_of(manifest: Any, fields: tuple, made: _manifest.Manifest | None = N
     as a whole)."""
     decoded = _manifest.decode(manifest) if made is None or made.digest != _manifest.digest(manifest) else made
     parts = decoded.parts
-    nbytes, device, shape, typestr, offers, fabric, readonly = (fields[i] for i in (6, 7, 8, 9, 10, 12, 13))
+    f = dict(zip(Share._NAMES, fields, strict=True))
+    nbytes = f["nbytes"]
     union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
     total = sum(part.nbytes for part in parts)
-    if (nbytes != total or device != parts[0].device or shape != (nbytes,) or typestr != "|u1" or offers != union
-            or fields[14:18] != (0, None, None, None) or readonly != all(p.readonly for p in parts)
-            or fabric != parts[0].fabric):
+    whole = (f["offset"], f["dtype_name"], f["dlpack_dtype"], f["strides"]) == (0, None, None, None)
+    if (nbytes != total or f["device"] != parts[0].device or f["shape"] != (nbytes,) or f["typestr"] != "|u1"
+            or f["offers"] != union or not whole or f["readonly"] != all(p.readonly for p in parts)
+            or f["fabric"] != parts[0].fabric):
         raise InvalidInputError("a bundle's share fields do not describe its manifest (altered or corrupt)")
     return decoded

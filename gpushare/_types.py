@@ -61,8 +61,6 @@ Lifetime: TypeAlias = LifetimeName | int
 Device: TypeAlias = int | Literal["host", "cpu"]
 
 PATH_NAMES: tuple[PathName, ...] = ("same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "cma", "ucx-rma")
-#: Paths that do not map the memory: the importer copies with get/put.
-COPIED_PATHS: tuple[PathName, ...] = ("cma", "ucx-rma")
 HANDLE_TYPES: tuple[HandleType, ...] = ("posix-fd", "fabric", "cuda-ipc")
 #: The older underscore spellings of handle types, and the one each now is.
 OLD_HANDLE_TYPES = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}

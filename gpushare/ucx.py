@@ -26,9 +26,12 @@ UCX is loaded when the first :class:`Agent`, server or client is made.  See
 """
 
 from ._ucx import _loader
-from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, MemoryHandle, RemoteKey, Request
+from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, Request
+from ._ucx._registered import MemoryHandle, RemoteKey
 from ._ucx._local import LocalPeer
-from ._ucx._server import KEY_BYTES, Client, Peer, Region, Server, client, server
+from ._ucx._node import KEY_BYTES
+from ._ucx._peer import Client, Peer, client
+from ._ucx._server import Region, Server, server
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version", "LocalPeer",
            "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]

@@ -128,7 +128,7 @@ def _real_serve(state: dict, name: str, paths: str, session: Any) -> Any:
 def _end(grant: Any) -> None:
     from gpushare import _exporter
 
-    _exporter._ended(grant)
+    _exporter.sessions._ended(grant)
 
 
 def _install(state: dict) -> None:
@@ -136,8 +136,8 @@ def _install(state: dict) -> None:
     (``_Session._open``) to apply :data:`FORGERY` to the bundle's opens."""
     from gpushare import _exporter
 
-    real_serve = state["real_serve"] = _exporter._serve
-    real_open = _exporter._Session._open
+    real_serve = state["real_serve"] = _exporter.sessions._serve
+    real_open = _exporter.sessions.Session._open
     targets = (state["exports"]["bundle"], state["exports"]["mixed"])
 
     def serve(export: Any, path: str, session: Any) -> Any:
@@ -172,8 +172,8 @@ def _install(state: dict) -> None:
             return real_open(session, conn, rid, msg)
         return real_open(session, _Conn(conn, frame), rid, msg)
 
-    _exporter._serve = serve
-    _exporter._Session._open = open_
+    _exporter.sessions._serve = serve
+    _exporter.sessions.Session._open = open_
     state["served"] = 0
 
 

@@ -278,9 +278,9 @@ def test_an_exporter_refusing_this_process_proof_is_heard_as_a_refusal(monkeypat
 @pytest.fixture
 def fresh_refusal_log(monkeypatch):
     """A refusal log of its own, so that what earlier tests refused cannot use up its lines."""
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
-    monkeypatch.setattr(_exporter, "refusals", _exporter.RefusalLog())
+    monkeypatch.setattr(sessions, "refusals", sessions.RefusalLog())
 
 
 def test_the_importer_says_who_it_is_after_the_proof(caplog, fresh_refusal_log):

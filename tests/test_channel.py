@@ -421,7 +421,8 @@ def test_a_silent_connection_delays_no_one_elses_join():
 
 
 def test_a_consumer_sending_garbage_breaks_the_channel_not_the_producer():
-    from gpushare._channel_wire import _MSG, _connect, _handshake
+    from gpushare._channel.join import _connect, _handshake
+    from gpushare._channel.records import _MSG
 
     with gs.channel(4, consumers=1, slots=1) as producer:
         sock = _connect(producer.handle, 5)  # a consumer that holds the handle but speaks nonsense
@@ -603,12 +604,12 @@ def test_a_frozen_producer_breaks_a_consumers_wait_without_timeout_within_the_pe
 
 def test_the_handle_pickles_as_before_and_a_join_of_another_protocol_is_refused_saying_why():
     from gpushare import _control
-    from gpushare._channel_wire import _connect
+    from gpushare._channel.join import _connect
 
     with gs.channel(4, consumers=1) as producer:
         for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
             data = pickle.dumps(producer.handle, protocol)
-            assert b"gpushare._channel" in data and b"_rebuild_handle" in data and b"_channel_wire" not in data
+            assert b"gpushare._channel" in data and b"_rebuild_handle" in data and b"_channel.handle" not in data
             assert pickle.loads(data) == producer.handle
         with _connect(producer.handle, 5) as sock:
             _control.send(sock, {"op": "join", "v": 1, "channel": producer.handle.channel_id, "pid": os.getpid(),
@@ -625,9 +626,9 @@ def test_the_handle_pickles_as_before_and_a_join_of_another_protocol_is_refused_
 
 
 def test_beyond_the_joins_in_progress_a_new_connection_drops_the_oldest(monkeypatch):
-    from gpushare import _channel_wire
+    from gpushare._channel import hub
 
-    monkeypatch.setattr(_channel_wire, "_MAX_HANDSHAKES", 4)
+    monkeypatch.setattr(hub, "_MAX_HANDSHAKES", 4)
     with gs.channel(4, consumers=1) as producer:
         host, port = next(a for a in producer.handle._field("tcp") if a[0] == "127.0.0.1")
         silent = []
@@ -656,7 +657,7 @@ def test_a_connection_reset_by_a_process_that_exited_is_said_as_its_exit():
     import subprocess
     import sys
 
-    from gpushare._channel_wire import _why_gone
+    from gpushare._channel.waits import _why_gone
 
     reset = "broke its connection ([Errno 104] Connection reset by peer)"
     proc = subprocess.Popen([sys.executable, "-c", "pass"])

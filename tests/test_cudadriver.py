@@ -364,10 +364,10 @@ def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
     monkeypatch.setattr(_agent, "native", lambda: Spy())
     ucx.Agent().close()
     ucx.Agent(config={"UCX_MEMTYPE_CACHE": "n"}).close()  # the process's own value
-    from gpushare._ucx import _loader, _server
+    from gpushare._ucx import _loader, _node
 
-    monkeypatch.setattr(_server, "native", lambda: Spy())
-    node = _server._Node()  # the process's one worker, which serves every share
+    monkeypatch.setattr(_node, "native", lambda: Spy())
+    node = _node._Node()  # the process's one worker, which serves every share
     node.stop()
     # One setting of the whole process (libucs reads it when it loads), set
     # once in the environment; no worker's config names it.

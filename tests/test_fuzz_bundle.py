@@ -642,7 +642,7 @@ def test_without_the_digest_check_the_forged_manifest_would_open(peer, monkeypat
     share = gs.export(tree, lifetime="revoked")
     try:
         forged = _remanifest(share, VALID_FORGERIES["offset"])
-        monkeypatch.setattr(_exporter, "_bundle_request", lambda msg, export: (",".join(msg["parts"]), None))
+        monkeypatch.setattr(_exporter.sessions, "_bundle_request", lambda msg, export: (",".join(msg["parts"]), None))
         got = peer.call("attempt", forged)
         assert got["opened"], got
         assert got["values"]["b"] == [63] + values["b"][:-1]  # "b" read one int32 early

@@ -73,9 +73,9 @@ def _counts(state: dict) -> dict:
 
 
 def _limit(state: dict, n: int) -> int:
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
-    old, _exporter.MAX_LEASES = _exporter.MAX_LEASES, n
+    old, sessions.MAX_LEASES = sessions.MAX_LEASES, n
     return old
 
 

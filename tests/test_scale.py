@@ -82,7 +82,7 @@ def test_broker_and_control_serve_fds_numbered_above_1024(exporter, monkeypatch)
         with gs.import_buffer(desc) as buf:  # from the broker itself
             assert bytes(buf.memoryview()[:4]) == b"desc"
     # Over TCP, the fds come from the broker too.
-    monkeypatch.setattr(_importer, "_connect_local", lambda share, deadline: None)
+    monkeypatch.setattr(_importer, "connect_local", lambda share, deadline: None)
     time.sleep(SETTLE)  # the local connection goes
     with gs.open(share) as view:
         assert view.path == "host-fd"
@@ -138,7 +138,7 @@ def test_registry_returns_to_its_start_after_shares_end(exporter):
 @pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
 def test_a_further_open_of_the_same_exporter_is_one_request(exporter, monkeypatch, local):
     if not local:
-        monkeypatch.setattr(_importer, "_connect_local", lambda share, deadline: None)
+        monkeypatch.setattr(_importer, "connect_local", lambda share, deadline: None)
     a = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
     b = exporter.call("export", "host", 4096, {"lifetime": "revoked"})
     first = gs.open(a)
@@ -307,9 +307,9 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
     import json
     import struct
 
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
-    monkeypatch.setattr(_exporter, "MAX_BACKLOG", 64 << 10)
+    monkeypatch.setattr(sessions, "MAX_BACKLOG", 64 << 10)
     share = gs.export(np.zeros(64, np.uint8), lifetime="revoked")
     host, port = share.control[0]
 

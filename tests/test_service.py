@@ -100,9 +100,9 @@ def test_a_hang_up_ends_the_wait_at_once(pair):
 
 
 def test_a_close_by_another_thread_ends_the_wait_at_once(pair, monkeypatch):
-    from gpushare import _service
+    from gpushare import _connection
 
-    monkeypatch.setattr(_service, "_DIRECT_STEP", 60.0)  # only the close can end this poll early
+    monkeypatch.setattr(_connection, "_DIRECT_STEP", 60.0)  # only the close can end this poll early
     service, conn, proto, peer = pair
     threading.Timer(0.05, lambda: service.run(conn.close)).start()
     t0 = time.monotonic()

@@ -9,7 +9,8 @@ import time
 import pytest
 
 import gpushare as gs
-from gpushare import _channel_wire, _descriptors, _importer, _service, _share, _types
+from gpushare import _connection, _descriptors, _importer, _share, _types
+from gpushare._channel import handle as _channel_handle
 
 
 @pytest.mark.parametrize("value", [True, 1.0, "3", None, 2.5])
@@ -76,12 +77,12 @@ def test_each_module_uses_the_one_copy():
     assert _descriptors._integer is _types.integer
     assert _descriptors._text is _types.text
     assert _importer._close_all is _types.close_all
-    assert _service._close_all is _types.close_all
+    assert _connection._close_all is _types.close_all
     # the share's and the channel handle's field checks word their errors through in_range
     with pytest.raises(gs.InvalidInputError, match=r"^share nbytes must be an int, not float$"):
         _share._int(1.0, "nbytes", 1, 2)
     with pytest.raises(gs.InvalidInputError, match=r"^channel slots is 0; expected 1 <= slots <= 64$"):
-        _channel_wire._int(0, "slots", 1, 64)
+        _channel_handle._int(0, "slots", 1, 64)
 
 
 def test_pickles_with_the_old_handle_type_spelling_still_load():

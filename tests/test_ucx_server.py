@@ -298,7 +298,7 @@ def test_a_put_in_parts_lands_whole_or_not_at_all(exporter, peer, big):
     naming the whole put's range: the exporter checks that range (bounds,
     key, writability) for every part, so a refused put writes nothing even
     where a part alone would have fitted."""
-    from gpushare._ucx._server import PUT_PART
+    from gpushare._ucx._node import PUT_PART
 
     rid, key = big
     data = _pattern(MiB - 3, 31)

@@ -55,10 +55,10 @@ def handle_types(ordinal: int, found: dict[str, Any]) -> tuple[list[str], str | 
     here, given the IMEX channels :func:`imex` ``found``, and why fabric is
     not one of them (``None`` when it is)."""
     types, why_not = vmm.device_handle_types(ordinal)
-    if "fabric" in types:
+    if vmm.FABRIC in types:
         why_not = _no_imex(found)
         if why_not is not None:
-            types = [t for t in types if t != "fabric"]
+            types = [t for t in types if t != vmm.FABRIC]
     return types, why_not
 
 

@@ -33,7 +33,11 @@ from .._types import round_up
 from . import _copies, _driver
 
 __all__ = ["allocate_device", "export_fabric", "export_handle_type", "export_posix_fds", "import_device",
-           "map_device", "is_vmm_buffer", "mapping_count", "posix_fds"]
+           "map_device", "is_vmm_buffer", "mapping_count", "posix_fds", "POSIX_FD", "FABRIC"]
+
+#: The handle types a VMM allocation is exported with, as this module spells
+#: them (the public spelling has a hyphen: ``_types.internal_handle_type``).
+POSIX_FD, FABRIC = "posix_fd", "fabric"
 
 _live_lock = threading.Lock()
 _live: set[int] = set()  # ids of mappings not yet released
@@ -64,7 +68,7 @@ def _set_handle_types(drv: Any, prop: Any, names: Sequence[str]) -> None:
     the C struct (``requestedHandleTypes`` follows the 4-byte ``type``) after
     checking that the setter writes exactly there."""
     t = drv.CUmemAllocationHandleType
-    members = {"posix_fd": t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "fabric": t.CU_MEM_HANDLE_TYPE_FABRIC}
+    members = {POSIX_FD: t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, FABRIC: t.CU_MEM_HANDLE_TYPE_FABRIC}
     chosen = [members[n] for n in names]
     if not chosen:
         prop.requestedHandleTypes = t.CU_MEM_HANDLE_TYPE_NONE
@@ -96,12 +100,12 @@ def device_handle_types(ordinal: int) -> tuple[list[str], str | None]:
     types = []
     if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
         if _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
-            types.append("posix_fd")
+            types.append(POSIX_FD)
     else:
         return [], f"device {ordinal} does not support CUDA virtual memory management"
     if not _attribute(drv, ordinal, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"):
         return types, f"device {ordinal} does not support fabric handles (no NVLink fabric)"
-    types.append("fabric")
+    types.append(FABRIC)
     return types, None
 
 
@@ -304,14 +308,14 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
                 try:
                     handles.append(_driver.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
                 except CUDAError as exc:
-                    if "fabric" not in types or handles:
+                    if FABRIC not in types or handles:
                         raise
                     # Fabric needs an IMEX channel this process can open; fall back.
                     fabric_reason = (
                         f"allocating with fabric handles failed ({exc.status}); "
                         "is an IMEX channel (/dev/nvidia-caps-imex-channels) accessible?"
                     )
-                    types = [t for t in types if t != "fabric"]
+                    types = [t for t in types if t != FABRIC]
                     prop = _prop(drv, ordinal, types, rdma)
                     handles.append(_driver.check(drv.cuMemCreate(n, prop, 0), f"cuMemCreate({n})"))
             ptr = _map(drv, ordinal, handles, sizes, gran)
@@ -364,9 +368,9 @@ def export_handle_type(buf: Any, handle_type: str | None) -> str:
     else posix_fd); else :class:`UnsupportedError` saying why not."""
     mr = _exportable(buf)
     if handle_type is None:
-        handle_type = "fabric" if "fabric" in mr.handle_types else "posix_fd"
+        handle_type = FABRIC if FABRIC in mr.handle_types else POSIX_FD
     if handle_type not in mr.handle_types:
-        why = mr.fabric_reason if handle_type == "fabric" else None
+        why = mr.fabric_reason if handle_type == FABRIC else None
         raise UnsupportedError(
             f"this buffer cannot be exported with handle_type={handle_type!r}"
             + (f": {why}" if why else f"; it supports {mr.handle_types}")
@@ -377,7 +381,7 @@ def export_handle_type(buf: Any, handle_type: str | None) -> str:
 def export_fabric(buf: Any) -> VirtualMemoryFabricBufferDescriptor:
     """The fabric descriptor of a buffer from :func:`allocate_device`."""
     drv = _driver.driver()
-    export_handle_type(buf, "fabric")
+    export_handle_type(buf, FABRIC)
     mr = buf.memory_resource
     t = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
     handles = [
@@ -409,7 +413,7 @@ def export_posix_fds(buf: Any) -> list[int]:
     :func:`allocate_device`, the caller's to close (or to hand to
     ``memory_resource.posix_export``, whose release closes them)."""
     drv = _driver.driver()
-    export_handle_type(buf, "posix_fd")
+    export_handle_type(buf, POSIX_FD)
     return _export_fds(drv, buf.memory_resource)
 
 
@@ -418,7 +422,7 @@ def posix_fds(buf: Any) -> list[int]:
     buffer keeps them), exported once and registered with no broker."""
     drv = _driver.driver()
     mr = _exportable(buf)
-    if "posix_fd" not in mr.handle_types:
+    if POSIX_FD not in mr.handle_types:
         raise UnsupportedError(f"this buffer cannot be exported with handle_type='posix-fd'; it supports "
                                f"{mr.handle_types}")
     with mr.lock:

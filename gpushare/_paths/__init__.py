@@ -10,20 +10,22 @@ fastest first; :func:`candidates` orders them for one share in one process
 from plain facts about that process (:class:`Here`), and :func:`explain`
 says why in one line.
 
-Adding a path is one module with a ``PATH`` object, one entry in
-:data:`PATHS` and its name in :data:`gpushare._types.PathName`.
+Adding a path is one module with a ``PATH`` object (a class that
+subclasses :class:`Path`), one entry in :data:`PATHS` and its name in the
+wire's table of names (:data:`gpushare._types.PATH_NAMES`; a test checks
+that the two agree).  Nothing above this package names a path: it asks a
+path's traits (``mapped``, ``holds_memory``, ``in_process``, ``network``...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .. import _buffers
 from .._errors import InvalidInputError
-from .._types import PATH_NAMES, PathName
 from . import cma, cuda_ipc, fabric, host_fd, posix_fd, same_process, ucx_rma
-from .base import Grant, Here, Mapped, Memory, Offer, Opened, Options
+from .base import KINDS, ControlOp, Grant, Here, Kind, Mapped, Memory, Offer, Opened, Options, Path
 from .broker import release_registrations
 
 if TYPE_CHECKING:
@@ -31,38 +33,8 @@ if TYPE_CHECKING:
     from .._share import Share
 
 __all__ = ["Path", "Mapping", "Transport", "Here", "Grant", "Mapped", "Memory", "Offer", "Opened", "Options",
-           "offers", "PATHS", "by_name", "candidates", "explain", "path_list"]
-
-
-class Path(Protocol):
-    name: PathName
-    rank: int
-    #: True: the view maps the memory; False: it copies through a Transport.
-    mapped: bool
-    #: True: the mapping holds the memory itself, so an array over it (a
-    #: DLPack tensor) stays valid after the exporter frees or loses its
-    #: object (the pages, or the CUDA physical allocation, live while the
-    #: mapping does).  Legacy CUDA IPC memory goes when its exporter frees it.
-    holds_memory: bool
-    #: True: a closed view's lease and mapping may serve a further open of a
-    #: share that lives until revoked, with no message to the exporter
-    #: (:mod:`gpushare._reopen`): host memory whose mapping holds it and
-    #: needs nothing of the opening thread (CUDA mappings depend on the
-    #: device the open asks for: not kept).
-    reopens: bool
-    #: One line for ``view.why``.
-    reason: str
-
-    # exporter side
-    def offer(self, memory: Any) -> Any | None: ...
-    def serve(self, export: Any, session: Any) -> Grant: ...
-    #: File descriptors an open sends with its grant (the most, to a same-node importer).
-    def grant_fds(self, export: Any) -> int: ...
-
-    # importer side
-    def not_offered(self, share: Share) -> str | None: ...
-    def unavailable(self, share: Share, here: Here) -> str | None: ...
-    def open(self, share: Share, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened: ...
+           "Kind", "KINDS", "offers", "PATHS", "by_name", "offered", "facts", "needs_cuda", "cliques", "control_op",
+           "holder", "base_allocation", "stop", "on_seal", "warm", "slow_alone", "candidates", "explain", "path_list"]
 
 
 class Mapping(Protocol):
@@ -94,17 +66,110 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-#: Every path, fastest first.
+#: Every path, fastest first.  Adding a path is a module with a ``PATH``
+#: object and one entry here (and its name in the wire's table of names,
+#: :data:`gpushare._types.PATH_NAMES`, which a test checks against this).
 PATHS: tuple[Path, ...] = (same_process.PATH, fabric.PATH, posix_fd.PATH, cuda_ipc.PATH, host_fd.PATH,
                            cma.PATH, ucx_rma.PATH)
-_BY_NAME = {p.name: p for p in PATHS}
-if tuple(_BY_NAME) != PATH_NAMES:
-    raise ImportError("gpushare._paths.PATHS and gpushare._types.PATH_NAMES disagree")
+_by_name: tuple[tuple[Path, ...], dict[str, Path]] = ((), {})
+
+
+def _names() -> dict[str, Path]:
+    """The paths by name (remade when :data:`PATHS` changes)."""
+    global _by_name
+    paths, named = _by_name
+    if paths is not PATHS:
+        named = {p.name: p for p in PATHS}
+        _by_name = (PATHS, named)
+    return named
 
 
 def by_name(name: str) -> Path:
     """The path called ``name``."""
-    return _BY_NAME[name]
+    return _names()[name]
+
+
+def offered(share: Share) -> list[Path]:
+    """The paths ``share`` offers, fastest first."""
+    return [p for p in PATHS if p.name in share.offers]
+
+
+def facts(share: Share, near: bool) -> tuple[tuple[str, Any], ...]:
+    """What each path ``share`` offers finds about this process (for :class:`Here`)."""
+    found = []
+    for path in offered(share):
+        fact = path.facts(share, near)
+        if fact is not None:
+            found.append((path.name, fact))
+    return tuple(found)
+
+
+def needs_cuda(share: Share, near: bool) -> bool:
+    """Whether a path ``share`` offers would map its CUDA memory in this process."""
+    return share.device != "host" and (near or any(p.mapped and p.cross_node for p in offered(share)))
+
+
+def cliques(parts: list[tuple[tuple[str, ...], Any]]) -> list[str | None]:
+    """The NVLink fabric clique the share of each ``(offers, device)`` carries, or None."""
+    out: list[str | None] = [None] * len(parts)
+    for path in PATHS:
+        which = [i for i, (names, _) in enumerate(parts) if path.name in names]
+        found = path.cliques([parts[i][1] for i in which]) if which else None
+        for i, clique in zip(which, found or (), strict=False):
+            if out[i] is None:
+                out[i] = clique
+    return out
+
+
+def holder(obj: Any, memory_type: str, span: tuple[int, int]) -> tuple[Any, int] | None:
+    """The gpushare.allocate buffer that holds ``span`` of ``obj`` (another
+    object over it), and the span's offset in it; None where there is none."""
+    for path in PATHS:
+        found = path.holder(obj, memory_type, span)
+        if found is not None:
+            return found
+    return None
+
+
+def base_allocation(address: int, device: int) -> tuple[int, int] | None:
+    """(base, size) of the CUDA allocation that CUDA memory at ``address``
+    lies in, as a path exports it whole (a ``cudaMalloc`` block, a pool
+    allocation), or None."""
+    return cuda_ipc.base_allocation(address, device)
+
+
+def control_op(op: object) -> ControlOp | None:
+    """The path's handler of control operation ``op`` (from a peer: anything), or None."""
+    if not isinstance(op, str):
+        return None
+    for path in PATHS:
+        handler = path.control_ops().get(op)
+        if handler is not None:
+            return handler
+    return None
+
+
+def stop() -> None:
+    """The exporter stops: each path ends what it has under way."""
+    for path in PATHS:
+        path.stop()
+
+
+def on_seal(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever memory a path serves is sealed read-only."""
+    for path in PATHS:
+        path.on_seal(hook)
+
+
+def warm(names: list[str]) -> None:
+    """Let the paths ``names`` prepare this process while the exporter prepares its offer."""
+    for name in dict.fromkeys(names):
+        by_name(name).warm()
+
+
+def slow_alone(name: str) -> bool:
+    """Whether path ``name`` is slow next to a same-node path (a network transport)."""
+    return by_name(name).network
 
 
 def path_list(value: Any, what: str) -> list[str]:
@@ -116,8 +181,8 @@ def path_list(value: Any, what: str) -> list[str]:
     except TypeError:
         raise InvalidInputError(f"{what} must be a list of path names or a comma-separated str") from None
     for p in items:
-        if p not in _BY_NAME:
-            raise InvalidInputError(f"{what} names unknown path {p!r}; paths are {', '.join(PATH_NAMES)}")
+        if p not in _names():
+            raise InvalidInputError(f"{what} names unknown path {p!r}; paths are {', '.join(_names())}")
     return items
 
 
@@ -149,7 +214,7 @@ def candidates(share: Share, here: Here, prefer: list[str], exclude: list[str]
 
 def explain(path: str, left_out: list[str], failures: list[str]) -> str:
     """``view.why``: the path taken, why, what failed before and what was left out."""
-    return "; ".join([f"{path}: {_BY_NAME[path].reason}"] + failures + left_out)
+    return "; ".join([f"{path}: {by_name(path).reason}"] + failures + left_out)
 
 
 def offers(memory: Memory, wanted: list[str] | None) -> tuple[list[str], dict[str, Any], list]:
@@ -170,7 +235,7 @@ def offers(memory: Memory, wanted: list[str] | None) -> tuple[list[str], dict[st
                 descs[path.name] = offer.descriptor
             if offer.registration is not None:
                 regs.append(offer.registration)
-        if memory.strided and not any(_BY_NAME[p].maps_strided and p in descs for p in memory.offered):
+        if memory.strided and not any(by_name(p).maps_strided and p in descs for p in memory.offered):
             raise InvalidInputError(
                 f"array is not C-contiguous; {_buffers._CONTIGUOUS_FIX} (strided arrays are shared as they are "
                 "only over gpushare.allocate host memory, such as gpushare.empty arrays)"

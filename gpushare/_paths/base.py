@@ -6,9 +6,9 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _control
 from .._cuda import _driver
@@ -19,6 +19,10 @@ from .._process import node_key, process_state
 from . import broker
 
 if TYPE_CHECKING:
+    from .._exporter import Export
+    from .._exporter import _Session as Session
+    from .._importer import Lease
+    from .._service import Connection
     from .._share import Share
 
 
@@ -34,13 +38,33 @@ class Here:
     exported_here: bool = False
     #: Why this process cannot map CUDA memory, or None.
     cuda_reason: str | None = None
-    #: This node's fabric cliques ("cluster:clique"), and why there are none.
-    fabric_cliques: tuple[str, ...] = ()
-    fabric_reason: str | None = None
-    #: Why this process cannot use cross-memory attach, or None.
-    cma_reason: str | None = None
-    #: Why this process cannot start UCX (forked after its parent did), or None.
-    ucx_reason: str | None = None
+    #: What each path found about this process (:meth:`Path.facts`), by path
+    #: name: ``(name, facts)`` pairs, for the paths with something to say.
+    facts: tuple[tuple[str, Hashable], ...] = ()
+
+    def fact(self, name: str) -> Hashable:
+        """What path ``name`` found about this process (None: nothing)."""
+        for key, value in self.facts:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of memory a path may serve (``gpushare doctor`` asks, for each,
+    which path a peer would get)."""
+
+    label: str
+    cuda: bool
+
+
+ALLOCATED_HOST = Kind("host memory from gpushare.allocate", False)
+OTHER_HOST = Kind("other host memory (a NumPy array)", False)
+ALLOCATED_CUDA = Kind("CUDA memory from gpushare.allocate", True)
+OTHER_CUDA = Kind("other CUDA memory (CuPy pool, torch)", True)
+#: Every kind, in the order ``gpushare doctor`` lists them.
+KINDS = (ALLOCATED_HOST, OTHER_HOST, ALLOCATED_CUDA, OTHER_CUDA)
 
 
 @dataclass
@@ -152,6 +176,96 @@ class Options:
     timeout: float = 10.0
     prefault: bool = False
     part: int | None = None
+
+
+class ControlOp(Protocol):
+    """A control operation a path serves on the exporter's control
+    connection, on the service thread."""
+
+    def __call__(self, session: Session, conn: Connection, rid: Any, msg: dict) -> None: ...
+
+
+class Path(Protocol):
+    """One way to share memory between two processes, in one module of
+    :mod:`gpushare._paths` with a ``PATH`` object and one entry in
+    :data:`gpushare._paths.PATHS`.  A path subclasses this protocol and so
+    inherits the defaults of its optional members (a path with nothing to
+    add keeps them)."""
+
+    name: str
+    rank: int
+    #: One line for ``view.why``.
+    reason: str
+    #: True: the view maps the memory; False: it copies through a Transport.
+    mapped: bool
+    #: True: the mapping holds the memory itself, so an array over it (a
+    #: DLPack tensor) stays valid after the exporter frees or loses its
+    #: object (the pages, or the CUDA physical allocation, live while the
+    #: mapping does).  Legacy CUDA IPC memory goes when its exporter frees it.
+    holds_memory: bool
+    #: True: a closed view's lease and mapping may serve a further open of a
+    #: share that lives until revoked, with no message to the exporter
+    #: (:mod:`gpushare._reopen`): host memory whose mapping holds it and
+    #: needs nothing of the opening thread (CUDA mappings depend on the
+    #: device the open asks for: not kept).
+    reopens: bool
+    #: True: it serves a strided (not C-contiguous) array as it is.
+    maps_strided: bool
+    #: True: only the exporting process itself takes it: the exporter's own
+    #: object, with no lease and no message.
+    in_process: bool = False
+    #: True: it reaches processes on other nodes too.
+    cross_node: bool = False
+    #: True: a network transport, slow next to a same-node path: taking it to
+    #: a same-node exporter unasked deserves a ``SlowPathWarning``.
+    network: bool = False
+    #: The kinds of memory it may serve (what ``gpushare doctor`` reports).
+    serves: frozenset[Kind] = frozenset()
+    #: The handle type a device must support for it (CUDA memory), or None.
+    device_handle: str | None = None
+
+    # exporter side
+    def offer(self, memory: Memory) -> Offer | None: ...
+    def serve(self, export: Export, session: Session) -> Grant | None: ...
+    #: File descriptors an open sends with its grant (the most, to a same-node importer).
+    def grant_fds(self, export: Export) -> int: ...
+
+    def holder(self, obj: Any, memory_type: str, span: tuple[int, int]) -> tuple[Any, int] | None:
+        """The buffer of this path's own (from gpushare.allocate) that holds
+        ``span`` (address, nbytes) of ``obj``, another object over it, and
+        the span's offset in it; None where there is none."""
+        return None
+
+    def cliques(self, devices: list[Any]) -> list[str | None] | None:
+        """The NVLink fabric clique a share of memory on each of ``devices``
+        carries (None: this path adds none)."""
+        return None
+
+    def control_ops(self) -> dict[str, ControlOp]:
+        """The control operations it serves beyond ``open`` and ``close``, by name."""
+        return {}
+
+    def stop(self) -> None:
+        """The exporter stops: end what this path has under way in this process."""
+        return None
+
+    def on_seal(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` whenever memory this path serves is sealed read-only."""
+        return None
+
+    # importer side
+    def facts(self, share: Share, near: bool) -> Hashable:
+        """What this process is, as far as this path cares, for ``share``
+        (``near``: its exporter is on this node); kept in :attr:`Here.facts`."""
+        return None
+
+    def warm(self) -> None:
+        """Prepare this process (load a library) while the exporter prepares its offer."""
+        return None
+
+    def not_offered(self, share: Share) -> str | None: ...
+    def unavailable(self, share: Share, here: Here) -> str | None: ...
+    def open(self, share: Share, grant: dict, fds: list[int], lease: Lease | None, how: Options) -> Opened: ...
 
 
 def same_node(share: Share, here: Here) -> bool:

@@ -25,7 +25,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _buffers, _control
 from .._errors import (
@@ -38,8 +38,11 @@ from .._errors import (
     WaitTimeoutError,
 )
 from .._process import await_alive, wait_alive
-from .base import Grant, Here, Memory, Offer, Opened, Options, Paced, no_fds, same_node
+from .base import OTHER_HOST, ControlOp, Grant, Here, Memory, Offer, Opened, Options, Paced, Path, no_fds, same_node
 from .broker import peer_credentials
+
+if TYPE_CHECKING:
+    from .._share import Share
 
 __all__ = ["available", "check_access", "copy", "copier", "PATH", "serve_copy", "CmaTransport", "Transfer"]
 
@@ -263,13 +266,14 @@ def stop() -> None:
 # ---------------------------------------------------------------- the path
 
 
-class Cma:
+class Cma(Path):
     name = "cma"
     rank = 5
     mapped = False
     holds_memory = False
     reopens = False
     maps_strided = False
+    serves = frozenset({OTHER_HOST})
     reason = ("same node; the exporter copies with the kernel's cross-memory attach (process_vm_readv/writev), "
               "checking each transfer; copies with get/put")
 
@@ -310,10 +314,21 @@ class Cma:
             return f"not {self.name}: the share is a strided array, which goes only where it is mapped"
         return None
 
+    def facts(self, share: Share, near: bool) -> str | None:
+        """Why this process cannot use cross-memory attach (asked on the exporter's node only)."""
+        return available() if near else None
+
+    def control_ops(self) -> dict[str, ControlOp]:
+        return {OP: serve_copy}
+
+    def stop(self) -> None:
+        stop()
+
     def unavailable(self, share: Any, here: Here) -> str | None:
         if not same_node(share, here):
             return "exporter is on another node (or network namespace)"
-        return here.cma_reason
+        why_not = here.fact(self.name)
+        return why_not if isinstance(why_not, str) else None
 
     def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)
@@ -322,7 +337,7 @@ class Cma:
         return Opened(transport=CmaTransport(lease, how.part))  # the exporter copies, over the lease
 
 
-PATH = Cma()
+PATH: Path = Cma()
 
 
 def _items_of(msg: dict, parts: int | None) -> list[tuple[int | None, int, int, int]] | None:
@@ -394,7 +409,7 @@ def serve_copy(session: Any, conn: Any, rid: Any, msg: dict) -> None:
     if refusal is not None:
         session.refuse(conn, rid, refusal, session.refusal_text(refusal, export.policy))
         return
-    if not session.take_copy():
+    if not session.take_copy(MAX_QUEUED):
         session.refuse(conn, rid, "busy", f"this connection has {MAX_QUEUED} copies queued already")
         return
     runner = copier()

@@ -35,6 +35,7 @@ from .._errors import (
 from .._process import check_same_node
 from . import broker
 from .base import (
+    OTHER_CUDA,
     Grant,
     Here,
     Mapped,
@@ -42,6 +43,7 @@ from .base import (
     Offer,
     Opened,
     Options,
+    Path,
     cuda_unavailable,
     descriptor_of,
     descriptor_payload,
@@ -477,7 +479,7 @@ def _pool_ref_class() -> type:
     return _PoolRef
 
 
-class CudaIpc:
+class CudaIpc(Path):
     """The cuda-ipc path: CUDA memory not from gpushare.allocate (a legacy IPC
     handle, or its stream-ordered pool's export) mapped on this node."""
 
@@ -487,6 +489,8 @@ class CudaIpc:
     holds_memory = False
     reopens = False
     maps_strided = False
+    serves = frozenset({OTHER_CUDA})
+    device_handle = "cuda-ipc"
     reason = ("same node; CUDA memory not from gpushare.allocate, mapped through CUDA IPC "
               "(a legacy handle, or its pool's export)")
 
@@ -526,4 +530,4 @@ class CudaIpc:
                                                       timeout=how.timeout)))
 
 
-PATH = CudaIpc()
+PATH: Path = CudaIpc()

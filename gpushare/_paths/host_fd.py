@@ -23,7 +23,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
@@ -33,6 +33,7 @@ from .._process import check_same_node
 from .._types import round_up
 from . import broker as _broker
 from .base import (
+    ALLOCATED_HOST,
     Grant,
     Here,
     Mapped,
@@ -40,6 +41,7 @@ from .base import (
     Offer,
     Opened,
     Options,
+    Path,
     descriptor_of,
     descriptor_payload,
     own_registration,
@@ -604,7 +606,7 @@ def _check_memfd(fd: int, index: int, size: int) -> int:
     return check_memfd(fd, size, f"file descriptor {index}", "the descriptor says")
 
 
-class HostFd:
+class HostFd(Path):
     """The host-fd path: host memory from gpushare.allocate mapped on this
     node through its memfds (sent over the exporter's Unix control socket,
     else fetched from its broker)."""
@@ -615,6 +617,7 @@ class HostFd:
     holds_memory = True
     reopens = True
     maps_strided = True
+    serves = frozenset({ALLOCATED_HOST})
     reason = "same node; host memory mapped through memfds"
 
     def offer(self, memory: Memory) -> Offer | None:
@@ -625,6 +628,14 @@ class HostFd:
         fds = share_fds(buf)
         return own_registration(fds, device="host", sizes=buf.sizes, size=buf.size, owner_uuid=None,
                                 readonly=memory.readonly)
+
+    def holder(self, obj: Any, memory_type: str, span: tuple[int, int]) -> tuple[Any, int] | None:
+        if memory_type != "host" or isinstance(obj, HostBuffer):
+            return None
+        return containing(*span)
+
+    def on_seal(self, hook: Callable[[], None]) -> None:
+        on_seal(hook)
 
     def grant_fds(self, export: Any) -> int:
         desc = export.descriptors[self.name]
@@ -676,4 +687,4 @@ class HostFd:
         return Opened(mapping=Mapped.host(mapped))
 
 
-PATH = HostFd()
+PATH: Path = HostFd()

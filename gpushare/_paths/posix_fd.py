@@ -12,6 +12,7 @@ from .._errors import GpuShareError, InvalidInputError
 from .._process import check_same_node
 from . import broker as _broker
 from .base import (
+    ALLOCATED_CUDA,
     Grant,
     Here,
     Mapped,
@@ -19,6 +20,7 @@ from .base import (
     Offer,
     Opened,
     Options,
+    Path,
     cuda_unavailable,
     descriptor_of,
     descriptor_payload,
@@ -31,13 +33,15 @@ if TYPE_CHECKING:
     from .._share import Share
 
 
-class PosixFd:
+class PosixFd(Path):
     name = "posix-fd"
     rank = 2
     mapped = True
     holds_memory = True
     reopens = False
     maps_strided = False
+    serves = frozenset({ALLOCATED_CUDA})
+    device_handle = "posix-fd"
     reason = "same node; CUDA virtual memory mapped through POSIX fds"
 
     def offer(self, memory: Memory) -> Offer | None:
@@ -51,6 +55,11 @@ class PosixFd:
         mr = obj.memory_resource
         return own_registration(fds, device=mr.ordinal, sizes=mr.sizes, size=obj.size,
                                 owner_uuid=_driver.device_uuid(mr.ordinal))
+
+    def holder(self, obj: Any, memory_type: str, span: tuple[int, int]) -> tuple[Any, int] | None:
+        if memory_type != "cuda" or not span[1] or vmm.is_vmm_buffer(obj):
+            return None
+        return vmm.containing(*span)
 
     def grant_fds(self, export: Any) -> int:
         return 0
@@ -77,7 +86,7 @@ class PosixFd:
                                                         timeout=how.timeout)))
 
 
-PATH = PosixFd()
+PATH: Path = PosixFd()
 
 
 def export_device(buf: Any) -> PosixFdBufferDescriptor:

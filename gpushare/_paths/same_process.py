@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Here, Memory, Offer, Opened, Options, same_node
+from .base import KINDS, Here, Memory, Offer, Opened, Options, Path, same_node
 
 if TYPE_CHECKING:
     from .._share import Share
 
 
-class SameProcess:
+class SameProcess(Path):
     name = "same-process"
     rank = 0
     mapped = True
     holds_memory = True
     reopens = False
     maps_strided = True
+    in_process = True
+    serves = frozenset(KINDS)
     reason = "this process exported it; the original object is handed back"
 
     def offer(self, memory: Memory) -> Offer | None:
@@ -42,4 +44,4 @@ class SameProcess:
         return Opened(target=grant["target"])
 
 
-PATH = SameProcess()
+PATH: Path = SameProcess()

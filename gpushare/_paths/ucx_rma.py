@@ -10,7 +10,7 @@ transfer checked by the exporter.
 from __future__ import annotations
 
 import weakref
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._cuda import _driver
 from .._errors import (
@@ -20,8 +20,11 @@ from .._errors import (
     WaitTimeoutError,
 )
 from .._process import await_alive
-from .._ucx import _device, _server
-from .base import Grant, Here, Memory, Offer, Opened, Options, Paced, exporter_exited, no_fds
+from .._ucx import _device, _loader, _node, _peer, _server
+from .base import KINDS, Grant, Here, Memory, Offer, Opened, Options, Paced, Path, exporter_exited, no_fds
+
+if TYPE_CHECKING:
+    from .._share import Share
 
 __all__ = ["PATH", "RmaTransport", "raise_rma_error"]
 
@@ -36,13 +39,16 @@ BATCH_COST = 16 << 20
 BATCH_WINDOW = 2
 
 
-class UcxRma:
+class UcxRma(Path):
     name = "ucx-rma"
     rank = 6
     mapped = False
     holds_memory = False
     reopens = False
     maps_strided = False
+    cross_node = True
+    network = True
+    serves = frozenset(KINDS)
     reason = "remote memory access through UCX, each transfer checked by the exporter; copies with get/put"
 
     def offer(self, memory: Memory) -> Offer | None:
@@ -70,27 +76,35 @@ class UcxRma:
             return f"not {self.name}: the share is a strided array, which goes only where it is mapped"
         return None
 
+    def facts(self, share: Share, near: bool) -> str | None:
+        """Why this process cannot start UCX (forked after its parent did), or None."""
+        return _loader.refusal()
+
+    def warm(self) -> None:
+        warm()
+
     def unavailable(self, share: Any, here: Here) -> str | None:
-        return here.ucx_reason
+        why_not = here.fact(self.name)
+        return why_not if isinstance(why_not, str) else None
 
     def open(self, share: Any, grant: dict, fds: list[int], lease: Any, how: Options) -> Opened:
         no_fds(self.name, fds)
         address, region_id, key = grant.get("address"), grant.get("region"), grant.get("key")
         if (not isinstance(address, bytes) or isinstance(region_id, bool) or not isinstance(region_id, int)
-                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _server.KEY_BYTES):
+                or not 0 <= region_id < 1 << 64 or not isinstance(key, bytes) or len(key) != _node.KEY_BYTES):
             raise InvalidInputError("exporter sent a malformed ucx-rma offer")
         # One connection per exporter, shared by every view of its shares;
         # the exporter checks this view's key on every transfer.
-        peer = _server.client().connect(address, timeout=how.timeout)
+        peer = _peer.client().connect(address, timeout=how.timeout)
         return Opened(transport=RmaTransport(share, peer, (region_id, key), lease))
 
 
-PATH = UcxRma()
+PATH: Path = UcxRma()
 
 
 def warm() -> None:
     """Load UCX while the exporter prepares its offer."""
-    _server.warm()
+    _node.warm()
 
 
 def _revoke(region: Any, key: bytes) -> None:

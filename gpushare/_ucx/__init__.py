@@ -5,6 +5,8 @@
 per-object API (``Agent``, ``Endpoint``...) is :mod:`gpushare.ucx`.
 """
 
-from ._server import KEY_BYTES, Client, Peer, Region, Server, client, server
+from ._node import KEY_BYTES
+from ._peer import Client, Peer, client
+from ._server import Region, Server, server
 
 __all__ = ["server", "client", "Server", "Client", "Region", "Peer", "KEY_BYTES"]

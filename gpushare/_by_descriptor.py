@@ -11,22 +11,17 @@ from typing import Any, Literal, overload
 
 from . import _memory, _types
 from ._cuda import vmm
-from ._descriptors import (
-    CudaIpcBufferDescriptor,
-    CudaPoolBufferDescriptor,
-    PosixFdBufferDescriptor,
-    VirtualMemoryFabricBufferDescriptor,
-    _integer,
-)
-from ._errors import InvalidInputError, InvalidTypeError, UnsupportedError
-from ._paths import cuda_ipc, host_fd, posix_fd
+from ._descriptors import PosixFdBufferDescriptor, _integer
+from ._errors import InvalidInputError, InvalidTypeError
+from ._paths import handles
+from ._paths.handles import HostBuffer
 
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
 
 @overload
 def allocate(size: int, device: Literal["host", "cpu"] = ..., *, chunk_size: int | None = ...,
-             huge_pages: Any = ...) -> host_fd.HostBuffer: ...
+             huge_pages: Any = ...) -> HostBuffer: ...
 @overload
 def allocate(size: int, device: int, *, chunk_size: int | None = ...,
              huge_pages: Any = ...) -> Any: ...  # a cuda.core Buffer
@@ -83,7 +78,7 @@ def allocate(size: int, device: _types.Device = "host", *, chunk_size: int | Non
         chunk_size = _integer(chunk_size, "chunk_size")
     if _types.is_host(device):
         _memory.check_host(size)
-        return host_fd.allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
+        return handles.allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
     if huge_pages != "auto":
         raise InvalidInputError("huge_pages= is for host memory; CUDA virtual memory uses the device's own "
                                 "large pages (its allocation granularity)")
@@ -132,20 +127,7 @@ def export_buffer(buffer: Any, *, handle_type: _types.HandleType | None = None) 
     it; see the same-node page of the documentation for lifetimes.
     """
     handle_type = _types.handle_type(handle_type)
-    if isinstance(buffer, host_fd.HostBuffer):
-        if handle_type not in (None, "posix-fd"):
-            raise UnsupportedError(f"host buffers are exported with 'posix-fd', not {handle_type!r}")
-        return host_fd.export_host(buffer)
-    if vmm.is_vmm_buffer(buffer) and handle_type != "cuda-ipc":
-        if vmm.export_handle_type(buffer, _types.internal_handle_type(handle_type)) == "fabric":
-            return vmm.export_fabric(buffer)
-        return posix_fd.export_device(buffer)
-    if handle_type in (None, "cuda-ipc"):
-        return cuda_ipc.export_ipc(buffer)
-    raise UnsupportedError(
-        f"handle_type={handle_type!r} needs a buffer from gpushare.allocate(); "
-        f"{type(buffer).__name__} can be shared with handle_type='cuda-ipc'"
-    )
+    return handles.export_buffer(buffer, handle_type)
 
 
 def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool = False,
@@ -201,23 +183,7 @@ def import_buffer(descriptor: Any, *, device: int | None = None, readonly: bool 
         device = _integer(device, "device")
     if not isinstance(readonly, bool):
         raise InvalidTypeError(f"readonly must be a bool, not {type(readonly).__name__}")
-    if isinstance(descriptor, PosixFdBufferDescriptor):
-        if descriptor.device == "host":
-            if device is not None:
-                raise InvalidInputError(f"device={device} given for a descriptor of host memory")
-            return host_fd.import_host(descriptor, **_timeout(timeout))
-        return posix_fd.import_device(descriptor, device, readonly=readonly, **_timeout(timeout))
-    if isinstance(descriptor, CudaIpcBufferDescriptor):
-        return cuda_ipc.import_ipc(descriptor, device, readonly=readonly)
-    if isinstance(descriptor, CudaPoolBufferDescriptor):
-        return cuda_ipc.import_pool(descriptor, device, readonly=readonly, **_timeout(timeout))
-    try:
-        fabric = VirtualMemoryFabricBufferDescriptor._coerce(descriptor)
-    except InvalidInputError:
-        raise InvalidTypeError(
-            f"import_buffer expects a descriptor from gpushare.export_buffer, not {type(descriptor).__name__}"
-        ) from None
-    return vmm.import_device(fabric, device, readonly=readonly)
+    return handles.import_buffer(descriptor, device, readonly, _timeout(timeout))
 
 
 def _timeout(timeout: float | None) -> dict:

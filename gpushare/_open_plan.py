@@ -9,13 +9,10 @@ from typing import Any, NoReturn
 
 from . import _paths
 from ._cuda import _driver
-from ._cuda.fabric import cliques as fabric_cliques
 from ._errors import AccessDeniedError, ClosedError, InvalidInputError
 from ._exporter import registered
-from ._paths import cma, ucx_rma
 from ._paths.base import exporter_exited
 from ._share import Share, node_key
-from ._ucx import _loader
 
 __all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason", "MESSAGE_CHARS"]
 
@@ -24,20 +21,10 @@ def here_for(share: Share) -> _paths.Here:
     """What this process is, as far as the paths ``share`` offers care."""
     node = node_key()
     near = share.node == node
-    fabric = _paths.fabric.PATH.name in share.offers
-    cuda_reason = None
-    if share.device != "host" and (near or fabric):
-        cuda_reason = _driver.unavailable_reason()
-    cliques: tuple[str, ...] = ()
-    fabric_reason = None
-    if fabric and share.fabric is not None:
-        found, fabric_reason = fabric_cliques()
-        cliques = tuple(found.values())
-    cma_reason = cma.available() if near and cma.PATH.name in share.offers else None
-    here = os.getpid()
-    exported = share.exporter_pid == here and near and registered(share) is not None
-    ucx_reason = _loader.refusal() if ucx_rma.PATH.name in share.offers else None
-    return _paths.Here(node, here, exported, cuda_reason, cliques, fabric_reason, cma_reason, ucx_reason)
+    cuda_reason = _driver.unavailable_reason() if _paths.needs_cuda(share, near) else None
+    pid = os.getpid()
+    exported = share.exporter_pid == pid and near and registered(share) is not None
+    return _paths.Here(node, pid, exported, cuda_reason, _paths.facts(share, near))
 
 
 def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:
@@ -93,12 +80,12 @@ def slow_reason(share: Share, path: str, failures: list[str], left_out: list[str
     """Why opening ``share`` (``subject``: "gpushare", "allocation 3") over
     ``path`` deserves a :class:`SlowPathWarning`, or None: it fell back from
     a faster path that failed (``failures``), or it reaches a same-node
-    exporter over ucx-rma, a network transport, without being asked to."""
+    exporter over a network transport (ucx-rma) without being asked to."""
     if failures and natural and path in natural and natural.index(path) > 0:
         return f"{subject} fell back to {path}: {'; '.join(failures)}"
-    if (_paths.by_name(path) is ucx_rma.PATH and share.node == node_key() and prefer is None and exclude is None
+    if (_paths.slow_alone(path) and share.node == node_key() and prefer is None and exclude is None
             and not (os.environ.get("GPUSHARE_PATHS") or os.environ.get("GPUSHARE_EXCLUDE_PATHS"))):
-        return (f"{subject} goes over ucx-rma, a network transport, to a same-node peer: "
+        return (f"{subject} goes over {path}, a network transport, to a same-node peer: "
                 + "; ".join(left_out or ["no same-node path is offered for this memory"]))
     return None
 
