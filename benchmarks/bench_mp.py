@@ -54,11 +54,20 @@ def _module(side: str) -> Any:
     return m
 
 
-def _make(case: str, seed: int) -> Any:
+def _make(side: str, case: str, seed: int) -> Any:
     import torch
 
     if case == "tensor":
         return torch.full((16 * MiB,), float(seed), dtype=torch.float32)
+    if case == "shared":  # already in shared memory: what a hand-over costs beyond the copy
+        t = torch.full((16 * MiB,), float(seed), dtype=torch.float32)
+        if side == "torch":
+            t.share_memory_()
+        else:
+            import gpushare as gs
+
+            t = gs.share_memory(t)
+        return t
     if case == "dict":
         return {f"layers.{i}.w": torch.full((4096,), float(seed), dtype=torch.float32) for i in range(1000)}
     if case == "cuda-tensor":
@@ -96,7 +105,7 @@ def _producer(side: str, case: str, runs: int, out: Any) -> None:
     times = []
     try:
         for run in range(runs + 1):
-            obj = _make(case, run + 1)
+            obj = _make(side, case, run + 1)
             want = _first_element(obj)
             t0 = time.monotonic()
             queue.put(obj)
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA rows")
     args = parser.parse_args(argv)
     runs = 3 if args.quick else max(1, args.runs)
-    cases = [("tensor", "one 64 MiB tensor", True), ("dict", "1,000-tensor dict (16 MiB)", True)]
+    cases = [("tensor", "one 64 MiB tensor", True), ("dict", "1,000-tensor dict (16 MiB)", True),
+             ("shared", "64 MiB, already shared", False)]
     if not args.no_cuda and _cuda_present():
         cases.append(("cuda-tensor", "one 64 MiB CUDA tensor", False))
         if _cupy_present():
