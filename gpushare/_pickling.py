@@ -46,6 +46,7 @@ ALIGN = 64
 
 _state = threading.local()
 _lock = threading.Lock()
+_moving = threading.Lock()
 #: share ids of the bundles this process sent, until they end (see :func:`outstanding`)
 _sent: set[str] = set()
 _original_dumps: Any = None
@@ -116,6 +117,11 @@ def _move_torch(tensors: list[Any]) -> None:
     offset, sizes and strides), as ``share_memory_()`` moves them into shared memory."""
     if not tensors:
         return
+    with _moving:  # one move at a time: two queues' feeder threads may pickle the same tensor at once
+        _move_torch_locked(tensors)
+
+
+def _move_torch_locked(tensors: list[Any]) -> None:
     torch = sys.modules["torch"]
     storages: dict[int, tuple[Any, list[Any]]] = {}
     for t in tensors:
@@ -168,9 +174,11 @@ def _reduce_torch(t: Any) -> tuple:
 
 
 def _reduce_numpy(a: Any) -> tuple:
-    if a.nbytes and a.dtype.hasobject is False and containing(a.__array_interface__["data"][0], 1) is not None:
+    # gpushare memory, laid out as a share can say (no negative or partial-item strides)
+    if (a.nbytes and not a.dtype.hasobject and all(s >= 0 and s % a.itemsize == 0 for s in a.strides)
+            and containing(a.__array_interface__["data"][0], 1) is not None):
         return _through(a, ("numpy",))
-    return a.__reduce_ex__(_protocol())  # not gpushare memory: by value, as before
+    return a.__reduce_ex__(_protocol())  # by value, as before
 
 
 def _reduce_cupy(a: Any) -> tuple:
@@ -263,9 +271,7 @@ def rebuild(opened: Any, i: int) -> Any:
 
         return received.hold(np.from_dlpack(view)) if mapped else view.get()
     if kind[0] == "cupy":
-        import cupy
-
-        return received.hold(cupy.from_dlpack(view)) if mapped else cupy.asarray(view.get())
+        return _cupy(view, received) if mapped else _cupy_module().asarray(view.get())
     if kind[0] == "gpushare":
         if mapped:
             return received.hold(CudaArray._make(view, view.__cuda_array_interface__["data"][0], view.shape,
@@ -281,6 +287,23 @@ def rebuild(opened: Any, i: int) -> Any:
         return Buffer.from_handle(view.__cuda_array_interface__["data"][0], view.nbytes,
                                   owner=received.hold(_Owner(view)))
     raise InvalidInputError(f"a gpushare message names an object of kind {kind[0]!r}, which this version cannot make")
+
+
+def _cupy_module() -> Any:
+    import cupy
+
+    return cupy
+
+
+def _cupy(view: Any, received: _Received) -> Any:
+    """A CuPy array over a mapped view, whose memory's owner holds the view
+    and the bundle's lease (a CuPy array takes no weak reference)."""
+    cupy = _cupy_module()
+    cai = view.__cuda_array_interface__
+    size = view.nbytes
+    memory = cupy.cuda.UnownedMemory(cai["data"][0], size, received.hold(_Owner(view)), int(view.device))
+    return cupy.ndarray(tuple(cai["shape"]), dtype=cai["typestr"], memptr=cupy.cuda.MemoryPointer(memory, 0),
+                        strides=cai.get("strides"))
 
 
 def _torch(view: Any, kind: tuple, mapped: bool) -> Any:

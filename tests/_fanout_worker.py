@@ -14,16 +14,18 @@ METHODS = ["fork", "forkserver", "spawn"]
 
 
 def digest(a: Any) -> dict:
-    """Type, dtype, shape and SHA-256 of the bytes of a NumPy array or a torch CPU tensor."""
+    """Type, dtype, shape, strides and SHA-256 of the bytes of a NumPy array or a torch CPU tensor."""
     if type(a).__module__.startswith("torch"):
         import torch
 
         raw = a.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        strides = tuple(a.stride())
     else:
         import numpy as np
 
         raw = np.ascontiguousarray(a).tobytes()
-    return {"type": type(a).__name__, "dtype": str(a.dtype), "shape": tuple(a.shape),
+        strides = tuple(a.strides)
+    return {"type": type(a).__name__, "dtype": str(a.dtype), "shape": tuple(a.shape), "strides": strides,
             "sha": hashlib.sha256(raw).hexdigest()}
 
 

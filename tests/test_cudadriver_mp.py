@@ -7,13 +7,15 @@ hold ends when the receiver lets them go.  A contract check, not GPU verificatio
 from __future__ import annotations
 
 import pytest
+import test_cudadriver
 from _procs import wait_for
-from test_cudadriver import spawn  # noqa: F401 - the fixture
+
+spawn = test_cudadriver.spawn  # the fixture
 
 pytestmark = pytest.mark.cudadriver
 
 
-def test_a_buffer_and_a_cuda_array_travel_mapped_in_one_message(spawn):  # noqa: F811
+def test_a_buffer_and_a_cuda_array_travel_mapped_in_one_message(spawn):
     sender, receiver = spawn(), spawn()
     sender.call("allocate", "buf", 1 << 20, 0, None, 0x5A)
     made = sender.call("new_array", "arr", (8, 4), "<i4", False, 0x11)

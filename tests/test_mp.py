@@ -47,8 +47,15 @@ def _message() -> dict:
         "p": torch.nn.Parameter(torch.ones(3, 3, dtype=torch.float64)),
         "mark": mark,
         "layers": {"w": w, "wt": w.t(), "b": torch.full((5,), 2, dtype=torch.bfloat16),
-                   "i": torch.arange(7, dtype=torch.int16)},
+                   "i": torch.arange(7, dtype=torch.int16), "x": torch.arange(3.0).reshape(3, 1).expand(3, 4)},
+        "gs": {"cols": mark_array()[:, 1:3]},  # strided
     }
+
+
+def mark_array() -> np.ndarray:
+    a = gs.empty((5, 4), "float32")
+    a[:] = np.arange(20, dtype=np.float32).reshape(5, 4)
+    return a
 
 
 def _settled() -> bool:
@@ -187,12 +194,14 @@ def test_a_receiver_that_dies_is_reported_and_its_lease_ends(method):
 def test_what_is_not_shared_travels_as_before():
     plain = np.arange(10)  # not gpushare memory: by value, as plain pickling does
     empty = torch.empty(0, 3)
+    reversed_ = mark_array()[::-1]  # gpushare memory, but no share can say negative strides
     before = get_exporter().stats()["exports"]
-    for obj in (plain, empty, [1, "x"]):
+    for obj in (plain, empty, reversed_, [1, "x"]):
         back = pickle.loads(ForkingPickler.dumps(obj))
         assert type(back) is type(obj)
     assert (pickle.loads(ForkingPickler.dumps(plain)) == plain).all()
     assert pickle.loads(ForkingPickler.dumps(empty)).shape == (0, 3)
+    assert (pickle.loads(ForkingPickler.dumps(reversed_)) == reversed_).all()
     assert get_exporter().stats()["exports"] == before
 
 
