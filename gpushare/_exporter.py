@@ -43,7 +43,7 @@ from ._service import Connection, Protocol, get_service
 from ._share import altered
 from ._types import collection_paused
 
-__all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses"]
+__all__ = ["Exporter", "get_exporter", "is_live", "registered", "revoke", "advertised_addresses"]
 
 log = logging.getLogger("gpushare.export")
 
@@ -909,6 +909,12 @@ _instance: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, aband
 def get_exporter() -> Exporter:
     """This process's exporter, started on first use (and again after fork)."""
     return _instance.get()
+
+
+def is_live(share_id: str) -> bool:
+    """Whether this process's exporter (if it has one: none is started) still holds share ``share_id``."""
+    exp = _instance.current()
+    return exp is not None and exp.get(share_id) is not None
 
 
 def registered(share: Any) -> Export | None:

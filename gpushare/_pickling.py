@@ -33,7 +33,7 @@ from typing import Any
 from ._arrays import CudaArray, empty
 from ._errors import InvalidInputError
 from ._export import export
-from ._exporter import get_exporter
+from ._exporter import is_live
 from ._open import open as _open
 from ._paths import by_name
 from ._paths.host_fd import containing
@@ -405,9 +405,8 @@ def installed() -> bool:
 def outstanding() -> int:
     """How many bundles this process sent through pickling are still held
     for a receiver (not yet opened, or opened and still in use there)."""
-    exporter = get_exporter()
     with _lock:
-        for share_id in [s for s in _sent if exporter.get(s) is None]:
+        for share_id in [s for s in _sent if not is_live(s)]:
             _sent.discard(share_id)
         return len(_sent)
 

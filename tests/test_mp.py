@@ -8,6 +8,7 @@ import concurrent.futures
 import gc
 import multiprocessing
 import pickle
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.reduction import ForkingPickler
@@ -203,6 +204,23 @@ def test_what_is_not_shared_travels_as_before():
     assert pickle.loads(ForkingPickler.dumps(empty)).shape == (0, 3)
     assert (pickle.loads(ForkingPickler.dumps(reversed_)) == reversed_).all()
     assert get_exporter().stats()["exports"] == before
+
+
+def test_torch_multiprocessing_imported_after_does_not_take_tensors_back():
+    # In a fresh interpreter: torch.multiprocessing's reducers would stay for the whole pytest process.
+    code = ("import gpushare.multiprocessing, torch.multiprocessing, torch\n"
+            "from multiprocessing.reduction import ForkingPickler\n"
+            "assert b'gpushare.multiprocessing' in bytes(ForkingPickler.dumps(torch.ones(4)))\n"
+            "assert gpushare.multiprocessing.outstanding() == 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_outstanding_starts_no_exporter():
+    code = ("import threading, gpushare.multiprocessing as m\n"
+            "assert m.outstanding() == 0 and threading.active_count() == 1\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_a_non_leaf_tensor_that_requires_grad_is_refused_as_torch_does():
