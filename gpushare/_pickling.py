@@ -52,6 +52,17 @@ _sent: set[str] = set()
 _original_dumps: Any = None
 
 
+def _after_fork() -> None:
+    """A forked child: locks that a feeder thread of the parent held are free
+    here, and the parent's bundles are not this process's to count."""
+    global _lock, _moving
+    _lock, _moving = threading.Lock(), threading.Lock()
+    _sent.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class Carrier:
     """The bundle of one message and what each of its members is: pickled
     once per message (the pickler's memo), opened once on the other side."""

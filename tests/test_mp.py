@@ -127,31 +127,37 @@ def test_queue_fan_out_maps_tensors_and_arrays_and_releases_them(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_pipe_carries_a_dict_as_one_bundle(method):
+def test_pipes_carry_a_dict_as_one_bundle_each(method):
     msg = _message()
     ctx = gmp.get_context(method)
-    reader, writer = ctx.Pipe(duplex=False)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     outbox, go = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_fanout_worker.consume, args=(reader, outbox, go, 5))
-    p.start()
+    procs = [ctx.Process(target=_fanout_worker.consume, args=(reader, outbox, go, 4 + i))
+             for i, (reader, _) in enumerate(pipes)]
+    for p in procs:
+        p.start()
     try:
         before = get_exporter().stats()["exports"]
-        writer.send(msg)
-        report = outbox.get(timeout=60)
-        assert "error" not in report, report
-        assert report["what"]["layers"] == describe(msg)["layers"]
-        assert msg["mark"][5] == 105
-        # one share for the whole dict: the registry grew by one bundle
-        assert get_exporter().stats()["exports"] - before == 1 and gmp.outstanding() == 1
+        for _, writer in pipes:
+            writer.send(msg)
+        reports = [outbox.get(timeout=60) for _ in procs]
+        for report in reports:
+            assert "error" not in report, report
+            assert report["what"]["layers"] == describe(msg)["layers"]
+        assert msg["mark"][4:6].tolist() == [104, 105]
+        # one share for the whole dict per message: the registry grew by one bundle each
+        assert get_exporter().stats()["exports"] - before == 2 and gmp.outstanding() == 2
     finally:
-        go.put(True)
+        for _ in procs:
+            go.put(True)
     try:
-        assert outbox.get(timeout=60)["dropped"]
+        assert all(outbox.get(timeout=60)["dropped"] for _ in procs)
     finally:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-    assert p.exitcode == 0
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
 
 
 @pytest.mark.parametrize("method", METHODS)
