@@ -26,12 +26,13 @@ import os
 import pickle
 import sys
 import threading
+import warnings
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ._arrays import CudaArray, empty
-from ._errors import InvalidInputError
+from ._errors import ClosedError, InvalidInputError
 from ._export import export
 from ._exporter import is_live
 from ._open import open as _open
@@ -224,13 +225,20 @@ class _Received:
         with self.lock:
             self.live -= 1
             last = self.live == 0
-        if last:
+        if not last:
+            return
+        # Runs in a finalizer: a failure is a warning, never an exception into the collector.
+        try:
             self.bundle.close()
             share = self.bundle.share
             if share.exporter_pid == os.getpid():
                 # Unpickled where it was sent (a queue within one process): the
                 # same-process path counts no import, so the message ends it.
                 share.revoke()
+        except ClosedError:
+            pass  # ended already (revoked, or the exporter stopped at exit)
+        except Exception as exc:  # noqa: BLE001 - see above
+            warnings.warn(f"releasing a gpushare.multiprocessing message failed: {exc}", ResourceWarning, 2)
 
     def hold(self, obj: Any) -> Any:
         with self.lock:
