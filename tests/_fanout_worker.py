@@ -59,6 +59,22 @@ def consume(inbox: Any, outbox: Any, go: Any, index: int) -> None:
     outbox.put({"index": index, "dropped": True})
 
 
+def fds_per_message(inbox: Any, outbox: Any) -> None:
+    """Take two messages from ``inbox``, holding each; report this process's
+    open file descriptors and threads before, after the first and after the second."""
+    import threading
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    counts = [(fds(), threading.active_count())]
+    held = []
+    for _ in range(2):
+        held.append(inbox.get(timeout=60))
+        counts.append((fds(), threading.active_count()))
+    outbox.put({"counts": counts, "sizes": [len(m) for m in held], "first": float(held[1]["t199"][0])})
+
+
 def task(obj: Any) -> tuple:
     """A Pool or executor task: what arrived, and results of each kind made here."""
     import numpy as np

@@ -10,6 +10,7 @@ import multiprocessing
 import pickle
 import subprocess
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.reduction import ForkingPickler
 
@@ -158,6 +159,29 @@ def test_pipes_carry_a_dict_as_one_bundle_each(method):
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_a_dict_of_tensors_costs_no_fd_or_thread_per_tensor():
+    ctx = gmp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_fanout_worker.fds_per_message, args=(inbox, outbox))
+    p.start()
+    try:
+        threads = threading.active_count()
+        for n in range(2):  # 200 tensors of their own storages each
+            inbox.put({f"t{i}": torch.full((256,), float(i + n)) for i in range(200)})
+        report = outbox.get(timeout=60)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert report["sizes"] == [200, 200] and report["first"] == 200.0
+    (fd0, th0), (fd1, th1), (fd2, th2) = report["counts"]
+    # the first message: the connection to the producer and one mapping's memfd at most;
+    # the second: that message's memfd at most (the connection is reused)
+    assert fd1 - fd0 <= 4 and fd2 - fd1 <= 2, report["counts"]
+    assert th2 - th0 <= 1, report["counts"]  # the receiver's service thread, once
+    assert threading.active_count() - threads <= 2  # the producer: its service thread and a queue feeder
 
 
 @pytest.mark.parametrize("method", METHODS)
