@@ -168,7 +168,19 @@ def _through(obj: Any, kind: tuple) -> tuple:
     return collect.reduce(obj, kind)
 
 
+def _second_pass(obj: Any) -> tuple | None:
+    """In a message's second pass, the reference to an object the first collected."""
+    collect = getattr(_state, "collect", None)
+    if collect is None or collect.carrier is None:
+        return None
+    i = collect.index.get(id(obj))
+    return None if i is None else (rebuild, (collect.carrier, i))
+
+
 def _reduce_torch(t: Any) -> tuple:
+    known = _second_pass(t)  # checked once, in the first pass
+    if known is not None:
+        return known
     torch = sys.modules["torch"]
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError("Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
