@@ -5,7 +5,8 @@ same torch type, so they never share a process): a spawned producer puts
 the object on its module's Queue, a spawned consumer gets it and reads one
 element of each tensor; timed from just before the put to that read
 (``time.monotonic``, which both processes share), median of ``--runs`` runs
-after one warm-up (lowest-highest in parentheses).  Every run sends fresh
+after one warm-up (lowest-highest in parentheses).  The two sides take
+turns, run by run, so that both see the same load on the machine.  Every run sends fresh
 tensors (a new model output each time), so both sides pay for moving them
 into shared memory at the put, as ``torch.multiprocessing`` does for a
 tensor not yet shared.
@@ -96,48 +97,73 @@ def _consumer(queue: Any, replies: Any) -> None:
         del obj
 
 
-def _producer(side: str, case: str, runs: int, out: Any) -> None:
+def _producer(side: str, case: str, conn: Any) -> None:
+    """Hand over one fresh object per ``"run"`` asked on ``conn``; answer its time."""
     m = _module(side)
     ctx = m.get_context("spawn")
     queue, replies = ctx.Queue(), ctx.Queue()
     consumer = ctx.Process(target=_consumer, args=(queue, replies), daemon=True)
     consumer.start()
-    times = []
     try:
-        for run in range(runs + 1):
-            obj = _make(side, case, run + 1)
+        while True:
+            seed = conn.recv()
+            if seed is None:
+                break
+            obj = _make(side, case, seed)
             want = _first_element(obj)
             t0 = time.monotonic()
             queue.put(obj)
             t1, got = replies.get(timeout=120)
             if got != want:
                 raise SystemExit(f"{side} {case}: the consumer read {got}, not {want}")
-            if run:  # the first run is a warm-up (connections, first open)
-                times.append(t1 - t0)
             del obj
             time.sleep(0.05)  # the consumer's release settles before the next run
+            conn.send(t1 - t0)
         queue.put(None)
         consumer.join(30)
-        out.put(times)
     except BaseException as exc:  # the parent reports it
-        out.put(f"{type(exc).__name__}: {exc}")
+        conn.send(f"{type(exc).__name__}: {exc}")
         consumer.kill()
 
 
-def measure(side: str, case: str, runs: int) -> list[float] | str:
-    """Times of ``runs`` hand-overs on ``side`` (or why it failed)."""
+def measure(sides: list[str], case: str, runs: int) -> dict[str, list[float] | str]:
+    """Times of ``runs`` hand-overs on each side (or why it failed), the sides
+    taking turns run by run, so that both see the same load on the machine."""
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_producer, args=(side, case, runs, out))
-    proc.start()
+    procs, conns = {}, {}
+    for side in sides:
+        conns[side], child = ctx.Pipe()
+        procs[side] = ctx.Process(target=_producer, args=(side, case, child))
+        procs[side].start()
+    out: dict[str, list[float] | str] = {side: [] for side in sides}
     try:
-        got = out.get(timeout=600)
-    except Exception as exc:  # noqa: BLE001 - a producer that died says nothing
-        got = f"no result ({type(exc).__name__})"
-    proc.join(60)
-    if proc.is_alive():
-        proc.kill()
-    return got
+        for run in range(runs + 1):
+            for side in (sides if run % 2 else sides[::-1]):
+                if isinstance(out[side], str):
+                    continue
+                conns[side].send(run + 1)
+                if not conns[side].poll(300):
+                    out[side] = "no result (timed out)"
+                    continue
+                got = conns[side].recv()
+                if isinstance(got, str):
+                    out[side] = got
+                elif run:  # the first run is a warm-up (connections, first open)
+                    out[side].append(got)  # type: ignore[union-attr]
+    except (EOFError, OSError) as exc:  # a producer that died says nothing more
+        for side in sides:
+            if not isinstance(out[side], str) and len(out[side]) < runs:
+                out[side] = f"no result ({type(exc).__name__})"
+    finally:
+        for side in sides:
+            try:
+                conns[side].send(None)
+            except OSError:
+                pass
+            procs[side].join(60)
+            if procs[side].is_alive():
+                procs[side].kill()
+    return out
 
 
 def _cuda_present() -> bool:
@@ -171,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     targets = []
     for case, title, target in cases:
-        mine = measure("gpushare", case, runs)
-        theirs = measure("torch", case, runs) if case != "cupy" else "torch.multiprocessing cannot carry it"
+        got = measure(["gpushare"] if case == "cupy" else ["gpushare", "torch"], case, runs)
+        mine = got["gpushare"]
+        theirs = got.get("torch", "torch.multiprocessing cannot carry it")
         row = f"  {title:28s} gpushare "
         row += spread(mine, 1, scale=1e3) if isinstance(mine, list) else mine
         row += "   torch.multiprocessing "
