@@ -255,7 +255,8 @@ class _Received:
     def hold(self, obj: Any) -> Any:
         with self.lock:
             self.live += 1
-        weakref.finalize(obj, self.release)
+        # not at exit: the process's end ends the lease
+        weakref.finalize(obj, self.release).atexit = False
         return obj
 
 
@@ -276,7 +277,7 @@ class _Opened:
 
     def __init__(self, received: _Received) -> None:
         self.received = received
-        weakref.finalize(self, received.release)
+        weakref.finalize(self, received.release).atexit = False
 
 
 def open_carrier(share: Any, kinds: Any) -> _Opened:

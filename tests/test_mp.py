@@ -184,6 +184,24 @@ def test_a_dict_of_tensors_costs_no_fd_or_thread_per_tensor():
     assert threading.active_count() - threads <= 2  # the producer: its service thread and a queue feeder
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_spawned_process_gets_its_arguments_as_shares(method):
+    msg = _message()
+    want = describe(msg)
+    ctx = gmp.get_context(method)
+    outbox = ctx.Queue()
+    p = ctx.Process(target=_fanout_worker.report, args=(msg, outbox))
+    p.start()
+    try:
+        assert outbox.get(timeout=60) == want
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+    assert msg["mark"][7] == 107  # mapped: the child's write is here
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_pool_arguments_and_results_travel_both_ways(method):
     msg = _message()
