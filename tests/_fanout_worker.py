@@ -81,6 +81,22 @@ def report(obj: Any, outbox: Any) -> None:
     obj["mark"][7] = 107
 
 
+def put_and_exit(queue: Any) -> None:
+    """A producer that puts a gpushare array on ``queue`` and exits."""
+    import importlib
+
+    import numpy as np
+
+    import gpushare as gs
+
+    # what a program's main module importing it does in its spawned children
+    importlib.import_module("gpushare.multiprocessing")
+
+    queue.put({"a": gs.zeros(8, dtype=np.int64)})
+    queue.close()
+    queue.join_thread()  # the message is in the pipe before this process ends
+
+
 def task(obj: Any) -> tuple:
     """A Pool or executor task: what arrived, and results of each kind made here."""
     import numpy as np

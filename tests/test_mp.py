@@ -240,6 +240,17 @@ def test_a_receiver_that_dies_is_reported_and_its_lease_ends(method):
     assert wait_for(_settled)
 
 
+def test_a_message_whose_producer_exited_says_so():
+    ctx = gmp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_fanout_worker.put_and_exit, args=(queue,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    with pytest.raises(gs.ExporterUnreachableError, match="has exited"):
+        queue.get(timeout=60)
+
+
 def test_what_is_not_shared_travels_as_before():
     plain = np.arange(10)  # not gpushare memory: by value, as plain pickling does
     empty = torch.empty(0, 3)
