@@ -22,6 +22,7 @@ ends the share after it.
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
 import pickle
 import sys
@@ -40,10 +41,14 @@ from ._paths import by_name
 from ._paths.host_fd import containing
 from ._share import BundleShare
 
-__all__ = ["Carrier", "install", "installed", "open_carrier", "outstanding", "rebuild", "uninstall"]
+__all__ = ["Carrier", "install", "installed", "open_carrier", "outstanding", "rebuild", "revive", "uninstall"]
 
 #: Where each moved torch storage starts in the message's buffer.
 ALIGN = 64
+
+#: The Process classes whose objects are pickled for their child (spawn, forkserver).
+_SPAWNED: tuple[type, ...] = tuple(getattr(multiprocessing.context, name) for name in ("SpawnProcess", "ForkServerProcess")
+                                   if hasattr(multiprocessing.context, name))
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -219,7 +224,20 @@ def _reduce_buffer(b: Any) -> tuple:
     return _through(b, ("buffer",))
 
 
-_REDUCERS = (_reduce_torch, _reduce_numpy, _reduce_cupy, _reduce_cuda_array, _reduce_buffer)
+def _reduce_process(p: Any) -> tuple:
+    """A ``spawn`` or ``forkserver`` Process, as it pickles itself for its
+    child, rebuilt there through this module's public twin: the child
+    imports it, and with it these reducers, before its target runs."""
+    made = p.__reduce_ex__(_protocol())
+    return (revive, (made[0], made[1]), *made[2:])
+
+
+def revive(make: Any, args: tuple) -> Any:
+    """Unpickling a Process in its child: as it was pickled."""
+    return make(*args)
+
+
+_REDUCERS = (_reduce_torch, _reduce_numpy, _reduce_cupy, _reduce_cuda_array, _reduce_buffer, _reduce_process)
 
 
 # ---------------------------------------------------------------- the receiver
@@ -382,6 +400,7 @@ def _types() -> list[tuple[type, Any]]:
     """Each type to carry, of the array libraries imported so far, and its reducer."""
     mods = sys.modules
     out: list[tuple[type, Any]] = [(CudaArray, _reduce_cuda_array)]
+    out += [(cls, _reduce_process) for cls in _SPAWNED]
     torch = mods.get("torch")
     if torch is not None and hasattr(torch, "Tensor") and hasattr(getattr(torch, "nn", None), "Parameter"):
         out += [(torch.Tensor, _reduce_torch), (torch.nn.Parameter, _reduce_torch)]

@@ -35,7 +35,8 @@ __all__ = ["init_reductions", "outstanding", *_NAMES]
 # message imports this module, and with it registers the reducers.
 open_carrier = _pickling.open_carrier
 rebuild = _pickling.rebuild
-for _fn in (open_carrier, rebuild, outstanding):
+revive = _pickling.revive
+for _fn in (open_carrier, rebuild, revive, outstanding):
     _fn.__module__ = __name__
 del _fn
 

@@ -83,18 +83,19 @@ def report(obj: Any, outbox: Any) -> None:
 
 def put_and_exit(queue: Any) -> None:
     """A producer that puts a gpushare array on ``queue`` and exits."""
-    import importlib
-
     import numpy as np
 
     import gpushare as gs
 
-    # what a program's main module importing it does in its spawned children
-    importlib.import_module("gpushare.multiprocessing")
-
     queue.put({"a": gs.zeros(8, dtype=np.int64)})
     queue.close()
     queue.join_thread()  # the message is in the pipe before this process ends
+
+
+def installed_here() -> bool:
+    """Whether this process has gpushare.multiprocessing's reducers."""
+    pickling = sys.modules.get("gpushare._pickling")
+    return pickling is not None and pickling.installed()
 
 
 def task(obj: Any) -> tuple:
@@ -106,8 +107,7 @@ def task(obj: Any) -> tuple:
 
     made = gs.zeros((4, 2), dtype=np.int32)
     made[:] = 7
-    pickling = sys.modules.get("gpushare._pickling")
-    installed = pickling is not None and pickling.installed()
+    installed = installed_here()
     return describe(obj), {"tensor": torch.arange(6, dtype=torch.float64).reshape(2, 3), "gs": made}, installed
 
 

@@ -240,6 +240,15 @@ def test_a_receiver_that_dies_is_reported_and_its_lease_ends(method):
     assert wait_for(_settled)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_every_child_has_the_reducers_before_it_receives_anything(method):
+    # spawn, forkserver: the Process object, pickled for the child, names gpushare.multiprocessing
+    with gmp.get_context(method).Pool(1) as pool:
+        assert pool.apply(_fanout_worker.installed_here) is True
+    with ProcessPoolExecutor(1, mp_context=gmp.get_context(method)) as ex:
+        assert ex.submit(_fanout_worker.installed_here).result(timeout=60) is True
+
+
 def test_a_message_whose_producer_exited_says_so():
     ctx = gmp.get_context("spawn")
     queue = ctx.Queue()
