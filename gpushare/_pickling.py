@@ -418,10 +418,17 @@ def _types() -> list[tuple[type, Any]]:
 def _register_types() -> None:
     """Register the reducers of the array libraries imported so far: again
     where another registration (``torch.multiprocessing``'s) replaced one."""
+    global _known
+    if _known[0] != len(sys.modules):  # a module was imported since: look again
+        _known = (len(sys.modules), _types())
     reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-    for cls, reducer in _types():
+    for cls, reducer in _known[1]:
         if reducers.get(cls) is not reducer:
             ForkingPickler.register(cls, reducer)
+
+
+#: (len(sys.modules), _types()) when last looked
+_known: tuple[int, list[tuple[type, Any]]] = (-1, [])
 
 
 def install() -> None:
