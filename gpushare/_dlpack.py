@@ -12,6 +12,7 @@ unconsumed.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 from typing import Any
@@ -75,6 +76,22 @@ def _delete(address: int | None) -> None:
 
 
 _deleter = _Deleter(_delete)
+_exit_hooked = False
+
+
+def _at_exit() -> None:
+    """Interpreter exit: a consumer's tensor still alive now is released in
+    the last collection, after this module's globals (``_live``, the
+    callbacks) are gone, and calling its deleter then crashed the process.
+    Leak what it would touch instead: every live struct stays, its deleter
+    NULL (DLPack consumers call none then), and the callbacks stay valid for
+    capsules never consumed."""
+    with _lock:
+        kept = list(_live.values())
+        for managed, _, _ in kept:
+            managed.deleter = _Deleter()
+    for obj in (kept, _deleter, _destructor):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 _NAME = b"dltensor"
 _NAME_VERSIONED = b"dltensor_versioned"
@@ -180,8 +197,12 @@ def capsule(address: int, shape: tuple[int, ...], typestr: str, device: tuple[in
         managed.version.major, managed.version.minor = _VERSION
         managed.flags = _READ_ONLY if readonly else 0
     at = ctypes.addressof(managed)
+    global _exit_hooked
     with _lock:
         _live[at] = (managed, (dims, steps), owner)
+        if not _exit_hooked:
+            atexit.register(_at_exit)
+            _exit_hooked = True
     try:
         return _capsule_new(at, _NAME_VERSIONED if versioned else _NAME,
                             ctypes.cast(_destructor, ctypes.c_void_p))

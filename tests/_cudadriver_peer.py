@@ -458,6 +458,52 @@ def view_array(state: dict, name: str) -> dict:
     return out
 
 
+def mp_dumps(state: dict, names: list[str]) -> bytes:
+    """A message of the named buffers and arrays as a gpushare.multiprocessing
+    Queue carries it (``ForkingPickler.dumps`` with the reducers registered)."""
+    import importlib
+    from multiprocessing.reduction import ForkingPickler
+
+    importlib.import_module("gpushare.multiprocessing")  # registers the reducers
+    return bytes(ForkingPickler.dumps({name: state["bufs"][name] for name in names}))
+
+
+def mp_loads(state: dict, data: bytes) -> dict:
+    """Unpickle a message as the other end of the Queue does (which imports
+    gpushare.multiprocessing by itself); keep what came and say what it is."""
+    import pickle
+
+    got = pickle.loads(data)
+    out = {}
+    for name, obj in got.items():
+        state["bufs"][name] = obj
+        ptr = int(obj.handle) if hasattr(obj, "handle") else obj.ptr
+        size = int(obj.size) if hasattr(obj, "handle") else obj.nbytes
+        out[name] = {"type": f"{type(obj).__module__.split('.')[0]}.{type(obj).__name__}", "ptr": ptr,
+                     "bytes": read_ptr(ptr, size)}
+    return out
+
+
+def mp_outstanding(state: dict) -> int:
+    """Bundles this process sent that a receiver still holds."""
+    import gc
+    import sys
+
+    gc.collect()
+    return sys.modules["gpushare.multiprocessing"].outstanding()
+
+
+def drop_buf(state: dict, name: str) -> None:
+    """Let go of what a message brought (the lease ends once it is collected)."""
+    import gc
+
+    obj = state["bufs"].pop(name)
+    if hasattr(obj, "close"):
+        obj.close()
+    del obj
+    gc.collect()
+
+
 def channel_create(state: dict, shape: tuple, dtype: str, slots: int) -> Any:
     import gpushare as gs
 

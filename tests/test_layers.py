@@ -40,9 +40,9 @@ LAYERS: dict[str, int] = {
     "_view_use": 5, "_view": 5, "_offering": 5, "_export_tree": 5, "_export": 5, "_open_plan": 5, "_opening": 5, "_open": 5,
     "_batch": 5, "_bundle_tree": 5, "_bundle": 5, "_layout": 5,
     # L6 built on the API
-    "_channel/": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6,
+    "_channel/": 6, "_capabilities": 6, "_doctor": 6, "_demo": 6, "_pickling": 6,
     # L7 surface: may import everything
-    "__init__": 7, "ucx": 7, "ray": 7, "__main__": 7,
+    "__init__": 7, "ucx": 7, "ray": 7, "multiprocessing": 7, "__main__": 7,
 }
 
 #: Imports that go up a layer today, as (importer, imported).  The list may

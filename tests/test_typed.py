@@ -378,3 +378,21 @@ def test_a_view_has_dtype_ndim_len_and_gets_into_a_fresh_array():
     assert "3x4" in got[0]["repr"] and "scalar" in got[2]["repr"]
     for share in shares:
         share.revoke()
+
+
+def _keep_until_exit(share) -> None:
+    _KEPT.append(gs.open(share))
+    _KEPT.append(np.from_dlpack(_KEPT[0]))  # released in the interpreter's last collection
+
+
+_KEPT: list = []
+
+
+def test_a_dlpack_array_alive_at_interpreter_exit_does_not_crash_the_process():
+    # Its deleter ran after this module's globals were gone: SIGSEGV at exit.
+    a = gs.zeros(8, dtype=np.int64)
+    share = gs.export(a)
+    p = mp.get_context("spawn").Process(target=_keep_until_exit, args=(share,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0

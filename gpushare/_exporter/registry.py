@@ -24,7 +24,7 @@ from . import sessions
 from .lifetimes import Export
 from .sessions import MAX_ENDED, Session, _peer
 
-__all__ = ["Exporter", "get_exporter", "registered", "revoke", "advertised_addresses", "new_ids"]
+__all__ = ["Exporter", "get_exporter", "is_live", "registered", "revoke", "advertised_addresses", "new_ids"]
 
 log = logging.getLogger("gpushare.export")
 
@@ -222,6 +222,12 @@ _instance: PerProcess[Exporter] = PerProcess(Exporter, stop=Exporter.stop, aband
 def get_exporter() -> Exporter:
     """This process's exporter, started on first use (and again after fork)."""
     return _instance.get()
+
+
+def is_live(share_id: str) -> bool:
+    """Whether this process's exporter (if it has one: none is started) still holds share ``share_id``."""
+    exp = _instance.current()
+    return exp is not None and exp.get(share_id) is not None
 
 
 def registered(share: Any) -> Export | None:
