@@ -27,6 +27,96 @@
 
 using namespace gpushare::native;
 
+namespace {
+
+// What both engines hand to Python: a pinned buffer and a request.
+void bindCommon(nb::module_& m)
+{
+  nb::class_<PinnedBuffer>(m, "PinnedBuffer")
+    .def(nb::init<nb::handle, bool>(), "obj"_a, "writable"_a)
+    .def_prop_ro("address", &PinnedBuffer::address)
+    .def_prop_ro("nbytes", &PinnedBuffer::nbytes)
+    .def_prop_ro("readonly", &PinnedBuffer::readonly)
+    .def("release", &PinnedBuffer::release);
+
+  nb::class_<Request>(m, "Request")
+    .def_ro("kind", &Request::kind)
+    .def("done", &Request::done)
+    .def("wait", &Request::wait, "timeout"_a)
+    .def("ok", &Request::ok)
+    .def("status", &Request::status)
+    .def("add_callback", &Request::addCallback, "fn"_a);
+}
+
+// The Agent's RMA objects (rma.hpp).
+void bindAgent(nb::module_& m)
+{
+  nb::class_<MemoryHandle>(m, "MemoryHandle")
+    .def_prop_ro("handle", &MemoryHandle::ucpHandle)
+    .def_prop_ro("size", &MemoryHandle::size)
+    .def_prop_ro("base_address", &MemoryHandle::baseAddress)
+    .def_prop_ro("memory_type", &MemoryHandle::memoryType)
+    .def("pack_remote_key", &MemoryHandle::packRemoteKey)
+    .def("close", &MemoryHandle::close);
+
+  nb::class_<RemoteKey>(m, "RemoteKey")
+    .def_prop_ro("handle", &RemoteKey::ucpHandle)
+    .def_prop_ro("size", &RemoteKey::size)
+    .def_prop_ro("base_address", &RemoteKey::baseAddress)
+    .def("close", &RemoteKey::close);
+
+  nb::class_<Endpoint>(m, "Endpoint")
+    .def("alive", &Endpoint::alive)
+    .def("info", &Endpoint::info)
+    .def("unpack_remote_key", &Endpoint::unpackRemoteKey, "blob"_a)
+    .def("mem_put", &Endpoint::memPut, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
+         "callback"_a.none())
+    .def("mem_get", &Endpoint::memGet, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
+         "callback"_a.none())
+    .def("flush", &Endpoint::flush, "callback"_a.none())
+    .def("close", &Endpoint::close, "timeout"_a);
+
+  nb::class_<Agent>(m, "Agent")
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
+    .def("address", &Agent::address)
+    .def("info", &Agent::info)
+    .def("connect", &Agent::connect, "peer_address"_a)
+    .def("create_memory_handle", &Agent::createMemoryHandle, "size"_a, "buffer"_a, "memory_type"_a)
+    .def("close", &Agent::shutdown)
+    .def_prop_ro("closed", &Agent::closed);
+}
+
+// The region server's Node and its connections, Peer (region.hpp).
+void bindRegion(nb::module_& m)
+{
+  nb::class_<Node>(m, "Node")
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int, uint64_t>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a, "put_part"_a = 0)
+    .def("address", &Node::address)
+    .def("info", &Node::info)
+    .def("tables", &Node::tables)
+    .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)
+    .def("add_region", &Node::addRegion, "base"_a, "length"_a, "readonly"_a, "memory_type"_a)
+    .def("grant", &Node::grant, "region_id"_a, "key"_a)
+    .def("revoke", &Node::revoke, "region_id"_a, "key"_a, "timeout"_a)
+    .def("close_regions", &Node::closeRegions, "region_ids"_a, "timeout"_a)
+    .def("stats", &Node::stats)
+    .def("reply_load", &Node::replyLoad)
+    .def("close", &Node::shutdown)
+    .def_prop_ro("closed", &Node::closed);
+
+  nb::class_<Peer, Endpoint>(m, "Peer")
+    .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
+    .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
+    .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a, "gather"_a = false)
+    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a, "keep"_a = false)
+    .def("forget_region", &Peer::forgetRegion, "region_id"_a)
+    .def("close", &Peer::closePeer, "timeout"_a);
+}
+
+}  // namespace
+
 NB_MODULE(_native, m)
 {
   m.doc() = "gpushare's binding of libucxx: the Agent's RMA objects and the region server (Node, Peer).";
@@ -71,77 +161,7 @@ NB_MODULE(_native, m)
   m.def("ucx_refusal", &ucxRefusal,
         "Why UCX cannot start in this process (forked after its parent started UCX); empty when it can.");
 
-  nb::class_<PinnedBuffer>(m, "PinnedBuffer")
-    .def(nb::init<nb::handle, bool>(), "obj"_a, "writable"_a)
-    .def_prop_ro("address", &PinnedBuffer::address)
-    .def_prop_ro("nbytes", &PinnedBuffer::nbytes)
-    .def_prop_ro("readonly", &PinnedBuffer::readonly)
-    .def("release", &PinnedBuffer::release);
-
-  nb::class_<Request>(m, "Request")
-    .def_ro("kind", &Request::kind)
-    .def("done", &Request::done)
-    .def("wait", &Request::wait, "timeout"_a)
-    .def("ok", &Request::ok)
-    .def("status", &Request::status)
-    .def("add_callback", &Request::addCallback, "fn"_a);
-
-  nb::class_<MemoryHandle>(m, "MemoryHandle")
-    .def_prop_ro("handle", &MemoryHandle::ucpHandle)
-    .def_prop_ro("size", &MemoryHandle::size)
-    .def_prop_ro("base_address", &MemoryHandle::baseAddress)
-    .def_prop_ro("memory_type", &MemoryHandle::memoryType)
-    .def("pack_remote_key", &MemoryHandle::packRemoteKey)
-    .def("close", &MemoryHandle::close);
-
-  nb::class_<RemoteKey>(m, "RemoteKey")
-    .def_prop_ro("handle", &RemoteKey::ucpHandle)
-    .def_prop_ro("size", &RemoteKey::size)
-    .def_prop_ro("base_address", &RemoteKey::baseAddress)
-    .def("close", &RemoteKey::close);
-
-  nb::class_<Endpoint>(m, "Endpoint")
-    .def("alive", &Endpoint::alive)
-    .def("info", &Endpoint::info)
-    .def("unpack_remote_key", &Endpoint::unpackRemoteKey, "blob"_a)
-    .def("mem_put", &Endpoint::memPut, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
-         "callback"_a.none())
-    .def("mem_get", &Endpoint::memGet, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
-         "callback"_a.none())
-    .def("flush", &Endpoint::flush, "callback"_a.none())
-    .def("close", &Endpoint::close, "timeout"_a);
-
-  nb::class_<Agent>(m, "Agent")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
-         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
-    .def("address", &Agent::address)
-    .def("info", &Agent::info)
-    .def("connect", &Agent::connect, "peer_address"_a)
-    .def("create_memory_handle", &Agent::createMemoryHandle, "size"_a, "buffer"_a, "memory_type"_a)
-    .def("close", &Agent::shutdown)
-    .def_prop_ro("closed", &Agent::closed);
-
-  nb::class_<Node>(m, "Node")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int, uint64_t>(),
-         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a, "put_part"_a = 0)
-    .def("address", &Node::address)
-    .def("info", &Node::info)
-    .def("tables", &Node::tables)
-    .def("connect", &Peer::connect, "address"_a, nb::rv_policy::take_ownership)
-    .def("add_region", &Node::addRegion, "base"_a, "length"_a, "readonly"_a, "memory_type"_a)
-    .def("grant", &Node::grant, "region_id"_a, "key"_a)
-    .def("revoke", &Node::revoke, "region_id"_a, "key"_a, "timeout"_a)
-    .def("close_regions", &Node::closeRegions, "region_ids"_a, "timeout"_a)
-    .def("stats", &Node::stats)
-    .def("reply_load", &Node::replyLoad)
-    .def("close", &Node::shutdown)
-    .def_prop_ro("closed", &Node::closed);
-
-  nb::class_<Peer, Endpoint>(m, "Peer")
-    .def("get", &Peer::get1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
-    .def("put", &Peer::put1, "region_id"_a, "key"_a, "offset"_a, "buffer"_a, "length"_a, "memory_type"_a)
-    .def("post", &Peer::post, "op"_a, "items"_a, "kind"_a, "gather"_a = false)
-    .def("_send_raw", &Peer::sendRaw, "header"_a, "payload"_a, "keep"_a = false)
-    .def("forget_region", &Peer::forgetRegion, "region_id"_a)
-    .def("close", &Peer::closePeer, "timeout"_a);
+  bindCommon(m);
+  bindAgent(m);
+  bindRegion(m);
 }

@@ -492,6 +492,38 @@ class Node {
   Request post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& asked,
                const std::string& kind, bool gather = false);
 
+  // What post does, step by step:
+  //
+  // A put of more than putPart bytes (up to kPutEagerMax) travels in parts,
+  // each an op of its own: each part is one eager message that UCX sends from
+  // the buffer itself and the exporter copies straight from its receive buffer
+  // (a whole 1 MiB message is copied on both sides and reassembled), and the
+  // parts' copies overlap.  wholeLength 0: not a part.
+  struct PostPart {
+    uint64_t wholeOffset, wholeLength, partOffset;
+  };
+  void splitParts(uint8_t opCode, const std::vector<Item>& asked, std::vector<Item>& items,
+                  std::vector<PostPart>& parts) const;
+  // One ClientOp per item, in `ops`, of batch `b`; their ids.  hostRegion[i]:
+  // the item's region is known to be host memory.
+  std::vector<uint64_t> addOps(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& items,
+                               const std::shared_ptr<Batch>& b, std::vector<char>& hostRegion);
+  // Send one request message (the GIL released); true when UCX queued it
+  // (its completion comes later), false when it ended at once (its ops are
+  // told, `ctx` freed).
+  bool sendRequest(ucp_ep_h ep, unsigned amId, SendCtx* ctx, const void* header, size_t headerLength,
+                   const void* payload, size_t count, int memoryType, uint32_t flags, bool iov = false);
+  // The kOpGetBatch message for items i.. (up to kMaxBatchItems); how many it carries.
+  size_t sendGetBatch(ucp_ep_h ep, const std::vector<Item>& items, const std::vector<uint64_t>& ids, size_t i,
+                      bool& queued);
+  // The kOpPutBatch message for the run of small host puts from item i; how
+  // many it carries (0: fewer than two fit, send item i alone).
+  size_t sendPutBatch(ucp_ep_h ep, const std::vector<Item>& items, const std::vector<PostPart>& parts,
+                      const std::vector<uint64_t>& ids, size_t i, bool& queued);
+  // The message of one item (a part of a put: its PartHeader).
+  void sendOne(ucp_ep_h ep, uint8_t opCode, const Item& it, const PostPart& part, uint64_t id, bool hostRegion,
+               bool& queued);
+
   void shutdown();
 
   bool closed() const { return !worker; }

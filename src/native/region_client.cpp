@@ -182,20 +182,9 @@ void Node::failPeer(uint64_t peerId, ucs_status_t status)
   runDone(done);
 }
 
-Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& asked,
-             const std::string& kind, bool gather)
+void Node::splitParts(uint8_t opCode, const std::vector<Item>& asked, std::vector<Item>& items,
+                      std::vector<PostPart>& parts) const
 {
-  checkOpen();
-  // A put of more than putPart bytes (up to kPutEagerMax) travels in
-  // parts, each an op of its own: each part is one eager message that
-  // UCX sends from the buffer itself and the exporter copies straight
-  // from its receive buffer (a whole 1 MiB message is copied on both
-  // sides and reassembled), and the parts' copies overlap.
-  struct Part {
-    uint64_t wholeOffset, wholeLength, partOffset;  // wholeLength 0: not a part
-  };
-  std::vector<Item> items;
-  std::vector<Part> parts;
   items.reserve(asked.size());
   parts.reserve(asked.size());
   for (auto& it : asked) {
@@ -213,8 +202,158 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
       parts.push_back({0, 0, 0});
     }
   }
-  auto c     = std::make_shared<Completion>();
-  auto b     = std::make_shared<Batch>();
+}
+
+std::vector<uint64_t> Node::addOps(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& items,
+                                   const std::shared_ptr<Batch>& b, std::vector<char>& hostRegion)
+{
+  std::vector<uint64_t> ids;
+  ids.reserve(items.size());
+  hostRegion.assign(items.size(), 0);
+  std::lock_guard<std::mutex> lock(opsMutex);
+  if (opCode == kOpPut)
+    for (size_t i = 0; i < items.size(); ++i)
+      hostRegion[i] = hostRegions.count({peerId, items[i].regionId}) != 0;
+  for (auto& it : items) {
+    auto op        = std::make_unique<ClientOp>();
+    op->id         = nextOp++;
+    op->peerId     = peerId;
+    op->ep         = ep;
+    op->op         = opCode;
+    op->regionId   = it.regionId;
+    op->buffer     = reinterpret_cast<void*>(it.buffer);
+    op->length     = it.length;
+    op->memoryType = static_cast<ucs_memory_type_t>(it.memoryType);
+    op->waiting    = kWaitSend | kWaitReply | (opCode == kOpGet && it.length >= kTrailerMin ? kWaitTrailer : 0);
+    op->batch      = b;
+    ids.push_back(op->id);
+    ops.emplace(op->id, std::move(op));
+  }
+  return ids;
+}
+
+bool Node::sendRequest(ucp_ep_h ep, unsigned amId, SendCtx* ctx, const void* header, size_t headerLength,
+                       const void* payload, size_t count, int memoryType, uint32_t flags, bool iov)
+{
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS |
+                   UCP_OP_ATTR_FIELD_MEMORY_TYPE | (iov ? UCP_OP_ATTR_FIELD_DATATYPE : 0);
+  if (iov) p.datatype = ucp_dt_make_iov();
+  p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY | flags;
+  p.cb.send     = &Node::onRequestSent;
+  p.user_data   = ctx;
+  p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
+  if (!iov && count > 0 && !(flags & UCP_AM_SEND_FLAG_EAGER)) {
+    // A payload that may go by rendezvous comes with our own memory handle (see OwnMemh).
+    ctx->memh = std::make_unique<OwnMemh>(context->getHandle(), const_cast<void*>(payload), count, p.memory_type);
+    if (ctx->memh->memh == nullptr) {
+      partDone(ctx->first, kWaitSend, ctx->memh->status, ctx->count);
+      delete ctx;
+      return false;
+    }
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = ctx->memh->memh;
+  }
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, amId, header, headerLength, payload, count, &p);
+  if (UCS_PTR_IS_PTR(sp)) return true;
+  partDone(ctx->first, kWaitSend, UCS_PTR_STATUS(sp), ctx->count);
+  delete ctx;
+  return false;
+}
+
+size_t Node::sendGetBatch(ucp_ep_h ep, const std::vector<Item>& items, const std::vector<uint64_t>& ids, size_t i,
+                          bool& queued)
+{
+  RequestHeader h{};
+  h.magic        = kWireMagic;
+  h.requestId    = ids[i];
+  const size_t k = std::min<size_t>(items.size() - i, kMaxBatchItems);
+  auto* ctx      = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k)};
+  for (size_t j = 0; j < k; ++j) {
+    const Item& it = items[i + j];
+    ctx->items[j]  = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+    if (it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
+  }
+  h.op     = kOpGetBatch;
+  h.length = k;
+  queued |= sendRequest(ep, kAmRequest, ctx, &h, sizeof(h), ctx->items.data(), k * sizeof(BatchItem),
+                        UCS_MEMORY_TYPE_HOST, UCP_AM_SEND_FLAG_EAGER);
+  return k;
+}
+
+size_t Node::sendPutBatch(ucp_ep_h ep, const std::vector<Item>& items, const std::vector<PostPart>& parts,
+                          const std::vector<uint64_t>& ids, size_t i, bool& queued)
+{
+  // The run of puts that fits one message.
+  size_t k       = 0;
+  uint64_t bytes = 0;
+  while (i + k < items.size() && k < kMaxBatchItems) {
+    const Item& it = items[i + k];
+    if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutBatchMax ||
+        parts[i + k].wholeLength != 0)
+      break;
+    bytes += it.length;
+    ++k;
+  }
+  if (k <= 1) return 0;
+  RequestHeader h{};
+  h.magic     = kWireMagic;
+  h.requestId = ids[i];
+  auto* ctx   = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k), {}};
+  ctx->iov.reserve(k + 1);
+  ctx->iov.push_back({ctx->items.data(), k * sizeof(BatchItem)});
+  for (size_t j = 0; j < k; ++j) {
+    const Item& it = items[i + j];
+    ctx->items[j]  = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
+    ctx->iov.push_back({reinterpret_cast<void*>(it.buffer), it.length});
+  }
+  h.op     = kOpPutBatch;
+  h.length = k;
+  queued |= sendRequest(ep, kAmRequest, ctx, &h, sizeof(h), ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST,
+                        UCP_AM_SEND_FLAG_EAGER, true);
+  return k;
+}
+
+void Node::sendOne(ucp_ep_h ep, uint8_t opCode, const Item& it, const PostPart& part, uint64_t id, bool hostRegion,
+                   bool& queued)
+{
+  RequestHeader h{};
+  h.magic        = kWireMagic;
+  h.requestId    = id;
+  h.op           = opCode;
+  h.regionId     = it.regionId;
+  h.key[0]       = it.key.lo;
+  h.key[1]       = it.key.hi;
+  h.offset       = it.offset;
+  h.length       = it.length;
+  const bool put = opCode == kOpPut;
+  if (!put && it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
+  // Puts to regions known to be host memory travel on kAmRequest.
+  const unsigned amId  = put && !hostRegion ? kAmRequestKeep : kAmRequest;
+  const void* src      = put ? reinterpret_cast<const void*>(it.buffer) : nullptr;
+  const uint32_t eager = put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0;
+  if (part.wholeLength != 0) {
+    PartHeader ph{h, part.partOffset};
+    ph.whole.op     = kOpPutPart;
+    ph.whole.offset = part.wholeOffset;
+    ph.whole.length = part.wholeLength;
+    queued |= sendRequest(ep, amId, new SendCtx{this, id, 1, {}}, &ph, sizeof(ph), src, it.length, it.memoryType,
+                          eager);
+  } else {
+    queued |= sendRequest(ep, amId, new SendCtx{this, id, 1, {}}, &h, sizeof(h), src, put ? it.length : 0,
+                          it.memoryType, eager);
+  }
+}
+
+Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vector<Item>& asked,
+                   const std::string& kind, bool gather)
+{
+  checkOpen();
+  std::vector<Item> items;
+  std::vector<PostPart> parts;
+  splitParts(opCode, asked, items, parts);
+  auto c        = std::make_shared<Completion>();
+  auto b        = std::make_shared<Batch>();
   b->completion = c;
   b->left       = items.size();
   Request r(c, kind);
@@ -225,140 +364,29 @@ Request Node::post(uint64_t peerId, ucp_ep_h ep, uint8_t opCode, const std::vect
     c->complete(UCS_OK);
     return r;
   }
-  std::vector<uint64_t> ids;
-  ids.reserve(items.size());
-  // Puts to regions known to be host memory travel on kAmRequest.
-  std::vector<char> hostRegion(items.size(), 0);
-  {
-    std::lock_guard<std::mutex> lock(opsMutex);
-    if (opCode == kOpPut)
-      for (size_t i = 0; i < items.size(); ++i)
-        hostRegion[i] = hostRegions.count({peerId, items[i].regionId}) != 0;
-    for (auto& it : items) {
-      auto op        = std::make_unique<ClientOp>();
-      op->id         = nextOp++;
-      op->peerId     = peerId;
-      op->ep         = ep;
-      op->op         = opCode;
-      op->regionId   = it.regionId;
-      op->buffer     = reinterpret_cast<void*>(it.buffer);
-      op->length     = it.length;
-      op->memoryType = static_cast<ucs_memory_type_t>(it.memoryType);
-      op->waiting    = kWaitSend | kWaitReply |
-                    (opCode == kOpGet && it.length >= kTrailerMin ? kWaitTrailer : 0);
-      op->batch      = b;
-      ids.push_back(op->id);
-      ops.emplace(op->id, std::move(op));
-    }
-  }
+  std::vector<char> hostRegion;
+  std::vector<uint64_t> ids = addOps(peerId, ep, opCode, items, b, hostRegion);
   nb::gil_scoped_release release;
-  bool signal = false;
-  auto send = [&](unsigned amId, SendCtx* ctx, const void* header, size_t headerLength, const void* payload,
-                  size_t count, int memoryType, uint32_t flags, bool iov = false) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE |
-                     (iov ? UCP_OP_ATTR_FIELD_DATATYPE : 0);
-    if (iov) p.datatype = ucp_dt_make_iov();
-    p.flags       = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_REPLY | flags;
-    p.cb.send     = &Node::onRequestSent;
-    p.user_data   = ctx;
-    p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
-    if (!iov && count > 0 && !(flags & UCP_AM_SEND_FLAG_EAGER)) {
-      // A payload that may go by rendezvous comes with our own memory handle (see OwnMemh).
-      ctx->memh = std::make_unique<OwnMemh>(context->getHandle(), const_cast<void*>(payload), count,
-                                            p.memory_type);
-      if (ctx->memh->memh == nullptr) {
-        partDone(ctx->first, kWaitSend, ctx->memh->status, ctx->count);
-        delete ctx;
-        return;
-      }
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      p.memh = ctx->memh->memh;
-    }
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, amId, header, headerLength, payload, count, &p);
-    if (UCS_PTR_IS_PTR(sp)) {
-      signal = true;
-    } else {
-      partDone(ctx->first, kWaitSend, UCS_PTR_STATUS(sp), ctx->count);
-      delete ctx;
-    }
-  };
+  bool queued = false;
   for (size_t i = 0; i < items.size();) {
-    RequestHeader h{};
-    h.magic     = kWireMagic;
-    h.requestId = ids[i];
     if (opCode == kOpGet && items.size() - i > 1) {
       // Gets travel as one request message per up to kMaxBatchItems items.
-      const size_t k = std::min<size_t>(items.size() - i, kMaxBatchItems);
-      auto* ctx      = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k)};
-      for (size_t j = 0; j < k; ++j) {
-        const Item& it   = items[i + j];
-        ctx->items[j]    = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
-        if (it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
-      }
-      h.op     = kOpGetBatch;
-      h.length = k;
-      send(kAmRequest, ctx, &h, sizeof(h), ctx->items.data(), k * sizeof(BatchItem), UCS_MEMORY_TYPE_HOST,
-           UCP_AM_SEND_FLAG_EAGER);
-      i += k;
+      i += sendGetBatch(ep, items, ids, i, queued);
       continue;
     }
     if (opCode == kOpPut && gather) {
-      // The run of puts that fits one message.
-      size_t k = 0;
-      uint64_t bytes = 0;
-      while (i + k < items.size() && k < kMaxBatchItems) {
-        const Item& it = items[i + k];
-        if (it.memoryType != UCS_MEMORY_TYPE_HOST || it.length > kEagerMax || bytes + it.length > kPutBatchMax ||
-            parts[i + k].wholeLength != 0)
-          break;
-        bytes += it.length;
-        ++k;
-      }
-      if (k > 1) {
-        auto* ctx = new SendCtx{this, ids[i], k, std::vector<BatchItem>(k), {}};
-        ctx->iov.reserve(k + 1);
-        ctx->iov.push_back({ctx->items.data(), k * sizeof(BatchItem)});
-        for (size_t j = 0; j < k; ++j) {
-          const Item& it = items[i + j];
-          ctx->items[j]  = BatchItem{it.regionId, {it.key.lo, it.key.hi}, it.offset, it.length};
-          ctx->iov.push_back({reinterpret_cast<void*>(it.buffer), it.length});
-        }
-        h.op     = kOpPutBatch;
-        h.length = k;
-        send(kAmRequest, ctx, &h, sizeof(h), ctx->iov.data(), ctx->iov.size(), UCS_MEMORY_TYPE_HOST,
-             UCP_AM_SEND_FLAG_EAGER, true);
+      size_t k = sendPutBatch(ep, items, parts, ids, i, queued);
+      if (k > 0) {
         i += k;
         continue;
       }
     }
-    const Item& it = items[i];
-    h.op           = opCode;
-    h.regionId     = it.regionId;
-    h.key[0]       = it.key.lo;
-    h.key[1]       = it.key.hi;
-    h.offset       = it.offset;
-    h.length       = it.length;
-    const bool put = opCode == kOpPut;
-    if (!put && it.memoryType != UCS_MEMORY_TYPE_HOST) h.flags = kReqReplyKeep;
-    const unsigned amId = put && !hostRegion[i] ? kAmRequestKeep : kAmRequest;
-    const void* src = put ? reinterpret_cast<const void*>(it.buffer) : nullptr;
-    const uint32_t eager = put && it.length <= kPutEagerMax ? UCP_AM_SEND_FLAG_EAGER : 0;
-    if (parts[i].wholeLength != 0) {
-      PartHeader ph{h, parts[i].partOffset};
-      ph.whole.op     = kOpPutPart;
-      ph.whole.offset = parts[i].wholeOffset;
-      ph.whole.length = parts[i].wholeLength;
-      send(amId, new SendCtx{this, ids[i], 1, {}}, &ph, sizeof(ph), src, it.length, it.memoryType, eager);
-    } else {
-      send(amId, new SendCtx{this, ids[i], 1, {}}, &h, sizeof(h), src, put ? it.length : 0, it.memoryType, eager);
-    }
+    sendOne(ep, opCode, items[i], parts[i], ids[i], hostRegion[i] != 0, queued);
     ++i;
   }
   // A request UCX queued is finished by the progress thread: keep it
   // polling for the answer (wake it if it sleeps).
-  engine.prog->posted(signal);
+  engine.prog->posted(queued);
   return r;
 }
 
