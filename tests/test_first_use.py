@@ -2,7 +2,9 @@
 and the first open of a CUDA array load no cuda.core (whose import alone
 took 291 ms of a 298 ms first export on an H200).  Against the CUDA driver
 stand-in: ``benchmarks/bench_first.py --cuda`` is run and its targets read
-(a CuPy-style array over cuda-ipc, a ``gs.allocate`` buffer over posix-fd),
+(a CuPy-style array over cuda-ipc, a ``gs.allocate`` buffer over posix-fd;
+an exportable pool's memory over cuda-ipc too, whose exporter has loaded
+cuda.core to make it),
 and the modules a first export and a first open import, beyond ``import
 gpushare`` and the CUDA context, are listed with ``-X importtime`` and held
 to a budget.  (A contract check of what is loaded; the GPU check runs the
@@ -42,8 +44,24 @@ class Cai:
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (p, False), "version": 3,
                                          "strides": None, "stream": None}
 
+def pool_memory():
+    # An exportable stream-ordered pool's memory, made with cuda.core before the clock (the
+    # exporter's user has it loaded anyway); the importer's open must not need it.
+    from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    dev = Device(0)
+    dev.set_current()
+    mr = DeviceMemoryResource(dev, options=DeviceMemoryResourceOptions(ipc_enabled=True, max_size=64 << 20))
+    stream = dev.create_stream()
+    buf = mr.allocate(1 << 20, stream=stream)
+    stream.sync()
+    return buf, (mr, stream)
+
 if sys.argv[1].startswith("export"):
-    obj = gs.allocate(2 << 20, device=0) if sys.argv[1] == "export-allocate" else Cai(ptr, 1 << 20)
+    if sys.argv[1] == "export-pool":
+        obj, keep = pool_memory()
+    else:
+        obj = gs.allocate(2 << 20, device=0) if sys.argv[1] == "export-allocate" else Cai(ptr, 1 << 20)
     sys.stderr.write("--- first use\\n")
     share = gs.export(obj)
     sys.stderr.write("--- done\\n")
@@ -71,7 +89,8 @@ def _first_use_imports(stderr: str) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "path"), [("export", "cuda-ipc"), ("export-allocate", "posix-fd")])
+@pytest.mark.parametrize(("kind", "path"), [("export", "cuda-ipc"), ("export-allocate", "posix-fd"),
+                                           ("export-pool", "cuda-ipc")])
 def test_the_first_export_and_open_of_cuda_memory_load_no_cuda_core(standin_lib, kind, path):
     env = standin_env(standin_lib, GPUSHARE_AUTHKEY="first-use-" + "k" * 24)
     exporter = subprocess.Popen([sys.executable, "-X", "importtime", "-c", _FIRST_USE, kind], env=env,

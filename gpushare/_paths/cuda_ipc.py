@@ -52,7 +52,7 @@ from .base import (
 )
 from .broker import fetch_fds, node_identity
 
-__all__ = ["export_ipc", "import_ipc", "import_pool", "open_handle_count", "base_allocation"]
+__all__ = ["export_ipc", "import_ipc", "import_pool", "map_ipc", "map_pool", "open_handle_count", "base_allocation"]
 
 _lock = threading.Lock()
 #: (exporter pid, handle bytes, device) -> [base pointer, mapped size, users]
@@ -214,8 +214,10 @@ def _release(use: _Use) -> None:
 
 
 def _ref_class() -> type:
-    """cuda.core's memory resource over a :class:`_Use`, for the ``Buffer``
-    :func:`import_ipc` returns (made, with cuda.core, only when asked for)."""
+    """cuda.core's memory resource over a :class:`_Use` (or a
+    :class:`_PoolUse`, with its ``release``), for the ``Buffer``
+    :func:`import_ipc` and :func:`import_pool` return (made, with cuda.core,
+    only when asked for)."""
     global _Ref
     if _Ref is not None:
         return _Ref
@@ -224,14 +226,21 @@ def _ref_class() -> type:
     class IpcRef(MemoryResource):  # type: ignore[misc]
         """One importer's use of an opened base allocation."""
 
-        def __init__(self, use: _Use) -> None:
+        def __init__(self, use: Any, release: Any = _release) -> None:
             self.use = use
+            self.release = release
 
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             raise UnsupportedError("imported CUDA IPC memory cannot allocate")
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            _release(self.use)
+            self.release(self.use)
+
+        def grant(self, ordinal: int) -> None:
+            """Let device ``ordinal`` reach the memory too (pool memory: see :class:`_PoolUse`)."""
+            grant = getattr(self.use, "grant", None)
+            if grant is not None:
+                grant(ordinal)
 
         is_device_accessible = property(lambda self: True)
         is_host_accessible = property(lambda self: False)
@@ -330,14 +339,31 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
     """Import pool memory: the pool once per exporter's pool, each allocation
     once; a cuda.core ``Buffer`` of the described range whose close frees
     the imported pointer (and the pool with its last pointer)."""
+    address, use = _open_pool(desc, device, readonly, timeout)
+    from cuda.core import Buffer
+
+    with _driver.on_device(use.ordinal):  # cuda.core records the current context's stream for the free
+        return Buffer.from_handle(address, desc.size, mr=_ref_class()(use, _release_pool))
+
+
+def map_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly: bool = False,
+             timeout: float | None = None) -> Any:
+    """:func:`import_pool` for a view: the range as a
+    :class:`gpushare._cuda._driver.DeviceMemory` (no cuda.core on the way)."""
+    address, use = _open_pool(desc, device, readonly, timeout)
+    return _driver.DeviceMemory(address, desc.size, use.ordinal, functools.partial(_release_pool, use),
+                                resource=use)
+
+
+def _open_pool(desc: CudaPoolBufferDescriptor, device: int | None, readonly: bool,
+               timeout: float | None) -> tuple[int, _PoolUse]:
+    """Import (or reuse) the pool and the allocation: the described range's address, and this use of it."""
     check_same_node(desc)
     if readonly:
         raise UnsupportedError("imported pool memory is mapped writable only; a read-only share cannot use it")
     if desc.pid == os.getpid():
         raise UnsupportedError("pool memory cannot be imported by the process that exported it; use the original")
     drv = _driver.driver()
-    from cuda.core import Buffer
-
     ordinal = _driver.import_ordinal(desc.owner_uuid, device)
     pool_key = (desc.pid, desc.export_id)
     ptr_key = (desc.pid, desc.export_id, desc.export_data)
@@ -382,8 +408,7 @@ def import_pool(desc: CudaPoolBufferDescriptor, device: int | None, *, readonly:
             _imported_ptrs[ptr_key] = entry
             pool_entry[1] += 1
         entry[1] += 1
-        ref = _pool_ref_class()(ptr_key, ordinal)
-        return Buffer.from_handle(entry[0] + desc.offset, desc.size, mr=ref)
+        return entry[0] + desc.offset, _PoolUse(ptr_key, ordinal)
 
 
 def _grant_pool(drv: Any, pool_entry: list[Any], ordinal: int) -> None:
@@ -439,44 +464,39 @@ def _free_imported(drv: Any, ptr: int) -> None:
         _driver.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
 
 
-_PoolRef: type | None = None
+class _PoolUse:
+    """One importer's use of an imported pool allocation."""
+
+    __slots__ = ("key", "ordinal", "done")
+
+    def __init__(self, key: tuple[int, int, bytes], ordinal: int) -> None:
+        self.key = key
+        self.ordinal = ordinal
+        self.done = False
+
+    @property
+    def device_id(self) -> int:
+        return self.ordinal
+
+    def grant(self, ordinal: int) -> None:
+        """Give device ``ordinal`` access too, so a copy on it can touch the memory."""
+        drv = _driver.driver()
+        with _lock:
+            if self.done:
+                raise ClosedError("the imported pool memory is closed")
+            entry = _imported_ptrs.get(self.key)
+            pool_entry = None if entry is None else _imported_pools.get(entry[2])
+            if pool_entry is not None:
+                _grant_pool(drv, pool_entry, ordinal)
 
 
-def _pool_ref_class() -> type:
-    global _PoolRef
-    if _PoolRef is not None:
-        return _PoolRef
-    base = _ref_class()
-
-    class PoolRef(base):  # type: ignore[misc, valid-type]
-        """One importer's use of an imported pool allocation."""
-
-        def __init__(self, key: tuple[int, int, bytes], ordinal: int) -> None:
-            self.key = key
-            self.ordinal = ordinal
-            self.done = False
-
-        device_id = property(lambda self: self.ordinal)
-
-        def grant(self, ordinal: int) -> None:
-            """Give device ``ordinal`` access too, so a copy on it can touch the memory."""
-            drv = _driver.driver()
-            with _lock:
-                if self.done:
-                    raise ClosedError("the imported pool memory is closed")
-                entry = _imported_ptrs.get(self.key)
-                pool_entry = None if entry is None else _imported_pools.get(entry[2])
-                if pool_entry is not None:
-                    _grant_pool(drv, pool_entry, ordinal)
-
-        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-            try:
-                _unuse_pool(self)
-            except CUDAError as exc:  # from close() or the garbage collector: warn, never crash
-                warnings.warn(f"freeing imported pool memory failed: {exc}", ResourceWarning, 2)
-
-    _PoolRef = PoolRef
-    return _PoolRef
+def _release_pool(use: _PoolUse) -> None:
+    """``use`` ends: from close() or the garbage collector, so a driver
+    failure is a warning, never an exception."""
+    try:
+        _unuse_pool(use)
+    except CUDAError as exc:
+        warnings.warn(f"freeing imported pool memory failed: {exc}", ResourceWarning, 2)
 
 
 class CudaIpc(Path):
@@ -526,8 +546,8 @@ class CudaIpc(Path):
         desc = descriptor_of(share, grant, (CudaIpcBufferDescriptor, CudaPoolBufferDescriptor))
         if isinstance(desc, CudaIpcBufferDescriptor):
             return Opened(mapping=Mapped.cuda(map_ipc(desc, how.device, readonly=share.readonly)))
-        return Opened(mapping=Mapped.cuda(import_pool(desc, how.device, readonly=share.readonly,
-                                                      timeout=how.timeout)))
+        return Opened(mapping=Mapped.cuda(map_pool(desc, how.device, readonly=share.readonly,
+                                                   timeout=how.timeout)))
 
 
 PATH: Path = CudaIpc()
