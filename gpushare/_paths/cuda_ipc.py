@@ -198,7 +198,7 @@ class _Use:
 
     __slots__ = ("key", "ordinal", "done")
 
-    def __init__(self, key: tuple[int, bytes, int], ordinal: int) -> None:
+    def __init__(self, key: tuple, ordinal: int) -> None:
         self.key = key
         self.ordinal = ordinal
         self.done = False
@@ -464,15 +464,11 @@ def _free_imported(drv: Any, ptr: int) -> None:
         _driver.check(drv.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync(imported pool pointer)")
 
 
-class _PoolUse:
-    """One importer's use of an imported pool allocation."""
+class _PoolUse(_Use):
+    """One importer's use of an imported pool allocation (released once),
+    which can be granted to more devices."""
 
-    __slots__ = ("key", "ordinal", "done")
-
-    def __init__(self, key: tuple[int, int, bytes], ordinal: int) -> None:
-        self.key = key
-        self.ordinal = ordinal
-        self.done = False
+    __slots__ = ()
 
     @property
     def device_id(self) -> int:
