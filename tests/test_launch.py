@@ -19,10 +19,11 @@ NO_TORCH = "torch is not a dependency of gpushare; pip install torch (CI install
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason=NO_TORCH)
 
 
-def torchrun(*args: str) -> str:
+def torchrun(*args: str, fails: bool = False) -> str:
+    """The example's output under torchrun, which exits 0, or non-zero where it ``fails``."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(EXAMPLE), *args], check=False, capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert (r.returncode != 0) == fails, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
 
@@ -43,7 +44,7 @@ def test_torchrun_ranks_share_with_the_key_they_agreed_on():
 def test_torchrun_ranks_without_a_common_key_are_refused():
     # What the key step is for: each rank is its own program, with its own
     # multiprocessing authkey, so the exporter cannot prove it holds the key.
-    out = torchrun("--without-key")
+    out = torchrun("--without-key", fails=True)
     assert "rank 1: array of rank 0 refused" in out
     assert "could not prove it holds this process's key" in out
     assert "bytes match" not in out
