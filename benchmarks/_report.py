@@ -11,3 +11,10 @@ def spread(values: list[float], digits: int = 2, width: int = 7, *, scale: float
     right-aligned in ``width`` characters and followed by ``unit``."""
     lo, mid, hi = min(values) * scale, statistics.median(values) * scale, max(values) * scale
     return f"{mid:{width}.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def ratio_line(ratio: float, what: str, target: float) -> str:
+    """A ratio and its target, ``"   ratio 0.95x  <what>  target >= 0.9x  PASS"``
+    (or ``FAIL``): every ratio that has a target is printed so, on a line of
+    its own that starts with ``ratio``, for the GPU check's report to gather."""
+    return f"   ratio {ratio:5.2f}x  {what}  target >= {target:g}x  {'PASS' if ratio >= target else 'FAIL'}"

@@ -1,35 +1,51 @@
 """GPU benchmark: needs a CUDA device.  Prints, side by side in one run:
 
 1. a mapped view's device-to-device copy (``View.get`` / ``View.put`` into a
-   device buffer, posix-fd path) against ``cuMemcpyDtoD`` between two local
-   buffers of the same size, inside one process;
+   device buffer, posix-fd path) against ``cuMemcpyDtoD`` plus a sync
+   between two local buffers of the same size, inside one process, at
+   64 MiB (target: at least 0.9x) and at 1 MiB (target: at least 0.8x);
 2. import latency: ``gs.open`` of a posix-fd share end to end, and
    ``gs.import_buffer`` of a descriptor;
 3. ucx-rma put/get between CUDA buffers against ``ucx_perftest -m cuda`` on
    the same transports (both without error handling), and against the mapped
-   path's ``view.get`` / ``view.put`` of section 1;
+   path's ``view.get`` / ``view.put`` of section 1 (64 MiB);
 4. torch CUDA tensors (one of 1 MiB and of 1 GiB, a state dict of 2,000)
    handed to a ready process against ``torch.multiprocessing``, first use
-   included (``benchmarks/_handover_gpu.py``);
+   included (``benchmarks/_handover_gpu.py``; targets 1x and 2x);
 5. the first ``gs.export`` and ``gs.open`` of CUDA memory in fresh
-   processes (``bench_first.py --cuda``).
+   processes (``bench_first.py --cuda``);
+6. one CuPy array (1 MiB and 1 GiB) handed to a ready process against
+   CuPy's ``ipcGetMemHandle`` / ``ipcOpenMemHandle``, first use included, as
+   section 4 (target 1x; needs CuPy);
+7. ``examples/weight_sync.py --cuda``, run as a subprocess: the GB/s of
+   reading one update against ``cuMemcpyDtoD`` plus a sync of the same total
+   bytes in this process (target 0.8x: this benchmark's choice, the lower of
+   section 1's copy targets, as an update is one copy per tensor, from
+   kilobytes to tens of MiB; needs CuPy).
 
-``--sections`` picks them (default 1, 2, 3 and 5: section 4 starts a fresh
-torch process for each of its 18 hand-overs, more than the GPU check's
-benchmark step has room for beside the others; ask for it with
-``--sections 4,5``, as a second short call of the GPU check can:
-``GPU_CHECK_STEPS=benchmark GPU_CHECK_BENCH_ARGS="--quick --sections 4,5"``).
+``--sections`` picks them (default 1, 2, 3, 5 and 7: sections 4 and 6
+start a fresh torch or CuPy process for each of their 18 and 12 hand-overs,
+more than the GPU check's benchmark step has room for beside the others;
+ask for them with ``--sections 4,5,6``, as a second short call of the GPU
+check can: ``GPU_CHECK_STEPS=benchmark GPU_CHECK_BENCH_ARGS="--quick --sections 4,5,6"``).
 
-Unit: MiB/s (2^20 bytes per second) throughout, as ucx_perftest prints;
-latencies in microseconds.  Each figure is the median of ``--runs`` runs,
-with the spread (min-max) beside it.
+Every ratio that has a target is printed on a line of its own, ``ratio
+<value>x  <what>  target >= <target>x  PASS`` (or ``FAIL``), and a section
+that cannot run says ``not run (<reason>)``: the GPU check copies those
+lines into its report.
 
-Run: ``python benchmarks/bench_gpu.py [--quick]``.
+Unit: MiB/s (2^20 bytes per second) throughout, as ucx_perftest prints, but
+GB/s (10^9) in section 7, as the example prints; latencies in microseconds.
+Each figure is the median of ``--runs`` runs, with the spread (min-max)
+beside it.
+
+Run: ``python benchmarks/bench_gpu.py [--quick] [--sections 1,2,...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -40,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _report import spread  # noqa: E402
+from _report import ratio_line, spread  # noqa: E402
 
 MiB = 1 << 20
 
@@ -63,13 +79,37 @@ def _importer_setup() -> dict:
     return _share_peer.setup()
 
 
-def mapped_copies(size: int, runs: int, iters: int) -> dict[str, float]:
-    """Section 1; the mapped path's get and put medians (MiB/s)."""
-    import gpushare as gs
+def _dtod(a, b, size: int):
+    """``cuMemcpyDtoD`` of ``size`` bytes from ``b`` to ``a`` (device 0) and a
+    context sync: the device's own copy, the reference of sections 1 and 7."""
     from gpushare._cuda import _driver as _cuda
 
     drv = _cuda.driver()
-    print(f"\n1. device-to-device copy of {size // MiB} MiB (MiB/s; median (min-max) of {runs})")
+
+    def memcpy() -> None:
+        with _cuda.on_device(0):
+            _cuda.check(drv.cuMemcpyDtoD(int(a.handle), int(b.handle), size), "cuMemcpyDtoD")
+            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    return memcpy
+
+
+# Section 1's sizes and targets (issue 36): get/put at least this times cuMemcpyDtoD + sync.
+COPY_TARGETS = {64 * MiB: 0.9, MiB: 0.8}
+
+
+def mapped_copies(runs: int, iters: int) -> dict[str, float]:
+    """Section 1; the mapped path's get and put medians (MiB/s) at 64 MiB."""
+    print(f"\n1. device-to-device copy (MiB/s; median (min-max) of {runs}; ratio: gpushare's / cuMemcpyDtoD + sync's)")
+    found = {size: _mapped_copy(size, runs, iters * (1 if size >= 64 * MiB else 20)) for size in COPY_TARGETS}
+    return found[64 * MiB]
+
+
+def _mapped_copy(size: int, runs: int, iters: int) -> dict[str, float]:
+    """One size of section 1: its rows and ratio lines; the get and put medians (MiB/s)."""
+    import gpushare as gs
+
+    label = f"{size // MiB} MiB"
     shared = gs.allocate(size, device=0)
     a = gs.allocate(size, device=0)
     b = gs.allocate(size, device=0)
@@ -78,19 +118,16 @@ def mapped_copies(size: int, runs: int, iters: int) -> dict[str, float]:
     # same-process path would hand back the buffer itself.
     view = gs.open(share, exclude=["same-process"])
     try:
-        def memcpy() -> None:
-            with _cuda.on_device(0):
-                _cuda.check(drv.cuMemcpyDtoD(int(a.handle), int(b.handle), size), "cuMemcpyDtoD")
-                _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-
-        rows = {"cuMemcpyDtoD + sync": memcpy, f"view.get ({view.path})": lambda: view.get(a),
+        rows = {"cuMemcpyDtoD + sync": _dtod(a, b, size), f"view.get ({view.path})": lambda: view.get(a),
                 f"view.put ({view.path})": lambda: view.put(b)}
-        ref, medians = None, {}
+        medians = {}
         for name, fn in rows.items():
             samples = [size / MiB / _timed(fn, iters) for _ in range(runs)]
-            ref = ref or statistics.median(samples)
             medians[name.split(" ")[0].removeprefix("view.")] = statistics.median(samples)
-            print(f"   {name:28s} {_median(samples)}   ratio {statistics.median(samples) / ref:.2f}")
+            print(f"   {label:>6s} {name:28s} {_median(samples)}")
+        for kind in ("get", "put"):
+            print(ratio_line(medians[kind] / medians["cuMemcpyDtoD"],
+                             f"view.{kind} ({view.path}) / cuMemcpyDtoD + sync, {label}", COPY_TARGETS[size]))
         return {"put": medians["put"], "get": medians["get"]}
     finally:
         view.close()
@@ -303,14 +340,72 @@ def rma(sizes: list[int], runs: int, iters: int, tls: str = "tcp,cuda_copy,cuda_
         listener.close()
 
 
+# Section 7's target: the GB/s of reading one update of examples/weight_sync.py at least this
+# times cuMemcpyDtoD + sync of the same bytes (the lower of section 1's copy targets).
+WEIGHT_SYNC_TARGET = 0.8
+_UPDATE_LINE = re.compile(r"an update of (\d+) bytes read in ([\d.]+) ms \(median of (\d+), ([\d.]+)-([\d.]+)\): "
+                          r"([\d.]+) GB/s")
+
+
+def weight_sync(runs: int, iters: int, quick: bool) -> None:
+    """Section 7: ``examples/weight_sync.py --cuda`` as a subprocess, the GB/s
+    it prints for reading one update against ``cuMemcpyDtoD`` + sync of the
+    same total bytes here.  Raises RuntimeError when the example fails."""
+    import subprocess
+
+    from _handover_gpu import cupy_unavailable
+
+    import gpushare as gs
+
+    title = "\n7. examples/weight_sync.py --cuda, reading one update, against cuMemcpyDtoD + sync of its bytes"
+    reason = cupy_unavailable()  # the example's --cuda needs CuPy
+    if reason is not None:
+        print(f"{title}: not run ({reason})")
+        return
+    layers, hidden, steps, limit = (4, 1024, 5, 90) if quick else (8, 2048, 10, 300)
+    example = Path(__file__).resolve().parent.parent / "examples" / "weight_sync.py"
+    cmd = [sys.executable, str(example), "--cuda", "--steps", str(steps), "--layers", str(layers),
+           "--hidden", str(hidden)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"section 7: {' '.join(cmd[1:])} did not end within {limit} s; its output: "
+                           f"{str(exc.stdout)[-500:]} {str(exc.stderr)[-1500:]}") from None
+    found = _UPDATE_LINE.search(r.stdout)
+    if r.returncode != 0 or found is None:
+        raise RuntimeError(f"section 7: {' '.join(cmd[1:])} exited {r.returncode}"
+                           f"{'' if found else ' without its update line'}; its output: {r.stdout[-500:]} "
+                           f"{r.stderr[-1500:]}")
+    nbytes, count, gbps = int(found[1]), int(found[3]), float(found[6])
+    print(f"{title} (GB/s; {layers} layers, hidden {hidden}: {nbytes} bytes an update)")
+    print(f"   {'weight_sync.py update read':28s} {gbps:7.2f}  in {float(found[2]):.3f} ms"
+          f" (median of {count} versions, {found[4]}-{found[5]} ms)")
+    a = gs.allocate(nbytes, device=0)
+    b = gs.allocate(nbytes, device=0)
+    try:
+        samples = [nbytes / 1e9 / _timed(_dtod(a, b, nbytes), iters) for _ in range(runs)]
+    finally:
+        a.close()
+        b.close()
+    print(f"   {'cuMemcpyDtoD + sync':28s} {spread(samples, 2, 7)}")
+    print(ratio_line(gbps / statistics.median(samples),
+                     f"weight_sync.py update / cuMemcpyDtoD + sync, {nbytes} bytes", WEIGHT_SYNC_TARGET))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tls", default="tcp,cuda_copy,cuda_ipc", help="UCX_TLS of section 3 (ucx-rma)")
-    parser.add_argument("--sections", default="1,2,3,5", help="which sections to run (comma list; 4 only when asked)")
+    parser.add_argument("--sections", default="1,2,3,5,7",
+                        help="which sections to run (comma list; 4 and 6 only when asked)")
     args = parser.parse_args()
-    sections = {int(x) for x in args.sections.split(",") if x.strip()}
+    try:
+        sections = {int(x) for x in args.sections.split(",") if x.strip()}
+    except ValueError:
+        parser.error(f"--sections takes numbers 1 to 7 separated by commas, not {args.sections!r}")
+    if not sections or not sections <= set(range(1, 8)):
+        parser.error(f"--sections takes numbers 1 to 7 separated by commas, not {args.sections!r}")
     from gpushare._cuda import _driver as _cuda
 
     reason = _cuda.unavailable_reason()
@@ -318,12 +413,11 @@ def main() -> int:
         print(f"no CUDA device: {reason}")
         return 2
     iters = 5 if args.quick else 20
-    mapped_size = 64 * MiB if args.quick else 256 * MiB
-    mapped = mapped_copies(mapped_size, args.runs, iters) if sections & {1, 3} else {}
+    mapped = mapped_copies(args.runs, iters) if sections & {1, 3} else {}
     if 2 in sections:
         import_latency(args.runs, 20 if args.quick else 100)
     if 3 in sections:
-        rma([64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls, mapped, mapped_size)
+        rma([64 * 1024, 4 * MiB, 64 * MiB], args.runs, iters, args.tls, mapped, 64 * MiB)
     if 4 in sections:
         from _handover_gpu import handover
 
@@ -333,6 +427,12 @@ def main() -> int:
 
         print("\n5. ", end="")
         bench_first.cuda_main(args.runs)
+    if 6 in sections:
+        from _handover_gpu import handover_cupy
+
+        handover_cupy(args.runs, args.quick)
+    if 7 in sections:
+        weight_sync(args.runs, iters, args.quick)
     return 0
 
 

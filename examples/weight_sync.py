@@ -13,7 +13,10 @@ reader copies the weights when the version is even and new, and keeps the
 copy only if the version did not move meanwhile.  Here the inference process
 also writes ``ack`` (its own tensor in the bundle) after each version it
 read, and the trainer waits for it, so every step is read exactly once; a
-real inference engine would skip to the newest version instead.
+real inference engine would skip to the newest version instead.  At the
+end the inference process prints how long reading one version took (the
+median over the versions, timed around the batch read alone) and its rate
+in GB/s.
 
 Run: python examples/weight_sync.py [--steps N] [--layers N] [--hidden N] [--cuda]
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from typing import Any
@@ -96,6 +100,7 @@ def trainer(steps: int, layers: int, hidden: int, device: Any, shares: Any, done
 def inference(steps: int, shares: Any, done: Any) -> None:
     share = shares.get(timeout=60)
     seen, wrong, retries = 0, 0, 0
+    took, nbytes = [], 0  # seconds of each kept read; bytes of one version
     with gs.open(share) as bundle:  # opened once, for every step
         version, ack = bundle["version"], bundle["ack"]
         v, a = np.asarray(version), np.asarray(ack)  # the counters, mapped
@@ -109,10 +114,14 @@ def inference(steps: int, shares: Any, done: Any) -> None:
             if now % 2 or now // 2 <= last:
                 time.sleep(0.0002)
                 continue
+            t0 = time.perf_counter()
             got = weights.get()  # every weight of this version, one batch
+            t1 = time.perf_counter()
             if int(v[0]) != now:  # the trainer moved on while we copied: read again
                 retries += 1
                 continue
+            took.append(t1 - t0)
+            nbytes = sum(got[name].nbytes for name in names)
             last = now // 2
             for i, name in enumerate(names):
                 host = got[name] if isinstance(got[name], np.ndarray) else _to_host(got[name])
@@ -122,6 +131,10 @@ def inference(steps: int, shares: Any, done: Any) -> None:
             a[0] = last  # tell the trainer (a store into the mapped counter)
     print(f"inference: {seen} versions read, {wrong} wrong tensors, {retries} retries, no new export or open",
           flush=True)
+    if took:
+        mid = statistics.median(took)
+        print(f"inference: an update of {nbytes} bytes read in {mid * 1e3:.3f} ms (median of {len(took)}, "
+              f"{min(took) * 1e3:.3f}-{max(took) * 1e3:.3f}): {nbytes / mid / 1e9:.2f} GB/s", flush=True)
     done.put(True)
     if seen != steps or wrong:
         print("example failed", flush=True)

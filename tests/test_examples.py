@@ -123,6 +123,8 @@ def test_weight_sync_reads_every_version_with_one_open():
     assert "inference: opened 31 tensors in 2 allocations over host-fd" in out
     assert "trainer: 30 steps of 29 tensors" in out and "exported once" in out
     assert "inference: 30 versions read, 0 wrong tensors" in out
+    assert re.search(r"inference: an update of 918528 bytes read in [\d.]+ ms \(median of 30, [\d.]+-[\d.]+\): "
+                     r"[\d.]+ GB/s", out), out
 
 
 @pytest.mark.gpu

@@ -1,14 +1,21 @@
 """The GPU check's own failure handling: the GPU benchmark reports a failed
 exporter at once, and ``tools/gpu_check.sh --run`` writes its report under
-``$OUT`` and fails when it cannot run.  (The whole check runs in CI as
+``$OUT`` and fails when it cannot run.  The benchmark prints each ratio with
+its target on a line the check gathers (run against the CUDA driver
+stand-in), says why a section needing CuPy did not run, and reads the rate
+``examples/weight_sync.py`` prints.  (The whole check runs in CI as
 ``tools/gpu_check.sh --rehearse``, against the CUDA driver stand-in.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+
+import pytest
+from conftest import standin_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,3 +66,54 @@ def test_usage_errors_exit_2():
                            text=True, timeout=30)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert "--rehearse DIR" in r.stderr
+
+
+#: A ratio line of the GPU benchmark, as the GPU check gathers it into its report.
+RATIO = re.compile(r"^   ratio +(\d+\.\d\d)x  (.+)  target >= ([\d.]+)x  (PASS|FAIL)$")
+
+
+@pytest.mark.cudadriver
+def test_bench_gpu_prints_each_copy_ratio_with_its_target(standin_lib, tmp_path):
+    # CuPy hidden (a package that fails to import): sections 6 and 7 must say why they did not run.
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = standin_env(standin_lib, PYTHONPATH=os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--quick", "--runs", "1",
+                        "--sections", "1,6,7"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    ratios = [RATIO.match(line) for line in r.stdout.splitlines() if line.lstrip().startswith("ratio")]
+    assert all(ratios) and len(ratios) == 4, r.stdout
+    got = {(m[2], float(m[3])) for m in ratios}
+    assert got == {(f"view.{kind} (posix-fd) / cuMemcpyDtoD + sync, {size}", target)
+                   for kind in ("get", "put") for size, target in (("64 MiB", 0.9), ("1 MiB", 0.8))}, r.stdout
+    for m in ratios:
+        assert (float(m[1]) >= float(m[3])) == (m[4] == "PASS"), m[0]
+    for section in ("6. hand-over against CuPy's CUDA IPC", "7. examples/weight_sync.py --cuda"):
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith(section)), "")
+        assert line.endswith(": not run (CuPy is not installed: hidden by the test)"), r.stdout
+    # What the GPU check copies into its report: the four ratios and both reasons.
+    gathered = subprocess.run(["grep", "-E", r"(PASS|FAIL)$|: not run \(", "-"], input=r.stdout, text=True,
+                              capture_output=True, timeout=10).stdout.splitlines()
+    assert len(gathered) == 6, gathered
+
+
+def test_bench_gpu_reads_the_rate_weight_sync_prints():
+    code = (
+        "import subprocess, sys; sys.path.insert(0, 'benchmarks')\n"
+        "import bench_gpu\n"
+        "out = subprocess.run([sys.executable, 'examples/weight_sync.py', '--steps', '3'], capture_output=True,\n"
+        "                     text=True, timeout=120, check=True).stdout\n"
+        "m = bench_gpu._UPDATE_LINE.search(out)\n"
+        "print(*(m.groups() if m else ['no match:', out]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    nbytes, ms, count, lo, hi, gbps = r.stdout.split()
+    # the host variant's 29 weights (4 layers, hidden 64), each of 3 versions timed
+    assert (int(nbytes), int(count)) == (918_528, 3), r.stdout
+    assert float(lo) <= float(ms) <= float(hi), r.stdout
+    # the rate is the bytes over the median time (both as printed, rounded)
+    assert int(nbytes) / float(gbps) / 1e6 == pytest.approx(float(ms), rel=0.01, abs=0.001), r.stdout

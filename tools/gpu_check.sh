@@ -21,7 +21,8 @@
 # when python3 is not the bundle's version.  Steps, each under its own time limit, all within
 # GPU_CHECK_BUDGET_S (default 480 s): environment, install, smoke, gpu tests, benchmark, demo,
 # doctor, then the stand-in contract check with the time that is left (GPU_CHECK_STEPS=a,b: only
-# those steps, for a second call; GPU_CHECK_BENCH_ARGS: the benchmark's arguments, --quick).  The report (report.txt
+# those steps, for a second call; GPU_CHECK_BENCH_ARGS: the benchmark's arguments, --quick; its hand-over
+# sections run with "--quick --sections 4,5,6").  The report (report.txt, with the benchmark's ratio lines,
 # and one log per step group, 8 files) goes into $OUT (default ./gpu-check-out).  Exit status 1
 # when a step failed.  A gpu test that skips is reported as skipped, never as passed.
 set -uo pipefail
@@ -584,6 +585,10 @@ run_check() {
     else
       record "$STATUS" "$(grep -E '(ExporterFailed|Error):' "$OUT_DIR/benchmark.log" | tail -n 1)"
     fi
+    # Into the report: every ratio the benchmark holds to a target, with the target and PASS or
+    # FAIL (reported, not the step's verdict), and each section that could not run, with why.
+    # Sections 4 and 6 run only when asked: GPU_CHECK_BENCH_ARGS="--quick --sections 4,5,6".
+    grep -E '(PASS|FAIL)$|: not run \(' "$OUT_DIR/benchmark.log" | sed -E 's/^ */    /' | tee -a "$REPORT"
   fi
 
   if wanted demo; then
