@@ -91,12 +91,49 @@ class _FakeCuda:
 
 
 def test_what_share_memory_cannot_lay_out_is_refused_naming_it():
-    with pytest.raises(gs.UnsupportedError, match=r"^share_memory lays out host memory; the tree's item "
-                                                  r"\['a'\]\[1\] is CUDA memory"):
+    with pytest.raises(gs.UnsupportedError, match=r"^share_memory lays out NumPy arrays, torch tensors and CuPy "
+                                                  r"arrays; the tree's item \['a'\]\[1\] is other CUDA memory "
+                                                  r"\(_FakeCuda\)"):
         gs.share_memory({"a": [np.zeros(2), _FakeCuda()]})
-    with pytest.raises(gs.InvalidInputError, match="at least one NumPy array or torch tensor"):
+    with pytest.raises(gs.InvalidInputError, match="at least one NumPy array, torch tensor or CuPy array"):
         gs.share_memory({"lr": 0.1, "name": "x"})
     loop: list = []
     loop.append(loop)
     with pytest.raises(gs.InvalidInputError, match="deeper than 64"):
         gs.share_memory(loop)
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+def test_share_memory_lays_torch_cuda_tensors_out_on_their_device():
+    torch_ = pytest.importorskip("torch")
+    if not torch_.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    state = {"w": torch_.randn(64, 32, device="cuda"), "b": torch_.arange(7, device="cuda", dtype=torch_.int64),
+             "t": torch_.randn(8, 4, device="cuda").t(), "cpu": torch_.ones(3), "step": 5}
+    laid = gs.share_memory(state)
+    assert laid["step"] == 5 and laid["cpu"].device.type == "cpu"
+    for k in ("w", "b", "t"):
+        assert laid[k].device == state[k].device and laid[k].dtype == state[k].dtype
+        assert laid[k].is_contiguous() and torch_.equal(laid[k].cpu(), state[k].cpu())
+    share = gs.export({k: laid[k] for k in ("w", "b", "t")})
+    try:
+        assert share.allocations == 1  # one buffer on the device
+    finally:
+        share.revoke()
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+def test_share_memory_lays_cupy_arrays_out_on_their_device():
+    cupy = pytest.importorskip("cupy")
+    state = {"a": cupy.arange(100, dtype=cupy.float32), "b": cupy.ones((3, 5), dtype=cupy.int16)}
+    laid = gs.share_memory(state)
+    for k, v in state.items():
+        assert isinstance(laid[k], cupy.ndarray) and laid[k].dtype == v.dtype and laid[k].shape == v.shape
+        assert bool((laid[k] == v).all())
+    share = gs.export(laid)
+    try:
+        assert share.allocations == 1
+    finally:
+        share.revoke()
