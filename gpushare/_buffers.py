@@ -99,7 +99,17 @@ def _from_cuda_array_interface(obj: Any, cai: dict) -> LocalBuffer:
     if not _c_contiguous(shape, strides, itemsize):
         raise InvalidInputError(f"CUDA array is not C-contiguous; {_CONTIGUOUS_FIX}")
     nbytes = math.prod(shape) * itemsize
-    return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj, stream=stream)
+    return LocalBuffer(int(ptr or 0), nbytes, "cuda", bool(readonly), obj, stream=stream, device=_device_said(obj))
+
+
+def _device_said(obj: Any) -> int | None:
+    """The CUDA device an array says it is on, where it says so as gpushare's
+    arrays (``device``, an int) and CuPy's (``device.id``) do; else None (the
+    driver is asked where it matters)."""
+    device = getattr(obj, "device", None)
+    if type(device) is not int:
+        device = getattr(device, "id", None)
+    return device if type(device) is int and device >= 0 else None
 
 
 def _from_cuda_core_buffer(obj: Any) -> LocalBuffer:

@@ -460,16 +460,23 @@ class View:
     def _cuda_copy(self, local: _buffers.LocalBuffer, shared: _buffers.LocalBuffer, src: int, dst: int,
                    stream: int | None, consumer: int, direction: str, wait: bool, timeout: float | None) -> Any:
         ordinal = _driver.stream_ordinal(stream) if stream is not None else None
+        if ordinal is None and local.memory_type == "cuda":
+            # The local memory's device (asked of the driver where the array does not say): the copy runs
+            # there, the mapping granted to it, as memory of one device is not always reachable from another.
+            ordinal = local.device if local.device is not None else _driver.pointer_ordinal(local.address)
         if ordinal is None:
-            ordinal = local.device if local.memory_type == "cuda" and local.device is not None else shared.device
-        if ordinal is None:
-            ordinal = _driver.pointer_ordinal(local.address)
+            ordinal = shared.device
         if self._mapped is not None and ordinal != self.device:
             self._mapped.grant(ordinal)  # the copy runs on another device: it needs access too
         what = f"copy {'from' if direction == 'get' else 'to'} the shared CUDA memory"
         # The copy comes after the producer's work: on the stream its array
         # interface names, else the one DLPack ordered it before.
         producer = local.stream if local.stream is not None else consumer
+        if stream is None and producer == consumer and isinstance(self.device, int) and ordinal != self.device:
+            # DLPack ordered the producer's work before gpushare's stream of the view's device, and the copy
+            # runs on another device's: that work is waited for here (only where devices differ).
+            _copies.drain_own_stream(self.device)
+            producer = None
         if not wait:
             return _copies.copy_async(dst, src, local.nbytes, ordinal=ordinal, stream=stream, producer=producer,
                                       keep=local, what=what)

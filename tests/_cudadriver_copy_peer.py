@@ -66,3 +66,21 @@ def traced_gets(state: dict, name: str, n: int, count: int) -> list[list[str]]:
 
 
 HANDLERS = {"timed_gets": timed_gets, "traced_gets": traced_gets}
+
+
+def get_on_device(state: dict, name: str, n: int, device: int) -> dict:
+    """A get into, then a put from, CUDA memory of ``device``: the copy runs on that device."""
+    import gpushare as gs
+
+    view = state["views"][name]
+    dst = gs.empty(n, dtype="u1", device=device)
+    view.get(dst)
+    got = base.read_ptr(dst.ptr, 16, device) + base.read_ptr(dst.ptr + n - 16, 16, device)
+    src = gs.zeros(n, dtype="u1", device=device)
+    view.put(src)
+    back = gs.empty(n, dtype="u1", device=view.device)
+    view.get(back)
+    return {"view_device": view.device, "got": got, "after_put": base.read_ptr(back.ptr, 16, view.device)}
+
+
+HANDLERS["get_on_device"] = get_on_device

@@ -60,3 +60,13 @@ def test_a_get_makes_three_driver_calls(pair):
     assert counts[3] >= len(gets) * 0.6, counts  # a copy found a little late asks once more
     for calls in gets:
         assert not {"cuCtxPushCurrent_v2", "cuEventCreate", "cuEventDestroy_v2"} & set(calls), calls
+
+
+def test_a_copy_with_memory_of_another_device_runs_there(standin_peers):
+    from _cudadriver_copy_peer import setup
+
+    exporter, importer = standin_peers(setup), standin_peers(setup)
+    exporter.call("allocate", "buf", N, 0, None, 0x5A)
+    importer.call("open_view", "v", exporter.call("export", "buf"))
+    seen = importer.call("get_on_device", "v", N, 1)
+    assert seen == {"view_device": 0, "got": b"\x5a" * 32, "after_put": b"\x00" * 16}, seen

@@ -36,7 +36,7 @@ from .._errors import CUDAError, WaitTimeoutError
 from . import _driver
 from ._driver import LEGACY_STREAM, check, on_device
 
-__all__ = ["CopyRequest", "copy_async", "copy_sync", "inflight_copies", "own_stream", "wait_for_copies", "KIND_ANY",
+__all__ = ["CopyRequest", "copy_async", "copy_sync", "inflight_copies", "own_stream", "drain_own_stream", "wait_for_copies", "KIND_ANY",
            "KIND_HTOD", "KIND_DTOH", "KIND_DTOD"]
 
 #: Copy kinds, as ``src/cuda/copy.cpp`` names them.
@@ -453,6 +453,14 @@ def _learn(dev: _Device, klass: tuple[int, int], n: int, per_byte: float | None,
 def own_stream(ordinal: int) -> int:
     """gpushare's non-blocking stream on device ``ordinal``, made once."""
     return int(_device(ordinal).stream)
+
+
+def drain_own_stream(ordinal: int) -> None:
+    """Block until the work queued on gpushare's stream of device ``ordinal`` (what a
+    DLPack producer ordered before it, included) has completed."""
+    dev = _device(ordinal)
+    with on_device(ordinal):
+        check(_driver.driver().cuStreamSynchronize(dev.stream), "cuStreamSynchronize(gpushare's stream)")
 
 
 def _raise(code: int, what: str) -> None:
