@@ -30,7 +30,7 @@ PAGE = host_fd.PAGE
 def forged(desc: PosixFdBufferDescriptor, **changes: object) -> PosixFdBufferDescriptor:
     """A copy of ``desc`` with some fields replaced, built the way unpickling does."""
     fields = dict(zip(PosixFdBufferDescriptor._FIELDS, desc._fields(), strict=True))
-    fields.update({f"_{k}": v for k, v in changes.items()})
+    fields.update(changes)
     return PosixFdBufferDescriptor._from_fields(*fields.values())
 
 
