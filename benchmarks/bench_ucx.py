@@ -244,8 +244,7 @@ def server_batch_rate(peer, cap, iters: int) -> float:
 
 def run_server(sizes, runs: int, quick: bool) -> None:
     from gpushare._ucx import _peer
-
-    from gpushare._ucx._server import tcp_segment_config
+    from gpushare._ucx._node import tcp_segment_config
 
     tls, eh = "tcp", True
     # perftest gets the TCP segment sizes the server's worker uses.

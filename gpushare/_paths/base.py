@@ -20,7 +20,7 @@ from . import broker
 
 if TYPE_CHECKING:
     from .._exporter.lifetimes import Export
-    from .._exporter import _Session as Session
+    from .._exporter.sessions import Session
     from .._importer import Lease
     from .._connection import Connection
     from .._share import Share
