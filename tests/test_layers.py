@@ -15,7 +15,8 @@ import ast
 import dataclasses
 import pathlib
 import re
-from collections.abc import Iterable, Mapping
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 
@@ -552,10 +553,22 @@ def _resolve_from(node: ast.ImportFrom, this: str | None, is_package: bool) -> s
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _code_in_strings(tree: ast.AST, package: str) -> Iterable[tuple[ast.Module, int]]:
+    """Python programs written as string constants (a child's ``python -c``), each
+    parsed, with the line its string starts on."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and package in node.value:
+            try:
+                yield ast.parse(textwrap.dedent(node.value)), node.lineno
+            except SyntaxError:
+                continue
+
+
 def uses_of_reexports(root: pathlib.Path, files: Iterable[pathlib.Path]) -> list[Use]:
     """Every place in ``files`` (the package's and others) that takes a name from a
     module of the package that only re-exports it: ``from M import name``, or
-    ``M.name`` where ``M`` is a module imported by ``import`` or ``from``."""
+    ``M.name`` where ``M`` is a module imported by ``import`` or ``from``; in the
+    code and in programs written as strings (for a child process)."""
     modules = module_names(root)
     by_file = {file: name for name, file in modules.items()}
     again = reexports(root)
@@ -568,44 +581,53 @@ def uses_of_reexports(root: pathlib.Path, files: Iterable[pathlib.Path]) -> list
         except ValueError:
             rel = str(file)
         tree = ast.parse(file.read_text(), filename=str(file))
-        aliases: dict[str, str] = {}  # a local name bound to a module of the package
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                stem = _resolve_from(node, this, is_package)
-                for alias in node.names:
-                    sub = f"{stem}.{alias.name}"
-                    if sub in modules:
-                        aliases[alias.asname or alias.name] = sub
-                    elif stem in again and alias.name in again[stem]:
-                        out.append(Use(f"{rel}:{node.lineno}", stem, alias.name))
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.asname and alias.name in modules:
-                        aliases[alias.asname] = alias.name
-                    elif not alias.asname:
-                        top = alias.name.split(".")[0]
-                        if top in modules:
-                            aliases[top] = top
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute):
-                continue
-            chain = [node.attr]
-            value = node.value
-            while isinstance(value, ast.Attribute):
-                chain.append(value.attr)
-                value = value.value
-            if not isinstance(value, ast.Name) or value.id not in aliases:
-                continue
-            chain.append(aliases[value.id])
-            chain.reverse()  # [module, attr, attr...]
-            module = chain[0]
-            rest = chain[1:]
-            while rest and f"{module}.{rest[0]}" in modules:
-                module = f"{module}.{rest.pop(0)}"
-            # only the outermost attribute of a chain is the one read (node.attr); count it once
-            if len(rest) == 1 and module in again and rest[0] in again[module]:
-                out.append(Use(f"{rel}:{node.lineno}", module, rest[0]))
+        for code, first in [(tree, 1), *_code_in_strings(tree, root.name)]:
+            out += _uses_in(code, this if code is tree else None, is_package, modules, again,
+                            lambda line, first=first: f"{rel}:{first + line - 1}")
     return sorted(set(out), key=lambda u: (u.where, u.name))
+
+
+def _uses_in(tree: ast.AST, this: str | None, is_package: bool, modules: Mapping[str, pathlib.Path],
+             again: Mapping[str, set[str]], where: Callable[[int], str]) -> list[Use]:
+    out = []
+    aliases: dict[str, str] = {}  # a local name bound to a module of the package
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            stem = _resolve_from(node, this, is_package)
+            for alias in node.names:
+                sub = f"{stem}.{alias.name}"
+                if sub in modules:
+                    aliases[alias.asname or alias.name] = sub
+                elif stem in again and alias.name in again[stem]:
+                    out.append(Use(where(node.lineno), stem, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    aliases[alias.asname] = alias.name
+                elif not alias.asname:
+                    top = alias.name.split(".")[0]
+                    if top in modules:
+                        aliases[top] = top
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = [node.attr]
+        value = node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in aliases:
+            continue
+        chain.append(aliases[value.id])
+        chain.reverse()  # [module, attr, attr...]
+        module = chain[0]
+        rest = chain[1:]
+        while rest and f"{module}.{rest[0]}" in modules:
+            module = f"{module}.{rest.pop(0)}"
+        # each attribute node is seen once: the one right after the module names the module's attribute
+        if len(rest) == 1 and module in again and rest[0] in again[module]:
+            out.append(Use(where(node.lineno), module, rest[0]))
+    return out
 
 
 def _importer_files() -> list[pathlib.Path]:
@@ -631,7 +653,8 @@ def test_checker_finds_names_taken_from_a_module_that_only_reexports_them(tmp_pa
     assert reexports(root)["pkg._low"] == {"f"}
     assert reexports(root)["pkg._sub"] == {"h"}
     other = tmp_path / "user.py"
-    other.write_text("import pkg\nimport pkg._low as low\nfrom pkg._sub.mod import h\nlow.f\npkg.f\n")
+    other.write_text("import pkg\nimport pkg._low as low\nfrom pkg._sub.mod import h\nlow.f\npkg.f\n"
+                     "CHILD = \"\"\"\nfrom pkg import _low\n_low.f()\n\"\"\"\n")
     found = uses_of_reexports(root, sorted(root.rglob("*.py")) + [other])
     assert [(u.where.rsplit("/", 1)[-1], u.module, u.name) for u in found] == [
         ("__init__.py:1", "pkg._low", "f"),  # f is _base's x
@@ -641,6 +664,7 @@ def test_checker_finds_names_taken_from_a_module_that_only_reexports_them(tmp_pa
         ("_high.py:7", "pkg._sub", "h"),
         ("user.py:4", "pkg._low", "f"),
         ("user.py:5", "pkg", "f"),
+        ("user.py:8", "pkg._low", "f"),  # in the child's program
     ]
 
 
