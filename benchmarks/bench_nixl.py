@@ -158,11 +158,11 @@ def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
 def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
     import numpy as np
 
-    from gpushare import _ucx
+    from gpushare._ucx import _peer
 
     results = {}
     with spawned(_pinned, cpu, _server_exporter, REGION) as (address, (rid, key)):
-        peer = _ucx.client().connect(address, timeout=30)
+        peer = _peer.client().connect(address, timeout=30)
         local = np.zeros(REGION, np.uint8)
 
         def measure(fn, nbytes: int) -> float:

@@ -233,7 +233,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     import gpushare as gs
-    from gpushare import _exporter
+    from gpushare._exporter import registry
 
     runs = "one run" if args.runs == 1 else f"median of {args.runs} runs (lowest-highest)"
     print(f"one exporter (pid {os.getpid()}), N shares of 1 MiB, M importers each opening all N; "
@@ -276,10 +276,10 @@ def main() -> int:
                 # The importers have exited: their connections' ends reach the
                 # exporter's service thread a moment later.
                 t0 = time.monotonic()
-                stats = _exporter.get_exporter().stats()
+                stats = registry.get_exporter().stats()
                 while (stats["exports"] or stats["leases"]) and time.monotonic() - t0 < 120:
                     time.sleep(0.1)
-                    stats = _exporter.get_exporter().stats()
+                    stats = registry.get_exporter().stats()
                 if stats["exports"] or stats["leases"]:
                     held.append(stats)
                 else:

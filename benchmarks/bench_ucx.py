@@ -21,7 +21,7 @@ Settings measured:
   the exporter proves itself to the importer through a Unix socket
   (``ucx.LocalPeer``), without which those transports are refused; perftest
   with the same ``UCX_TLS``, without ``-e``.
-* ``server``: the per-process region server (``gpushare._ucx.server()``),
+* ``server``: the per-process region server (``gpushare._server.server()``),
   TCP, error handling, blocking progress, against perftest's active-message
   tests in the same mode (``ucp_am_bw``, ``ucp_am_lat``, ``-e -E sleep``):
   bandwidth of get and put with 64 requests in flight, a batch of 64 x 64 KiB
@@ -183,9 +183,9 @@ def spawned(target, *args):
 def _server_exporter(conn, size: int) -> None:
     import numpy as np
 
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
-    srv = _ucx.server()
+    srv = _server.server()
     buf = np.ones(size, np.uint8)
     region = srv.add_region(buf)
     conn.send((srv.address, region.grant()))
@@ -243,9 +243,8 @@ def server_batch_rate(peer, cap, iters: int) -> float:
 
 
 def run_server(sizes, runs: int, quick: bool) -> None:
-    from gpushare import _ucx
-
-    from gpushare._ucx._server import tcp_segment_config
+    from gpushare._ucx import _peer
+    from gpushare._ucx._node import tcp_segment_config
 
     tls, eh = "tcp", True
     # perftest gets the TCP segment sizes the server's worker uses.
@@ -263,7 +262,7 @@ def run_server(sizes, runs: int, quick: bool) -> None:
     batch_ref = [perftest("ucp_am_bw", BATCH_SIZE, _iters(BATCH_SIZE, quick), tls, eh, "sleep", seg)[0]
                  for _ in range(runs)]
     with spawned(_server_exporter, max(max(sizes), BATCH * BATCH_SIZE)) as (address, cap):
-        peer = _ucx.client().connect(address, timeout=30)
+        peer = _peer.client().connect(address, timeout=30)
         lane = next((ln.strip("# ").strip() for ln in peer.transport_info().splitlines() if "lane[0]" in ln), "?")
         print(f"   gpushare peer: {lane}")
         print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
@@ -371,11 +370,11 @@ def _setup_cost_child(conn, kind: str, count: int) -> None:
     native()
     kept: list = []  # what serves the regions, held until the parent is done
     if kind == "server":
-        from gpushare import _ucx
+        from gpushare._ucx import _server
 
         b = _usage()
         t0 = time.perf_counter()
-        srv = _ucx.server()
+        srv = _server.server()
         arrays = [np.ones(4096, np.uint8) for _ in range(count)]
         kept += [srv.add_region(a) for a in arrays]
         for r in kept:

@@ -17,7 +17,9 @@ from ._auth import set_authkey
 from ._batch import BatchRequest, get_batch, put_batch
 from ._bundle import Bundle
 from ._capabilities import capabilities
-from ._channel import ChannelHandle, Consumer, Producer, Step, channel, subscribe
+from ._channel.consumer import Consumer, Step, subscribe
+from ._channel.handle import ChannelHandle
+from ._channel.producer import Producer, channel
 from ._descriptors import (
     CudaIpcBufferDescriptor,
     CudaPoolBufferDescriptor,

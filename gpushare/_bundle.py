@@ -25,9 +25,10 @@ from ._buffers import host_address_reader
 from ._bundle_tree import build, build_from, build_list, leaf_indices, pair
 from ._errors import ClosedError, InvalidInputError, UnsupportedError
 from ._manifest import Manifest
-from ._paths import Opened
+from ._paths.base import Opened
 from ._share import Share
-from ._view import MappingUse, View, with_timeout
+from ._view import View, with_timeout
+from ._view_use import MappingUse
 
 __all__ = ["Bundle", "Shifted"]
 

@@ -11,10 +11,11 @@ from typing import Any, Literal, overload
 
 from . import _memory, _types
 from ._cuda import vmm
-from ._descriptors import PosixFdBufferDescriptor, _integer
+from ._descriptors import PosixFdBufferDescriptor
+from ._types import integer as _integer
 from ._errors import InvalidInputError, InvalidTypeError
 from ._paths import handles
-from ._paths.handles import HostBuffer
+from ._paths.handles import HostBuffer, allocate_host
 
 __all__ = ["allocate", "export_buffer", "import_buffer"]
 
@@ -78,7 +79,7 @@ def allocate(size: int, device: _types.Device = "host", *, chunk_size: int | Non
         chunk_size = _integer(chunk_size, "chunk_size")
     if _types.is_host(device):
         _memory.check_host(size)
-        return handles.allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
+        return allocate_host(size, chunk_size=chunk_size, huge_pages=huge_pages)
     if huge_pages != "auto":
         raise InvalidInputError("huge_pages= is for host memory; CUDA virtual memory uses the device's own "
                                 "large pages (its allocation granularity)")

@@ -10,13 +10,14 @@ boundary is untrusted.  Nothing here loads a driver.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar, cast, dataclass_transform
 
 from ._errors import InvalidInputError
 from ._types import OLD_HANDLE_TYPES
-from ._types import integer as _integer  # the name its callers here and in _by_descriptor use
+from ._types import integer as _integer
 from ._types import text as _text
 
 __all__ = [
@@ -114,9 +115,26 @@ def _ordinal(device: object) -> int:
 
 
 class _Frozen:
-    """Refuses attribute assignment and deletion after construction."""
+    """What every descriptor shares: no direct construction, no assignment or
+    deletion of an attribute, pickling through :func:`_rebuild`, equality and
+    hash by its fields.  Each descriptor is a :func:`_descriptor` dataclass
+    over it."""
 
     __slots__ = ()
+
+    #: What to call instead of the class, for its refusal of direct construction.
+    _MADE_BY = "gpushare.export_buffer()"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(f"{type(self).__name__} cannot be constructed directly; use {self._MADE_BY}")
+
+    @classmethod
+    def _new(cls, **fields: Any) -> Any:
+        """An instance with ``fields`` set: its validating constructor's last step."""
+        self = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        return self
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -125,7 +143,8 @@ class _Frozen:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     handle_type: str
-    #: The slots, in the order the validating constructor takes them.
+    #: The field names, in the order the validating constructor takes them
+    #: (the pickled form): set by :func:`_descriptor` from the declaration order.
     _FIELDS: tuple[str, ...] = ()
 
     def _fields(self) -> tuple[Any, ...]:
@@ -147,6 +166,28 @@ class _Frozen:
         return hash((type(self).__name__, self._fields()))
 
 
+_D = TypeVar("_D", bound=_Frozen)
+
+
+# Type checkers see a frozen dataclass: its fields are read-only attributes.
+@dataclass_transform(frozen_default=True)
+def _descriptor(cls: type[_D]) -> type[_D]:
+    """A frozen, slotted dataclass of ``cls``, whose fields (declared in the
+    pickled form's order: never reorder them) are its attributes.
+
+    The dataclass makes no ``__init__`` (the class refuses direct construction;
+    its validating classmethod builds it), no ``repr`` and no equality (the
+    descriptor's own); the frozen dataclass's ``__setattr__``/``__delattr__``
+    give way to :class:`_Frozen`'s, which say "is immutable" as descriptors
+    always have (a frozen dataclass's ``FrozenInstanceError`` says "cannot
+    assign to field").
+    """
+    made = dataclasses.dataclass(frozen=True, init=False, repr=False, eq=False, slots=True)(cls)
+    del made.__setattr__, made.__delattr__
+    made._FIELDS = tuple(f.name for f in dataclasses.fields(cast(Any, made)))
+    return made
+
+
 def cuda_core_fabric_descriptor_class() -> type | None:
     """cuda.core's own ``VirtualMemoryFabricBufferDescriptor`` where the
     installed cuda.core has one, else ``None``.  Imports cuda.core lazily."""
@@ -157,6 +198,7 @@ def cuda_core_fabric_descriptor_class() -> type | None:
     return getattr(cuda.core, "VirtualMemoryFabricBufferDescriptor", None)
 
 
+@_descriptor
 class VirtualMemoryFabricBufferDescriptor(_Frozen):
     """Plain-data descriptor of a CUDA virtual-memory buffer exported with
     fabric handles.
@@ -189,16 +231,18 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
         The exporting device's UUID, if the exporter supplied it.
     """
 
-    __slots__ = ("_handles", "_owner_uuid", "_size", "_sizes")
+    #: One opaque 64-byte fabric handle per allocation, in address order.
+    handles: tuple[bytes, ...]
+    #: Size of each physical allocation, in address order.
+    sizes: tuple[int, ...]
+    #: The buffer size in bytes.
+    size: int
+    #: The exporting device's UUID, if supplied by the exporter.
+    owner_uuid: str | None
 
     handle_type = "fabric"
-    _FIELDS = ("_handles", "_sizes", "_size", "_owner_uuid")
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise TypeError(
-            "VirtualMemoryFabricBufferDescriptor cannot be constructed directly; "
-            "use VirtualMemoryFabricBufferDescriptor.from_handles() or gpushare.export_buffer()"
-        )
+    _MADE_BY = "VirtualMemoryFabricBufferDescriptor.from_handles() or gpushare.export_buffer()"
 
     @classmethod
     def from_handles(
@@ -250,13 +294,8 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
             raise InvalidInputError(
                 f"{len(checked)} handles but {len(sizes_t)} sizes; expected one size per handle"
             )
-        self = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(self, "_handles", tuple(checked))
-        set_(self, "_sizes", sizes_t)
-        set_(self, "_size", _buffer_size(size, sizes_t))
-        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
-        return self
+        return cls._new(handles=tuple(checked), sizes=sizes_t, size=_buffer_size(size, sizes_t),
+                        owner_uuid=_text(owner_uuid, "owner_uuid"))
 
     @classmethod
     def _from_fields(
@@ -290,29 +329,10 @@ class VirtualMemoryFabricBufferDescriptor(_Frozen):
                 "the installed cuda.core has no VirtualMemoryFabricBufferDescriptor; "
                 "upgrade cuda-core, or import with gpushare.import_buffer()"
             )
-        return theirs.from_handles(self._handles, self._sizes, size=self._size, owner_uuid=self._owner_uuid)
-
-    @property
-    def handles(self) -> tuple[bytes, ...]:
-        """One opaque 64-byte fabric handle per allocation, in address order."""
-        return self._handles
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Size of each physical allocation, in address order."""
-        return self._sizes
-
-    @property
-    def size(self) -> int:
-        """The buffer size in bytes."""
-        return self._size
-
-    @property
-    def owner_uuid(self) -> str | None:
-        """The exporting device's UUID, if supplied by the exporter."""
-        return self._owner_uuid
+        return theirs.from_handles(self.handles, self.sizes, size=self.size, owner_uuid=self.owner_uuid)
 
 
+@_descriptor
 class PosixFdBufferDescriptor(_Frozen):
     """Plain-data descriptor of a buffer whose physical allocations are file
     descriptors held by the exporting process.
@@ -352,37 +372,28 @@ class PosixFdBufferDescriptor(_Frozen):
         The exporting CUDA device's UUID, ``None`` for host memory.
     """
 
-    __slots__ = (
-        "_address",
-        "_device",
-        "_export_id",
-        "_node",
-        "_owner_uuid",
-        "_pid",
-        "_size",
-        "_sizes",
-        "_token",
-        "_version",
-    )
+    #: Format version.
+    version: int
+    #: The broker's Unix-socket address.
+    address: str
+    #: The export's number within its broker.
+    export_id: int
+    #: The 32-byte secret that grants the import.
+    token: bytes
+    #: The exporting process id.
+    pid: int
+    #: The exporting node's identity.
+    node: str
+    #: "host" or a CUDA device ordinal.
+    device: str | int
+    #: Size of each physical allocation, in order.
+    sizes: tuple[int, ...]
+    #: The buffer size in bytes.
+    size: int
+    #: The exporting device's UUID, or None.
+    owner_uuid: str | None
 
     handle_type = "posix-fd"
-    _FIELDS = (
-        "_version",
-        "_address",
-        "_export_id",
-        "_token",
-        "_pid",
-        "_node",
-        "_device",
-        "_sizes",
-        "_size",
-        "_owner_uuid",
-    )
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise TypeError(
-            "PosixFdBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
-        )
 
     @classmethod
     def _from_fields(
@@ -433,39 +444,19 @@ class PosixFdBufferDescriptor(_Frozen):
             if not 0 <= device < _MAX_DEVICE:
                 raise InvalidInputError(f"device is {device}; expected 'host' or 0 to {_MAX_DEVICE - 1}")
         sizes_t = _size_list(sizes)
-        self = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(self, "_version", version_i)
-        set_(self, "_address", address)
-        set_(self, "_export_id", export_i)
-        set_(self, "_token", token)
-        set_(self, "_pid", pid_i)
-        set_(self, "_node", node_s)
-        set_(self, "_device", device)
-        set_(self, "_sizes", sizes_t)
-        set_(self, "_size", _buffer_size(size, sizes_t))
-        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
-        return self
-
-    version = property(lambda self: self._version, doc="Format version.")
-    address = property(lambda self: self._address, doc="The broker's Unix-socket address.")
-    export_id = property(lambda self: self._export_id, doc="The export's number within its broker.")
-    token = property(lambda self: self._token, doc="The 32-byte secret that grants the import.")
-    pid = property(lambda self: self._pid, doc="The exporting process id.")
-    node = property(lambda self: self._node, doc="The exporting node's identity.")
-    device = property(lambda self: self._device, doc='"host" or a CUDA device ordinal.')
-    sizes = property(lambda self: self._sizes, doc="Size of each physical allocation, in order.")
-    size = property(lambda self: self._size, doc="The buffer size in bytes.")
-    owner_uuid = property(lambda self: self._owner_uuid, doc="The exporting device's UUID, or None.")
+        return cls._new(version=version_i, address=address, export_id=export_i, token=token, pid=pid_i, node=node_s,
+                        device=device, sizes=sizes_t, size=_buffer_size(size, sizes_t),
+                        owner_uuid=_text(owner_uuid, "owner_uuid"))
 
     def __repr__(self) -> str:
         # The token is a secret: never print it.
         return (
-            f"PosixFdBufferDescriptor(device={self._device!r}, allocations={len(self._sizes)}, "
-            f"size={self._size}, pid={self._pid}, export_id={self._export_id})"
+            f"PosixFdBufferDescriptor(device={self.device!r}, allocations={len(self.sizes)}, "
+            f"size={self.size}, pid={self.pid}, export_id={self.export_id})"
         )
 
 
+@_descriptor
 class CudaIpcBufferDescriptor(_Frozen):
     """Plain-data descriptor of CUDA memory not from VMM (a CuPy pool array,
     a torch tensor), shared with a legacy CUDA IPC handle.
@@ -497,15 +488,24 @@ class CudaIpcBufferDescriptor(_Frozen):
         The exporting node's identity.
     """
 
-    __slots__ = ("_base_size", "_device", "_handle", "_node", "_offset", "_owner_uuid", "_pid", "_size")
+    #: The base allocation's 64-byte IPC handle.
+    handle: bytes
+    #: Size of the base allocation.
+    base_size: int
+    #: The buffer's offset in the base allocation.
+    offset: int
+    #: The buffer size in bytes.
+    size: int
+    #: The exporting device's ordinal.
+    device: int
+    #: The exporting device's UUID, or None.
+    owner_uuid: str | None
+    #: The exporting process id.
+    pid: int
+    #: The exporting node's identity.
+    node: str
 
     handle_type = "cuda-ipc"
-    _FIELDS = ("_handle", "_base_size", "_offset", "_size", "_device", "_owner_uuid", "_pid", "_node")
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise TypeError(
-            "CudaIpcBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
-        )
 
     @classmethod
     def _from_fields(
@@ -525,34 +525,18 @@ class CudaIpcBufferDescriptor(_Frozen):
         pid_i = _integer(pid, "exporter pid")
         if not 0 < pid_i < _MAX_PID:
             raise InvalidInputError(f"exporter pid is {pid_i}; expected 1 to 2**31 - 1")
-        self = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(self, "_handle", handle)
-        set_(self, "_base_size", base)
-        set_(self, "_offset", offset_i)
-        set_(self, "_size", size_i)
-        set_(self, "_device", device_i)
-        set_(self, "_owner_uuid", _text(owner_uuid, "owner_uuid"))
-        set_(self, "_pid", pid_i)
-        set_(self, "_node", _text(node, "node identity", optional=False))
-        return self
-
-    handle = property(lambda self: self._handle, doc="The base allocation's 64-byte IPC handle.")
-    base_size = property(lambda self: self._base_size, doc="Size of the base allocation.")
-    offset = property(lambda self: self._offset, doc="The buffer's offset in the base allocation.")
-    size = property(lambda self: self._size, doc="The buffer size in bytes.")
-    device = property(lambda self: self._device, doc="The exporting device's ordinal.")
-    owner_uuid = property(lambda self: self._owner_uuid, doc="The exporting device's UUID, or None.")
-    pid = property(lambda self: self._pid, doc="The exporting process id.")
-    node = property(lambda self: self._node, doc="The exporting node's identity.")
+        return cls._new(handle=handle, base_size=base, offset=offset_i, size=size_i, device=device_i,
+                        owner_uuid=_text(owner_uuid, "owner_uuid"), pid=pid_i,
+                        node=_text(node, "node identity", optional=False))
 
     def __repr__(self) -> str:
         return (
-            f"CudaIpcBufferDescriptor(device={self._device}, offset={self._offset}, "
-            f"size={self._size}, pid={self._pid})"
+            f"CudaIpcBufferDescriptor(device={self.device}, offset={self.offset}, "
+            f"size={self.size}, pid={self.pid})"
         )
 
 
+@_descriptor
 class CudaPoolBufferDescriptor(_Frozen):
     """Plain-data descriptor of CUDA memory from an exportable stream-ordered
     pool (for example cuda.core's ``DeviceMemoryResource`` made with
@@ -583,16 +567,30 @@ class CudaPoolBufferDescriptor(_Frozen):
         The allocation's size, and the buffer's place in it.
     """
 
-    __slots__ = ("_base_size", "_export_data", "_offset", "_pool", "_size")
+    #: The exporter's fd broker socket.
+    address: str
+    #: The pool's entry in the broker.
+    export_id: int
+    #: The 32-byte token the broker asks for.
+    token: bytes
+    #: The exporting process id.
+    pid: int
+    #: The exporting node's identity.
+    node: str
+    #: The exporting device's ordinal.
+    device: int
+    #: The exporting device's UUID, or None.
+    owner_uuid: str | None
+    #: The allocation's 64-byte pool export data.
+    export_data: bytes
+    #: Size of the allocation that holds the buffer.
+    base_size: int
+    #: The buffer's offset in that allocation.
+    offset: int
+    #: The buffer size in bytes.
+    size: int
 
     handle_type = "cuda-pool"
-    _FIELDS = ("address", "export_id", "token", "pid", "node", "device", "owner_uuid",
-               "_export_data", "_base_size", "_offset", "_size")
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise TypeError(
-            "CudaPoolBufferDescriptor cannot be constructed directly; use gpushare.export_buffer()"
-        )
 
     @classmethod
     def _from_fields(
@@ -616,31 +614,14 @@ class CudaPoolBufferDescriptor(_Frozen):
         pool = PosixFdBufferDescriptor._from_fields(
             POSIX_FD_FORMAT, address, export_id, token, pid, node, device_i, (base,), base, owner_uuid
         )
-        self = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(self, "_pool", pool)
-        set_(self, "_export_data", export_data)
-        set_(self, "_base_size", base)
-        set_(self, "_offset", offset_i)
-        set_(self, "_size", size_i)
-        return self
-
-    address = property(lambda self: self._pool.address, doc="The exporter's fd broker socket.")
-    export_id = property(lambda self: self._pool.export_id, doc="The pool's entry in the broker.")
-    token = property(lambda self: self._pool.token, doc="The 32-byte token the broker asks for.")
-    pid = property(lambda self: self._pool.pid, doc="The exporting process id.")
-    node = property(lambda self: self._pool.node, doc="The exporting node's identity.")
-    device = property(lambda self: self._pool.device, doc="The exporting device's ordinal.")
-    owner_uuid = property(lambda self: self._pool.owner_uuid, doc="The exporting device's UUID, or None.")
-    export_data = property(lambda self: self._export_data, doc="The allocation's 64-byte pool export data.")
-    base_size = property(lambda self: self._base_size, doc="Size of the allocation that holds the buffer.")
-    offset = property(lambda self: self._offset, doc="The buffer's offset in that allocation.")
-    size = property(lambda self: self._size, doc="The buffer size in bytes.")
+        return cls._new(address=pool.address, export_id=pool.export_id, token=pool.token, pid=pool.pid,
+                        node=pool.node, device=pool.device, owner_uuid=pool.owner_uuid, export_data=export_data,
+                        base_size=base, offset=offset_i, size=size_i)
 
     def __repr__(self) -> str:
         return (
-            f"CudaPoolBufferDescriptor(device={self.device}, offset={self._offset}, "
-            f"size={self._size}, pid={self.pid}, export_id={self.export_id})"
+            f"CudaPoolBufferDescriptor(device={self.device}, offset={self.offset}, "
+            f"size={self.size}, pid={self.pid}, export_id={self.export_id})"
         )
 
 

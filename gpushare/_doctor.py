@@ -12,9 +12,11 @@ from typing import Any
 from . import _by_descriptor, _export, _open, _paths
 from ._capabilities import capabilities
 from ._errors import UCXLibraryError
+from ._paths.base import KINDS
 from ._ucx import _loader
-from ._open import choose
-from ._share import Share, node_key
+from ._open_plan import choose
+from ._process import node_key
+from ._share import Share
 
 __all__ = ["run_doctor", "ucx_library", "ucx_transports", "live_check"]
 
@@ -137,7 +139,7 @@ def run_doctor(out: Any = print, as_json: bool = False) -> int:
     cuda_devices = caps["cuda"]["devices"] or []
     types = cuda_devices[0].get("handle_types", []) if cuda_devices else []
     scenarios = []
-    for kind in _paths.KINDS:  # each kind of memory, offered as each path that serves it would offer it
+    for kind in KINDS:  # each kind of memory, offered as each path that serves it would offer it
         if kind.cuda and not cuda_devices:
             continue
         offers = tuple(p.name for p in _paths.PATHS if kind in p.serves and not p.in_process

@@ -146,7 +146,7 @@ def translate(status: str, message: str) -> GpuShareError:
     """Return the error for a native status name.
 
     UCX statuses (``UCS_*``) become :class:`UCXError` subclasses.  Refusals
-    of a region server (``GS_ERR_*``, see ``gpushare._ucx.server``) become
+    of a region server (``GS_ERR_*``, see ``gpushare._ucx._server``) become
     :class:`AccessDeniedError`, :class:`OutOfBoundsError`,
     :class:`ClosedError` or :class:`InvalidInputError`; they carry the
     status name too.

@@ -10,13 +10,15 @@ from . import _arrays, _buffers, _paths
 from ._cuda import _driver
 from ._errors import InvalidInputError, InvalidTypeError
 from ._export_tree import export_tree, is_tree
-from ._exporter import Export, get_exporter, new_ids, track_auto, weak_or_none
+from ._exporter.lifetimes import Export, track_auto, weak_or_none
+from ._exporter.registry import get_exporter, new_ids
 from ._offering import PathList, device_ordinal, memory_of, parse_lifetime
 from ._paths.broker import release_registrations
-from ._share import BundleShare, Share, node_key
+from ._process import node_key
+from ._share import BundleShare, Share
 from ._types import Lifetime
 
-__all__ = ["export", "PathList"]
+__all__ = ["export"]
 
 log = logging.getLogger("gpushare.api")
 

@@ -20,10 +20,14 @@ from typing import Any
 from . import _arrays, _buffers, _manifest, _paths
 from ._cuda import _driver
 from ._errors import GpuShareError, InvalidInputError
-from ._exporter import MAX_BACKLOG_FDS, Export, get_exporter, new_ids, track_auto
+from ._exporter.lifetimes import Export, track_auto
+from ._exporter.registry import get_exporter, new_ids
+from ._exporter.sessions import MAX_BACKLOG_FDS
 from ._offering import device_ordinal, memory_of
+from ._paths.base import Memory
 from ._paths.broker import release_registrations
-from ._share import PATHS, Share, node_key
+from ._process import node_key
+from ._share import PATHS, Share
 from ._types import collection_paused
 
 __all__ = ["export_tree", "is_tree"]
@@ -313,7 +317,7 @@ def _part_exports(allocations: list[_Allocation], share_id: str, token: bytes, p
     caller's to release)."""
     for alloc in allocations:
         ro = readonly or alloc.readonly
-        offers, descs, regs = _paths.offers(_paths.Memory(alloc.obj, alloc.memory_type, ro, False), wanted)
+        offers, descs, regs = _paths.offers(Memory(alloc.obj, alloc.memory_type, ro, False), wanted)
         yield Export(share_id=share_id, token=token, nbytes=alloc.nbytes, device=alloc.device,
                      memory_type=alloc.memory_type, offers=tuple(offers), descriptors=descs, policy=policy,
                      readonly=ro, registrations=regs, obj=alloc.obj)
@@ -329,7 +333,7 @@ def _check_fds(parts: list[Export]) -> None:
         raise InvalidInputError(
             f"this bundle cannot be opened: its allocations need {need} file descriptors in one grant "
             f"({', '.join(sending)}), and one grant carries at most {MAX_BACKLOG_FDS} "
-            "(gpushare._exporter.MAX_BACKLOG_FDS, docs/limits.md); lay the tensors out in fewer buffers "
+            "(gpushare._exporter.sessions.MAX_BACKLOG_FDS, docs/limits.md); lay the tensors out in fewer buffers "
             "(gs.share_memory(tree) or gs.Arena) or export with paths= leaving "
             f"{' and '.join(sending)} out")
 

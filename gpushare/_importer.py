@@ -37,7 +37,8 @@ from ._process import (
     state_of,
     wait_alive,
 )
-from ._service import Connection, Protocol, Timer, get_service
+from ._connection import Connection, Protocol
+from ._service import Timer, get_service
 from ._types import close_all as _close_all
 
 __all__ = ["Lease", "get_importer"]

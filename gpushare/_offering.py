@@ -10,6 +10,7 @@ from typing import Any
 from . import _arrays, _paths
 from ._cuda import _driver
 from ._errors import InvalidInputError, InvalidTypeError
+from ._paths.base import Memory
 from ._share import LIFETIMES
 from ._types import PathName
 
@@ -35,7 +36,7 @@ def parse_lifetime(lifetime: Any) -> tuple[Any, str]:
 
 
 def memory_of(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool, strided: bool) -> tuple[
-        _paths.Memory, int]:
+        Memory, int]:
     """What the paths are offered: the gpushare.allocate buffer that holds
     ``span`` (address, nbytes) where there is one, and the span's offset in it."""
     offset = 0
@@ -46,7 +47,7 @@ def memory_of(obj: Any, memory_type: str, span: tuple[int, int], readonly: bool,
     found = _paths.holder(obj, memory_type, span)
     if found is not None:
         obj, offset = found
-    return _paths.Memory(obj, memory_type, readonly, strided), offset
+    return Memory(obj, memory_type, readonly, strided), offset
 
 
 def device_ordinal(address: int, hint: Any) -> int:

@@ -19,11 +19,11 @@ from ._cuda import _driver
 from ._errors import GpuShareError, InvalidInputError, InvalidTypeError, SlowPathWarning
 from ._offering import PathList
 from ._opening import OpenedShare, _open_parts, _PartFailed, open_share
-from ._open_plan import choose, here_for
+from ._paths.base import Opened, Options
 from ._share import BundleShare, Share, expect_share
 from ._view import View
 
-__all__ = ["open", "open_async", "choose", "here_for"]
+__all__ = ["open", "open_async"]
 
 log = logging.getLogger("gpushare.api")
 
@@ -96,11 +96,11 @@ def open(share: Share, *, prefer: PathList | None = None, exclude: PathList | No
         return _bundle(share, got)
     path = got.paths[0]
     if got.targets is not None:  # the exporter is this process
-        opened = _paths.by_name(path).open(share, {"target": got.targets[0]}, [], None, _paths.Options())
+        opened = _paths.by_name(path).open(share, {"target": got.targets[0]}, [], None, Options())
         return View._make(share, path, got.whys[0], opened)
     if got.kept is not None:  # a closed view's kept lease and mapping (gpushare._reopen)
         lease, use = got.kept
-        view = View._make(share, path, "", _paths.Opened(mapping=use.mapped), kept=use)
+        view = View._make(share, path, "", Opened(mapping=use.mapped), kept=use)
         view._attach_lease(lease, got.whys[0])
         log.info("opened share %s over %s (reopened a closed view's lease)", share.share_id[:8], view.why)
         _warn_slow(view, got.slow)

@@ -10,21 +10,22 @@ from typing import Any, NoReturn
 from . import _paths
 from ._cuda import _driver
 from ._errors import AccessDeniedError, ClosedError, InvalidInputError
-from ._exporter import registered
-from ._paths.base import exporter_exited
-from ._share import Share, node_key
+from ._exporter.registry import registered
+from ._paths.base import Here, exporter_exited
+from ._process import node_key
+from ._share import Share
 
 __all__ = ["here_for", "choose", "raise_refusal", "unreachable", "addresses_for", "slow_reason", "MESSAGE_CHARS"]
 
 
-def here_for(share: Share) -> _paths.Here:
+def here_for(share: Share) -> Here:
     """What this process is, as far as the paths ``share`` offers care."""
     node = node_key()
     near = share.node == node
     cuda_reason = _driver.unavailable_reason() if _paths.needs_cuda(share, near) else None
     pid = os.getpid()
     exported = share.exporter_pid == pid and near and registered(share) is not None
-    return _paths.Here(node, pid, exported, cuda_reason, _paths.facts(share, near))
+    return Here(node, pid, exported, cuda_reason, _paths.facts(share, near))
 
 
 def choose(share: Share, prefer: Any, exclude: Any) -> tuple[list[str], list[str], list[str]]:

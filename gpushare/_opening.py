@@ -32,9 +32,11 @@ from ._errors import (
     InvalidInputError,
     UnsupportedError,
 )
-from ._exporter import refusal_text, registered
+from ._exporter.lifetimes import refusal_text
+from ._exporter.registry import registered
 from ._importer import get_importer
 from ._open_plan import MESSAGE_CHARS, addresses_for, choose, raise_refusal, slow_reason, unreachable
+from ._paths.base import Opened, Options, Path
 from ._share import Share, altered
 from ._types import collection_paused
 
@@ -63,7 +65,7 @@ class OpenedShare:
     view's kept lease and use (``kept``, a share of one buffer)."""
 
     paths: list[str]
-    opened: list[_paths.Opened]
+    opened: list[Opened]
     whys: list[str]
     lease: Any = None
     slow: str | None = None
@@ -103,7 +105,7 @@ def _choices(parts: list[Share], prefer: Any, exclude: Any) -> list[tuple[list[s
     return out
 
 
-def _open_own_export(share: Share, parts: list[Share], subject: str, path: _paths.Path) -> OpenedShare:
+def _open_own_export(share: Share, parts: list[Share], subject: str, path: Path) -> OpenedShare:
     """The exporter is this process, and ``path`` (an in-process one) takes
     it: its own objects, no lease."""
     export = registered(share)
@@ -132,7 +134,7 @@ def _open_own_export(share: Share, parts: list[Share], subject: str, path: _path
         targets.append(target)
     count = len(parts)
     log.info("opened %s %s over %s", subject, share.share_id[:8], path.name)
-    return OpenedShare([path.name] * count, [_paths.Opened() for _ in range(count)],
+    return OpenedShare([path.name] * count, [Opened() for _ in range(count)],
                        [f"{path.name}: {path.reason}"] * count, targets=targets, parts=parts)
 
 
@@ -251,7 +253,7 @@ class _PartFailed(Exception):
 
 
 def _open_parts(parts: list[Share], paths: list[str], payload: Any, fds: list[int], lease: Any,
-                device: int | None, deadline: float, prefault: bool, bundle: bool = True) -> list[_paths.Opened]:
+                device: int | None, deadline: float, prefault: bool, bundle: bool = True) -> list[Opened]:
     """Each allocation's grant opened (``fds``, owned, are closed here
     unless a path keeps them).  ``payload``: the exporter's grant, for a
     bundle one per allocation and the count of fds that are each one's."""
@@ -260,8 +262,8 @@ def _open_parts(parts: list[Share], paths: list[str], payload: Any, fds: list[in
 
 
 def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int], lease: Any,
-               device: int | None, deadline: float, prefault: bool, bundle: bool) -> list[_paths.Opened]:
-    opened: list[_paths.Opened] = []
+               device: int | None, deadline: float, prefault: bool, bundle: bool) -> list[Opened]:
+    opened: list[Opened] = []
     fds_of_part: list[list[int]] = [fds]  # each list's fds are closed at the end, unless a path took them
     one = not bundle
     try:
@@ -280,7 +282,7 @@ def _open_each(parts: list[Share], paths: list[str], payload: Any, fds: list[int
             fds_of_part.append(fds[at:at + count])
             at += count
         for i, (part, path, grant, part_fds) in enumerate(zip(parts, paths, payloads, fds_of_part, strict=True)):
-            how = _paths.Options(device, max(0.001, deadline - time.monotonic()), prefault, part=None if one else i)
+            how = Options(device, max(0.001, deadline - time.monotonic()), prefault, part=None if one else i)
             try:
                 if not isinstance(grant, dict):
                     raise InvalidInputError("exporter sent a malformed offer" + ("" if one else f" for allocation {i}"))

@@ -35,7 +35,7 @@ from typing import Any
 from ._arrays import CudaArray, empty
 from ._errors import ClosedError, InvalidInputError
 from ._export import export
-from ._exporter import is_live
+from ._exporter.registry import is_live
 from ._open import open as _open
 from ._paths import by_name, holder
 from ._share import BundleShare

@@ -186,7 +186,7 @@ def check_keep(value: Any) -> tuple[int, int] | None:
 
 class Kept:
     """One connection's closed views kept for a reopen: by key, the lease,
-    the mapping's users (:class:`gpushare._view.MappingUse`, one count held
+    the mapping's users (:class:`gpushare._view_use.MappingUse`, one count held
     here) and the share's slot and epoch on the page.  Its caller holds the
     connection's (re-entrant) lock around every method.
 

@@ -39,7 +39,7 @@ from typing import Any
 from ._connection import _EPOLL, _NOT_IN, _NOT_OUT, _READ, _READ_CHUNK, _WRITE, Connection, Protocol
 from ._process import PerProcess
 
-__all__ = ["Connection", "Protocol", "Service", "Timer", "get_service"]
+__all__ = ["Service", "Timer", "get_service"]
 
 class Timer:
     """A call the service thread makes later, unless cancelled first."""

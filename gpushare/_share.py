@@ -21,10 +21,9 @@ from typing import Any, Literal
 
 from . import _manifest
 from ._errors import ClosedError, InvalidInputError, InvalidTypeError
-from ._process import node_key
 from ._types import PATH_NAMES, PathName, in_range, strict_json, text
 
-__all__ = ["Share", "BundleShare", "expect_share", "PATHS", "node_key", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
+__all__ = ["Share", "BundleShare", "expect_share", "PATHS", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
 #: Every path, fastest first.
 PATHS = PATH_NAMES

@@ -29,7 +29,7 @@ from ._share import Share
 from ._types import PathName
 from ._view_use import _NO_LEASE, MappingUse, _end_lease, _Once, _Pin, _release_view
 
-__all__ = ["View", "MappingUse", "with_timeout"]
+__all__ = ["View", "with_timeout"]
 
 log = logging.getLogger("gpushare.api")
 

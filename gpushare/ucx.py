@@ -26,7 +26,8 @@ UCX is loaded when the first :class:`Agent`, server or client is made.  See
 """
 
 from ._ucx import _loader
-from ._ucx._agent import PROGRESS_MODES, Agent, Endpoint, Request
+from ._ucx._agent import Agent, Endpoint
+from ._ucx._common import PROGRESS_MODES, Request
 from ._ucx._registered import MemoryHandle, RemoteKey
 from ._ucx._local import LocalPeer
 from ._ucx._node import KEY_BYTES

@@ -394,7 +394,7 @@ def capabilities(state: dict) -> dict:
 
 def ucx_transports(state: dict) -> list[str]:
     """The transports of this process's UCX worker (the region server's)."""
-    from gpushare._ucx._server import node_config
+    from gpushare._ucx._node import node_config
 
     return node_config()["TLS"].split(",")
 

@@ -200,7 +200,7 @@ def transfer(state: dict, api: str, op: str, name: str, mode: str, target: Any =
         else:
             (gs.get_batch if op == "get" else gs.put_batch)([(view, 0, buf)]).wait(30)
     elif api == "peer":
-        from gpushare._ucx import client
+        from gpushare._ucx._peer import client
 
         address, rid, key = target
         peer = client().connect(address)
@@ -259,7 +259,7 @@ def async_transfer_beside(state: dict, op: str, name: str, mode: str, target: An
 
 def serve(state: dict, name: str) -> tuple:
     """Serve buffer ``name`` of this process (see ``allocate``) in the region server."""
-    from gpushare._ucx import server
+    from gpushare._ucx._server import server
 
     region = server().add_region(state["bufs"][name])
     state.setdefault("regions", []).append(region)

@@ -21,7 +21,7 @@ def setup() -> dict:
     import numpy as np
 
     import gpushare as gs
-    from gpushare import _exporter
+    from gpushare._exporter import registry
 
     a, b, c = gs.empty(2 * 4096, "uint8"), gs.empty(4096, "uint8"), np.zeros(4096, np.uint8)
     a[:], b[:], c[:] = 1, 2, 3
@@ -32,7 +32,7 @@ def setup() -> dict:
               "pair": gs.export({"s": small, "t": gs.empty(4096, "uint8")}, lifetime="revoked"),
               "single": gs.export(small, lifetime="revoked")}
     state = {"_handlers": HANDLERS, "keep": (a, b, c, small), "shares": shares,
-             "exports": {k: _exporter.registered(s) for k, s in shares.items()},
+             "exports": {k: registry.registered(s) for k, s in shares.items()},
              "_reply": {"pid": os.getpid(), "shares": shares}}
     _install(state)
     return state
@@ -298,7 +298,7 @@ def _forge(state: dict, forgery: dict) -> None:
 
 
 def _status(state: dict) -> dict:
-    from gpushare._exporter import get_exporter
+    from gpushare._exporter.registry import get_exporter
 
     stats = get_exporter().stats()
     return {"leases": stats["leases"], "sessions": stats["sessions"], "served": state["served"],

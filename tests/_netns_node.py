@@ -185,12 +185,12 @@ def share_open() -> None:
 
 
 def server_export(size: int) -> None:
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
     data = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
-    region = _ucx.server().add_region(data)
+    region = _server.server().add_region(data)
     rid, key = region.grant()
-    print(json.dumps({"address": _ucx.server().address.hex(), "region": rid, "key": key.hex(),
+    print(json.dumps({"address": _server.server().address.hex(), "region": rid, "key": key.hex(),
                       "digest": hashlib.sha256(data).hexdigest()}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
@@ -203,11 +203,11 @@ def server_export(size: int) -> None:
 
 def server_import() -> None:
     import gpushare
-    from gpushare import _ucx
+    from gpushare._ucx import _peer
 
     hello = json.loads(sys.stdin.readline())
     size, rid, key = int(hello["size"]), int(hello["region"]), bytes.fromhex(hello["key"])
-    peer = _ucx.client().connect(bytes.fromhex(hello["address"]), timeout=30)
+    peer = _peer.client().connect(bytes.fromhex(hello["address"]), timeout=30)
     lane = next(ln for ln in peer.transport_info().splitlines() if "lane[0]" in ln)
     out = np.empty(size, np.uint8)
     peer.get(rid, key, 0, out, timeout=60)
@@ -274,9 +274,9 @@ def listens() -> None:
     region server (a UCX worker) runs: UCX's listeners and the control channel's."""
     import os
 
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
-    _ucx.server()
+    _server.server()
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:

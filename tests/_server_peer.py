@@ -16,10 +16,10 @@ def _counts() -> dict:
 
 
 def setup_exporter() -> dict:
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
     before = _counts()
-    srv = _ucx.server()
+    srv = _server.server()
     state: dict[str, Any] = {"server": srv, "regions": {}, "arrays": {}, "_handlers": HANDLERS}
     state["_reply"] = {"address": srv.address, "pid": os.getpid(), "before": before, "counts": _counts()}
     return state
@@ -97,14 +97,14 @@ def setup_importer() -> dict:
 
 
 def _imp_get(state: dict, address: bytes, cap: tuple, offset: int, n: int) -> bytes:
-    from gpushare import _ucx
+    from gpushare._ucx import _peer
 
     out = bytearray(n)
-    _ucx.client().connect(address).get(cap[0], cap[1], offset, out, timeout=30)
+    _peer.client().connect(address).get(cap[0], cap[1], offset, out, timeout=30)
     return bytes(out)
 
 
 def _imp_put(state: dict, address: bytes, cap: tuple, offset: int, data: bytes) -> None:
-    from gpushare import _ucx
+    from gpushare._ucx import _peer
 
-    _ucx.client().connect(address).put(cap[0], cap[1], offset, data, timeout=30)
+    _peer.client().connect(address).put(cap[0], cap[1], offset, data, timeout=30)

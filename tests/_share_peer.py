@@ -195,10 +195,11 @@ def _stats(state: dict) -> dict:
     """Threads, fds and gpushare's own tables in this process."""
     import threading
 
-    from gpushare import _exporter, _importer
+    from gpushare import _importer
+    from gpushare._exporter import registry
     from gpushare._paths import broker
 
-    exporter = _exporter._instance.current()
+    exporter = registry._instance.current()
     importer = _importer._instance.current()
     b = broker._service.current()
     return {

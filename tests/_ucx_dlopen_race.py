@@ -15,7 +15,7 @@ import threading
 
 import numpy
 
-from gpushare._ucx import _server
+from gpushare._ucx import _peer
 
 libc = ctypes.CDLL(None)
 libc.dlopen.restype = ctypes.c_void_p
@@ -26,7 +26,7 @@ assert paths, "no shared libraries to load"
 RTLD_NOW = 2
 
 up = threading.Event()
-threading.Thread(target=lambda: (_server.client(), up.set()), daemon=True).start()
+threading.Thread(target=lambda: (_peer.client(), up.set()), daemon=True).start()
 loads = 0
 while not up.is_set():
     for path in paths:

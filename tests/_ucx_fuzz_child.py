@@ -185,7 +185,7 @@ def _mark(progress: str, index: int, label: str) -> None:
 
 def run_addresses(seed: int, count: int, start: int, progress: str) -> dict:
     import gpushare.ucx as gu
-    from gpushare._ucx import _common, _server
+    from gpushare._ucx import _common, _peer, _server
 
     node_raw = _common.unpack(_server.server().address, _common.ADDRESS_MAGIC, "a", 1 << 16)[1]
     agent = gu.Agent()
@@ -196,7 +196,7 @@ def run_addresses(seed: int, count: int, start: int, progress: str) -> dict:
 
     def connect(label: str, address: bytes) -> None:
         if label.startswith("node:"):
-            _server.client().connect(address, timeout=1).close(timeout=1)
+            _peer.client().connect(address, timeout=1).close(timeout=1)
         else:
             agent.connect(address, timeout=1).close(timeout=1)
 

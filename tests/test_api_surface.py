@@ -307,7 +307,7 @@ def test_an_exporter_that_does_not_answer_is_said_to_run():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)  # accepts connections, never answers: this very process "exported"
-    share = _share(exporter_pid=os.getpid(), node=gs._share.node_key(), control=(listener.getsockname(),))
+    share = _share(exporter_pid=os.getpid(), node=gs._process.node_key(), control=(listener.getsockname(),))
     try:
         with pytest.raises(gs.ExporterUnreachableError,
                            match=rf"the exporter \(pid {os.getpid()}\) is running on this node but did not answer"):

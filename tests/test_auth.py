@@ -325,10 +325,10 @@ def test_the_exporter_logs_each_refusal_with_the_peer_and_the_reason(caplog, fre
 
 
 def test_a_flood_of_refusals_is_logged_at_most_so_often(caplog):
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
     now = [100.0]
-    limiter = _exporter.RefusalLog(per_second=5, clock=lambda: now[0])
+    limiter = sessions.RefusalLog(per_second=5, clock=lambda: now[0])
     with caplog.at_level("INFO", logger="gpushare"):
         allowed = sum(limiter.allow() for _ in range(1000))
         assert allowed == 5 and not caplog.records

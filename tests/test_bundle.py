@@ -17,7 +17,7 @@ import pytest
 
 import gpushare as gs
 from _procs import Child
-from gpushare._exporter import get_exporter
+from gpushare._exporter.registry import get_exporter
 
 try:  # torch is optional; imported before UCX loads (see docs/ucx.md)
     import torch

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare._exporter import get_exporter
+from gpushare._exporter.registry import get_exporter
 from gpushare._paths import cma
 
 try:

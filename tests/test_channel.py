@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare._channel import ChannelHandle
+from gpushare._channel.handle import ChannelHandle
 
 import _channel_peer as peer
 

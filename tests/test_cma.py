@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare._exporter import registered
+from gpushare._exporter.registry import registered
 
 from _procs import Child, wait_for
 import _share_peer

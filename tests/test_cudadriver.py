@@ -344,9 +344,9 @@ def test_legacy_allocations_go_over_cuda_ipc(spawn):
 
 def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
     from gpushare import ucx
-    from gpushare._ucx import _agent
+    from gpushare._ucx import _agent, _loader, _node
 
-    real = _agent.native()
+    real = _loader.native()
     seen: list[dict] = []
 
     class Spy:
@@ -364,8 +364,6 @@ def test_agents_run_with_ucx_memory_type_cache_off(monkeypatch):
     monkeypatch.setattr(_agent, "native", lambda: Spy())
     ucx.Agent().close()
     ucx.Agent(config={"UCX_MEMTYPE_CACHE": "n"}).close()  # the process's own value
-    from gpushare._ucx import _loader, _node
-
     monkeypatch.setattr(_node, "native", lambda: Spy())
     node = _node._Node()  # the process's one worker, which serves every share
     node.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -388,3 +389,50 @@ def test_a_descriptor_seen_before_is_validated_again_when_its_types_differ():
     with pytest.raises(gs.InvalidInputError):
         base._rebuilt((fields[0], [1], *fields[2:]))  # unhashable: refused, not cached
     buf.close()
+
+
+# The pickled form (the order of each descriptor's fields) is a wire format:
+# these are the bytes and orders every earlier version wrote.
+FABRIC_PICKLE = bytes.fromhex(
+    "800495cb000000000000008c1567707573686172652e5f64657363726970746f7273948c085f72656275696c64949394288c0666"
+    "61627269639443407878787878787878787878787878787878787878787878787878787878787878787878787878787878787878"
+    "78787878787878787878787878787878787878789443407979797979797979797979797979797979797979797979797979797979"
+    "79797979797979797979797979797979797979797979797979797979797979797979799486944d00104d002086944d88138c0175"
+    "94749452942e"
+)
+
+
+def test_the_pickled_form_is_unchanged():
+    d = Fabric.from_handles([b"x" * 64, b"y" * 64], [4096, 8192], size=5000, owner_uuid="u")
+    assert pickle.dumps(d, 4) == FABRIC_PICKLE
+    assert pickle.loads(FABRIC_PICKLE) == d
+    assert Fabric._FIELDS == ("handles", "sizes", "size", "owner_uuid")
+    assert PosixFdBufferDescriptor._FIELDS == (
+        "version", "address", "export_id", "token", "pid", "node", "device", "sizes", "size", "owner_uuid")
+    assert CudaIpcBufferDescriptor._FIELDS == (
+        "handle", "base_size", "offset", "size", "device", "owner_uuid", "pid", "node")
+    assert CudaPoolBufferDescriptor._FIELDS == (
+        "address", "export_id", "token", "pid", "node", "device", "owner_uuid", "export_data", "base_size",
+        "offset", "size")
+
+
+def _one_of_each():
+    return [Fabric.from_handles([H], [MiB2]), PosixFdBufferDescriptor._from_fields(*GOOD_FD.values()),
+            CudaIpcBufferDescriptor._from_fields(*GOOD_IPC), CudaPoolBufferDescriptor._from_fields(*GOOD_POOL)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_each_descriptor_is_a_frozen_dataclass_that_only_its_constructor_builds(index):
+    d = _one_of_each()[index]
+    cls = type(d)
+    assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+    assert tuple(f.name for f in dataclasses.fields(cls)) == cls._FIELDS
+    with pytest.raises(AttributeError):
+        d.__dict__  # slotted: nothing can be added to one
+    with pytest.raises(TypeError, match=f"^{cls.__name__} cannot be constructed directly"):
+        dataclasses.replace(d, size=1)
+    with pytest.raises(AttributeError, match=f"^{cls.__name__} is immutable$"):
+        d.size = 1
+    with pytest.raises(AttributeError, match=f"^{cls.__name__} is immutable$"):
+        d.unknown = 1
+    assert d.size == cls._from_fields(*d._fields()).size

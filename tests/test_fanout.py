@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare._exporter import get_exporter, registered
+from gpushare._exporter.registry import get_exporter, registered
 
 from _procs import Box, wait_for
 import _fanout_worker
@@ -153,7 +153,8 @@ def test_auto_share_stays_openable_while_the_object_lives(peer):
 def export_share(export) -> gs.Share:
     """A share naming ``export`` (as an importer holding a copy has it)."""
     exp = get_exporter()
-    from gpushare._share import SHARE_FORMAT, node_key
+    from gpushare._process import node_key
+    from gpushare._share import SHARE_FORMAT
 
     return gs.Share._make(SHARE_FORMAT, export.share_id, export.token, __import__("os").getpid(), node_key(),
                           exp.addresses, export.nbytes, "host", (export.nbytes,), "|u1", export.offers, "auto",

@@ -120,7 +120,7 @@ def test_an_importer_killed_or_frozen_mid_transfer_holds_up_nothing(how, path, f
         assert time.monotonic() - start < BOUND
         other.call("close", "w")
         if fault == signal.SIGKILL:  # its lease ends with its connection
-            from gpushare._exporter import registered
+            from gpushare._exporter.registry import registered
 
             assert wait_for(lambda: registered(share).opens == 0, BOUND)
     finally:

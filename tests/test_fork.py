@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gpushare as gs
-from gpushare._exporter import registered
+from gpushare._exporter.registry import registered
 
 from _procs import Child, wait_for
 import _share_peer
@@ -166,9 +166,9 @@ def test_a_child_forked_before_its_parent_used_ucx_starts_ucx():
 
 def test_an_exporter_forked_after_its_parent_started_ucx_refuses_ucx_rma_and_says_why(monkeypatch):
     monkeypatch.setenv("GPUSHARE_AUTHKEY", os.urandom(16).hex())  # this process and the forked exporter
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
-    _ucx.server()  # this process has started UCX (the suite's earlier tests may have too)
+    _server.server()  # this process has started UCX (the suite's earlier tests may have too)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the forked exporter; killed by the parent

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import gpushare as gs
 from gpushare import _exporter, _manifest, _share
-from gpushare._exporter import get_exporter
+from gpushare._exporter.registry import get_exporter
 from gpushare._share import Share
 from gpushare._types import PATH_NAMES
 

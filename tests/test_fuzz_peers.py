@@ -327,7 +327,7 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
     import sys
 
     code = (
-        "from gpushare._ucx import _common, _server\n"
+        "from gpushare._ucx import _common, _peer, _server\n"
         "raw = bytearray(_common.unpack(_server.server().address, _common.ADDRESS_MAGIC, 'a', 1 << 16)[1])\n"
         "pos = 1 + 8\n"  # a v1 address: header, worker uuid; then each device
         "while not raw[pos] & 0x80:\n"
@@ -335,7 +335,7 @@ def test_ucx_messages_about_a_bad_address_go_to_stderr_not_stdout():
         "    n = raw[pos] & 0x3f\n"  # one transport per device; a tcp one's port: 1, where nothing listens
         "    raw[pos + 1:pos + 1 + n] = (1).to_bytes(2, 'big') if n == 2 else raw[pos + 1:pos + 1 + n]; pos += 1 + n\n"
         "try:\n"
-        "    _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
+        "    _peer.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, bytes(raw)), timeout=3)\n"
         "except Exception as e:\n"
         "    print('refused', type(e).__name__)\n"
     )

@@ -22,7 +22,7 @@ import pytest
 
 import gpushare as gs
 import gpushare.ucx as gu
-from gpushare._ucx import _address, _common, _rkey, _server
+from gpushare._ucx import _address, _common, _peer, _rkey, _server
 
 import _share_peer
 import _ucx_fuzz_child as fuzz
@@ -220,7 +220,7 @@ def test_an_agent_whose_own_keys_would_be_refused_refuses_peer_keys_naming_ucx_t
 def test_agent_and_client_connect_refuse_the_p3_address():
     raw = _node_raw()
     with pytest.raises(gs.InvalidInputError):
-        _server.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, _p3(raw)), timeout=5)
+        _peer.client().connect(_common.pack(_common.ADDRESS_MAGIC, 0, _p3(raw)), timeout=5)
     with gu.Agent() as agent, pytest.raises(gs.InvalidInputError):
         agent.connect(_common.pack(_common.ADDRESS_MAGIC, 0, _p3(_raw(agent.address))), timeout=5)
 
@@ -303,7 +303,7 @@ _KEYLESS = r"""
 import json, os, sys
 import numpy as np
 import gpushare as gs
-from gpushare._ucx import _server
+from gpushare._ucx import _peer
 
 share = gs.Share.from_bytes(bytes.fromhex(sys.argv[1]))
 address = bytes.fromhex(sys.argv[2])  # learnt without gpushare: the port is in /proc/net/tcp
@@ -313,7 +313,7 @@ try:
     out["open"] = "opened"
 except gs.GpuShareError as exc:
     out["open"] = type(exc).__name__
-peer = _server.client().connect(address, timeout=30)
+peer = _peer.client().connect(address, timeout=30)
 errors, served = {}, 0
 buf = bytearray(b"\xab" * 4096)
 for region in list(range(1, 65)) + [1000, (1 << 32) - 1]:

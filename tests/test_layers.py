@@ -15,7 +15,8 @@ import ast
 import dataclasses
 import pathlib
 import re
-from collections.abc import Iterable, Mapping
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
 
 import pytest
 
@@ -470,3 +471,207 @@ def test_the_design_table_is_this_table():
 def test_design_layers_reads_the_table():
     text = "| layer | modules |\n| --- | --- |\n| L0 base | `_a`, `_b/` | stdlib |\n| L3 paths | `_c` | L0 |\n"
     assert design_layers(text) == {"_a": 0, "_b/": 0, "_c": 3}
+
+
+# ---------------------------------------------------------------- names imported from where they are defined
+
+#: Modules whose job is to re-export: the public surface (``gpushare`` and
+#: the public modules beside it).  Importing from them is what users do.
+SURFACE = frozenset({"gpushare", "gpushare.ucx", "gpushare.ray", "gpushare.multiprocessing"})
+
+#: Re-exports that must stay, as ``(module, name)``, each with the reason.
+KEEP_REEXPORTS: dict[tuple[str, str], str] = {
+    ("gpushare._channel", "_rebuild_handle"): "pickles of a ChannelHandle name it there (its __module__)",
+    # nothing above gpushare/_paths/ may import a path module (tests/test_paths_closed.py)
+    ("gpushare._paths.handles", "HostBuffer"): "host-fd's buffer, for the modules above the paths",
+    ("gpushare._paths.handles", "allocate_host"): "host-fd's allocator, for the modules above the paths",
+}
+
+#: Where the checker looks for importers besides the package itself.
+IMPORTER_DIRS = ("tests", "benchmarks", "tools", "examples", "docs")
+
+
+def _module_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """The statements that run at a module's top level (into ``if``/``try``/``with``, not functions)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            for field in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(stmt, field, []))
+            for handler in getattr(stmt, "handlers", []):
+                yield from _module_level(handler.body)
+
+
+def _bound_names(target: ast.expr) -> Iterable[str]:
+    for node in ast.walk(target):
+        if isinstance(node, ast.Name):
+            yield node.id
+
+
+def reexports(root: pathlib.Path) -> dict[str, set[str]]:
+    """For each module of the package, the names it binds only by ``from X import
+    name`` (not a module of the package, not defined in it by ``def``, ``class`` or
+    an assignment)."""
+    modules = module_names(root)
+    out: dict[str, set[str]] = {}
+    for name, file in modules.items():
+        imported: set[str] = set()
+        defined: set[str] = set()
+        for stmt in _module_level(ast.parse(file.read_text(), filename=str(file)).body):
+            if isinstance(stmt, ast.ImportFrom) and stmt.module != "__future__":
+                stem = _resolve_from(stmt, name, file.name == "__init__.py")
+                # ``from . import sub`` binds a module: not a name taken from one
+                imported.update(alias.asname or alias.name for alias in stmt.names
+                                if alias.name != "*" and f"{stem}.{alias.name}" not in modules)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(stmt.name)
+            elif isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    defined.update(_bound_names(target))
+            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and stmt.value is not None:
+                defined.update(_bound_names(stmt.target))
+        out[name] = imported - defined
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    where: str  # file:line
+    module: str  # the module the name was taken from
+    name: str
+
+    def __str__(self) -> str:
+        return f"  {self.where}: {self.name} from {self.module}"
+
+
+def _resolve_from(node: ast.ImportFrom, this: str | None, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    assert this is not None, "a relative import outside the package"
+    base = this.split(".") if is_package else this.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _code_in_strings(tree: ast.AST, package: str) -> Iterable[tuple[ast.Module, int]]:
+    """Python programs written as string constants (a child's ``python -c``), each
+    parsed, with the line its string starts on."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and package in node.value:
+            try:
+                yield ast.parse(textwrap.dedent(node.value)), node.lineno
+            except SyntaxError:
+                continue
+
+
+def uses_of_reexports(root: pathlib.Path, files: Iterable[pathlib.Path]) -> list[Use]:
+    """Every place in ``files`` (the package's and others) that takes a name from a
+    module of the package that only re-exports it: ``from M import name``, or
+    ``M.name`` where ``M`` is a module imported by ``import`` or ``from``; in the
+    code and in programs written as strings (for a child process)."""
+    modules = module_names(root)
+    by_file = {file: name for name, file in modules.items()}
+    again = reexports(root)
+    out: list[Use] = []
+    for file in files:
+        this = by_file.get(file)
+        is_package = file.name == "__init__.py"
+        try:
+            rel = str(file.relative_to(root.parent))
+        except ValueError:
+            rel = str(file)
+        tree = ast.parse(file.read_text(), filename=str(file))
+        for code, first in [(tree, 1), *_code_in_strings(tree, root.name)]:
+            out += _uses_in(code, this if code is tree else None, is_package, modules, again,
+                            lambda line, first=first: f"{rel}:{first + line - 1}")
+    return sorted(set(out), key=lambda u: (u.where, u.name))
+
+
+def _uses_in(tree: ast.AST, this: str | None, is_package: bool, modules: Mapping[str, pathlib.Path],
+             again: Mapping[str, set[str]], where: Callable[[int], str]) -> list[Use]:
+    out = []
+    aliases: dict[str, str] = {}  # a local name bound to a module of the package
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            stem = _resolve_from(node, this, is_package)
+            for alias in node.names:
+                sub = f"{stem}.{alias.name}"
+                if sub in modules:
+                    aliases[alias.asname or alias.name] = sub
+                elif stem in again and alias.name in again[stem]:
+                    out.append(Use(where(node.lineno), stem, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    aliases[alias.asname] = alias.name
+                elif not alias.asname:
+                    top = alias.name.split(".")[0]
+                    if top in modules:
+                        aliases[top] = top
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = [node.attr]
+        value = node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in aliases:
+            continue
+        chain.append(aliases[value.id])
+        chain.reverse()  # [module, attr, attr...]
+        module = chain[0]
+        rest = chain[1:]
+        while rest and f"{module}.{rest[0]}" in modules:
+            module = f"{module}.{rest.pop(0)}"
+        # each attribute node is seen once: the one right after the module names the module's attribute
+        if len(rest) == 1 and module in again and rest[0] in again[module]:
+            out.append(Use(where(node.lineno), module, rest[0]))
+    return out
+
+
+def _importer_files() -> list[pathlib.Path]:
+    top = PACKAGE.parent
+    files = sorted(PACKAGE.rglob("*.py")) + [top / "conftest.py"]
+    for folder in IMPORTER_DIRS:
+        files += sorted((top / folder).rglob("*.py"))
+    return files
+
+
+def test_checker_finds_names_taken_from_a_module_that_only_reexports_them(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "from ._low import f\n",
+        "_base.py": "from __future__ import annotations\nimport os\nx = 1\n",
+        # g is defined here; f is bound by import only; os is a module import; _sub is its own submodule
+        "_low.py": ("from __future__ import annotations\nfrom ._base import x as f\nfrom . import _sub\n"
+                    "import os\ndef g():\n    return f\n"),
+        "_sub/__init__.py": "from .mod import h\n",
+        "_sub/mod.py": "h = 2\n",
+        "_high.py": ("from ._low import f, g\nfrom . import _low, _sub\nimport pkg._sub\n\n"
+                     "def k():\n    from ._sub import h\n    return _low.f, _low.g, pkg._sub.h, _sub.mod.h, _low._sub\n"),
+    })
+    assert reexports(root)["pkg._low"] == {"f"}
+    assert reexports(root)["pkg._sub"] == {"h"}
+    other = tmp_path / "user.py"
+    other.write_text("import pkg\nimport pkg._low as low\nfrom pkg._sub.mod import h\nlow.f\npkg.f\n"
+                     "CHILD = \"\"\"\nfrom pkg import _low\n_low.f()\n\"\"\"\n")
+    found = uses_of_reexports(root, sorted(root.rglob("*.py")) + [other])
+    assert [(u.where.rsplit("/", 1)[-1], u.module, u.name) for u in found] == [
+        ("__init__.py:1", "pkg._low", "f"),  # f is _base's x
+        ("_high.py:1", "pkg._low", "f"),
+        ("_high.py:6", "pkg._sub", "h"),
+        ("_high.py:7", "pkg._low", "f"),
+        ("_high.py:7", "pkg._sub", "h"),
+        ("user.py:4", "pkg._low", "f"),
+        ("user.py:5", "pkg", "f"),
+        ("user.py:8", "pkg._low", "f"),  # in the child's program
+    ]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    found = [u for u in uses_of_reexports(PACKAGE, _importer_files())
+             if u.module not in SURFACE and (u.module, u.name) not in KEEP_REEXPORTS]
+    assert not found, (
+        "names taken from a module that only re-exports them (import each from the module that defines "
+        "it, or list it in KEEP_REEXPORTS with the reason):\n" + "\n".join(map(str, found))
+    )

@@ -40,7 +40,7 @@ def test_failed_messages_buy_at_most_one_payload_per_path():
             else:
                 assert reply["code"] == "exhausted", reply
     assert payloads == ["ucx-rma", "host-fd"]  # one per path, not one per message
-    from gpushare._exporter import registered
+    from gpushare._exporter.registry import registered
 
     assert wait_for(lambda: registered(share) is None)  # the connection's end applied the policy: retired
     buf.close()
@@ -78,7 +78,7 @@ def _setup_as_nobody() -> dict:
     import gpushare._paths.host_fd
     import gpushare._ucx._server  # noqa: F401
 
-    gpushare._open.choose  # noqa: B018
+    gpushare._open_plan.choose  # noqa: B018
     os.setgid(65534)
     os.setuid(65534)
     return _share_peer.setup()

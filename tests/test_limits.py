@@ -64,7 +64,7 @@ def _export_memfd(state: dict, size: int, fill: int) -> Any:
 
 
 def _counts(state: dict) -> dict:
-    from gpushare._exporter import get_exporter
+    from gpushare._exporter.registry import get_exporter
 
     with open("/proc/self/status") as f:
         status = dict(line.split(":", 1) for line in f)
@@ -321,7 +321,7 @@ def test_a_peer_that_asks_and_never_reads_is_dropped_and_its_memory_freed(export
     each queued reply (not the objects holding it), these pings grew the
     exporter by about 100 MiB before it hung up; host-fd opens held their
     memfds until it ran out of descriptors."""
-    from gpushare import _exporter
+    from gpushare._exporter import sessions
 
     (plain,) = exporter.call("arrays", 1, 512)
     share = exporter.call("memfd", 4096, 3) if kind == "host-fd" else plain
@@ -342,7 +342,7 @@ def test_a_peer_that_asks_and_never_reads_is_dropped_and_its_memory_freed(export
         assert during["fds"] < base["fds"] + 16
         # Dropped for that reason (not, say, for running out of descriptors).
         said = exporter.call("warnings")
-        assert any("unread" in line and f"at most {_exporter.MAX_BACKLOG}" in line for line in said), said
+        assert any("unread" in line and f"at most {sessions.MAX_BACKLOG}" in line for line in said), said
         with gs.open(share) as view:  # and it serves others after
             assert view.nbytes == share.nbytes
     finally:

@@ -40,9 +40,9 @@ RSS_TOLERANCE = 16 * MiB
 
 
 def _exporter_setup() -> dict:
-    from gpushare import _ucx
+    from gpushare._ucx import _server
 
-    srv = _ucx.server()
+    srv = _server.server()
     arr = np.arange(REGION, dtype=np.uint64).astype(np.uint8)
     region = srv.add_region(arr)
     state: dict[str, Any] = {"server": srv, "arr": arr, "region": region, "_handlers": EXPORTER}
@@ -67,9 +67,9 @@ EXPORTER = {"grant": _grant, "load": _load}
 
 
 def _importer_setup(address: bytes) -> dict:
-    from gpushare import _ucx
+    from gpushare._ucx import _peer
 
-    peer = _ucx.client().connect(address, timeout=30)
+    peer = _peer.client().connect(address, timeout=30)
     return {"peer": peer, "requests": [], "_handlers": IMPORTER, "_reply": {"pid": os.getpid()}}
 
 

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import gpushare as gs  # noqa: E402
 import gpushare.multiprocessing as gmp  # noqa: E402
 from gpushare import _pickling  # noqa: E402
-from gpushare._exporter import get_exporter  # noqa: E402
+from gpushare._exporter.registry import get_exporter  # noqa: E402
 
 import _fanout_worker  # noqa: E402
 from _fanout_worker import METHODS, describe  # noqa: E402

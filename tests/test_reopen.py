@@ -16,7 +16,7 @@ import pytest
 import gpushare as gs
 from gpushare import _reopen
 from gpushare._errors import InvalidInputError
-from gpushare._exporter import get_exporter
+from gpushare._exporter.registry import get_exporter
 
 from _procs import Child, wait_for
 import _reopen_peer

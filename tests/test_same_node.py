@@ -21,6 +21,7 @@ import gpushare as gs
 from gpushare import _service
 from gpushare._descriptors import PosixFdBufferDescriptor
 from gpushare._paths import broker as broker_mod
+from gpushare._process import node_identity
 from gpushare._paths import host_fd
 
 PAGE = host_fd.PAGE
@@ -29,7 +30,7 @@ PAGE = host_fd.PAGE
 def forged(desc: PosixFdBufferDescriptor, **changes: object) -> PosixFdBufferDescriptor:
     """A copy of ``desc`` with some fields replaced, built the way unpickling does."""
     fields = dict(zip(PosixFdBufferDescriptor._FIELDS, desc._fields(), strict=True))
-    fields.update({f"_{k}": v for k, v in changes.items()})
+    fields.update(changes)
     return PosixFdBufferDescriptor._from_fields(*fields.values())
 
 
@@ -361,7 +362,7 @@ def test_import_starts_nothing_and_the_broker_starts_on_first_export():
 
 def test_node_identity_is_boot_id_and_host():
     with open("/proc/sys/kernel/random/boot_id") as f:
-        assert broker_mod.node_identity() == f"{f.read().strip()}:{socket.gethostname()}"
+        assert node_identity() == f"{f.read().strip()}:{socket.gethostname()}"
 
 
 def _import_as_nobody(desc, conn) -> None:

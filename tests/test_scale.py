@@ -264,7 +264,7 @@ def test_nothing_after_a_refused_hello_is_served():
     (n,) = struct.unpack("!I", data[:4])
     assert json.loads(data[4 : 4 + n])["message"] == "expected hello"
     assert len(data) == 4 + n  # one refusal, then the connection closed; the open went unanswered
-    from gpushare._exporter import registered
+    from gpushare._exporter.registry import registered
 
     assert registered(share).opens == 0
     share.revoke()
@@ -343,7 +343,8 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(monkeypatch):
 
 
 def test_connection_deadlines_fire_once_at_their_latest_setting():
-    from gpushare._service import Protocol, get_service
+    from gpushare._connection import Protocol
+    from gpushare._service import get_service
 
     service = get_service()
     fired: list[tuple[str, float]] = []
@@ -379,7 +380,7 @@ def test_connection_deadlines_fire_once_at_their_latest_setting():
 
 
 def test_a_shares_region_is_added_on_its_first_remote_open_and_removed_when_no_view_is_open():
-    from gpushare._exporter import registered
+    from gpushare._exporter.registry import registered
 
     share = gs.export(np.arange(4096, dtype=np.uint64).astype(np.uint8), lifetime="revoked")
     export = registered(share)

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from gpushare._service import Protocol, get_service
+from gpushare._connection import Protocol
+from gpushare._service import get_service
 
 from _procs import wait_for as _wait_for
 

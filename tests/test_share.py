@@ -16,7 +16,7 @@ import pytest
 
 import gpushare as gs
 from gpushare import _control
-from gpushare._exporter import registered
+from gpushare._exporter.registry import registered
 
 from _procs import Box, Child, wait_for as _wait_for
 import _share_peer
@@ -620,11 +620,11 @@ def test_paths_argument_limits_offers_and_registrations():
 
 
 def test_control_host_variable_is_checked(monkeypatch):
-    import gpushare._exporter as ex
+    from gpushare._exporter.registry import Exporter
 
     monkeypatch.setenv("GPUSHARE_CONTROL_HOST", "localhost")
     with pytest.raises(gs.InvalidInputError, match="GPUSHARE_CONTROL_HOST"):
-        ex.Exporter()
+        Exporter()
 
 
 @pytest.mark.parametrize(
@@ -680,9 +680,10 @@ def test_control_channel_survives_garbage(payload):
 
 
 def test_cuda_paths_are_chosen_only_where_cuda_can_map():
-    from gpushare._open import choose
+    from gpushare._open_plan import choose
     from gpushare._cuda import _driver as _cuda
-    from gpushare._share import SHARE_FORMAT, Share, node_key
+    from gpushare._process import node_key
+    from gpushare._share import SHARE_FORMAT, Share
 
     share = Share._make(SHARE_FORMAT, "1" * 32, b"\0" * 32, 1, node_key(), (("127.0.0.1", 9),), 4096, 0,
                         (4096,), "|u1", ("same-process", "posix-fd", "cuda-ipc", "ucx-rma"), "closed", None,

@@ -37,7 +37,7 @@ if TRACE:
     tracemalloc.start()
 import numpy as np
 import gpushare as gs
-from gpushare._ucx import _server
+from gpushare._ucx import _peer, _server
 
 def measure():
     gc.collect()
@@ -181,10 +181,10 @@ def test_a_closed_region_is_remembered_until_the_last_key_to_it_is_revoked():
 
 
 def test_a_connection_forgets_what_it_learnt_of_a_region_when_told():
-    from gpushare._ucx import _server
+    from gpushare._ucx import _peer, _server
 
     srv = _server.server()
-    peer = _server.client().connect(srv.address)
+    peer = _peer.client().connect(srv.address)
     memory = bytearray(4096)
     with srv.add_region(memory) as region:
         region_id, key = region.grant()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gpushare
-from gpushare import _ucx
+from gpushare._ucx import _peer, _server
 
 from _procs import Child
 import _server_peer
@@ -34,7 +34,7 @@ def exporter():
 
 @pytest.fixture(scope="module")
 def peer(exporter):
-    return _ucx.client().connect(exporter.hello["address"], timeout=30)
+    return _peer.client().connect(exporter.hello["address"], timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_put_then_get_round_trip(exporter, peer, big, size, offset):
 
 
 def test_connect_is_cached_per_exporter(exporter, peer):
-    assert _ucx.client().connect(exporter.hello["address"]) is peer
+    assert _peer.client().connect(exporter.hello["address"]) is peer
     assert peer.alive
     assert "tcp" in peer.transport_info()
 
@@ -776,7 +776,7 @@ def test_dead_exporter_fails_requests_instead_of_hanging():
     try:
         child.call("add", "r", 4096, 1)
         cap = child.call("grant", "r")
-        p = _ucx.client().connect(child.hello["address"], timeout=30)
+        p = _peer.client().connect(child.hello["address"], timeout=30)
         p.get(*cap, 0, bytearray(8), timeout=30)
         child.conn.send(("die", ()))
         child.proc.join(10)
@@ -792,7 +792,7 @@ def test_a_forked_child_refuses_ucx_and_leaves_the_parents_server(exporter, peer
     # UCX's state of the whole process (its event thread, its locks) does
     # not survive fork: a child of a process that started UCX refuses to
     # start it, clearly, instead of hanging on its first connection.
-    srv = _ucx.server()
+    srv = _server.server()
     region = srv.add_region(bytearray(b"parent's bytes"))
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit code
@@ -802,7 +802,7 @@ def test_a_forked_child_refuses_ucx_and_leaves_the_parents_server(exporter, peer
                 region.grant()
             except gpushare.ClosedError:
                 try:
-                    _ucx.server()
+                    _server.server()
                 except gpushare.UnsupportedError as e:
                     if f"forked from process {os.getppid()}" in str(e) and "'spawn'" in str(e):
                         code = 0

@@ -19,10 +19,8 @@ at once.
 
 from __future__ import annotations
 
-from .consumer import Consumer, Step, subscribe
-from .handle import HANDLE_FORMAT, MAX_CONSUMERS, MAX_SLOTS, ChannelHandle
-from .handle import _rebuild_handle as _rebuild_handle  # pickles of a handle name it here
-from .producer import Producer, channel
+# Pickles of a ChannelHandle name their constructor here (``gpushare._channel._rebuild_handle``,
+# set by :mod:`.handle`): it stays importable from this module for as long as such pickles exist.
+from .handle import _rebuild_handle as _rebuild_handle
 
-__all__ = ["ChannelHandle", "Producer", "Consumer", "Step", "channel", "subscribe", "HANDLE_FORMAT",
-           "MAX_CONSUMERS", "MAX_SLOTS", "_rebuild_handle"]
+__all__ = ["_rebuild_handle"]

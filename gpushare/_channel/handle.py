@@ -10,7 +10,8 @@ from typing import Any
 
 from .._arrays import check_shape, nbytes_of, portable_typestr
 from .._errors import InvalidInputError
-from .._share import Share, strict_json
+from .._share import Share
+from .._types import strict_json
 from .._types import in_range
 
 __all__ = ["HANDLE_FORMAT", "MAX_CONSUMERS", "MAX_SLOTS", "ChannelHandle"]

@@ -11,8 +11,9 @@ import threading
 import time
 
 from .. import _auth, _control
-from .._exporter import advertised_addresses
-from .._service import Connection, Protocol, get_service
+from .._exporter.registry import advertised_addresses
+from .._connection import Connection, Protocol
+from .._service import get_service
 from .waits import _pidfd, _peer_pid, _close_fd, _Wake
 from .records import PROTOCOL, _RELEASE, _LEAVE, _HANDSHAKE_TIMEOUT, _KEEPALIVE, _Wire, _heartbeat
 

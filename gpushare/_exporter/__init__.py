@@ -14,10 +14,4 @@ exporter is never used: the child starts its own on its first export.
 
 from __future__ import annotations
 
-from .lifetimes import Export, refusal_text, track_auto, weak_or_none
-from .registry import Exporter, _instance, advertised_addresses, get_exporter, is_live, new_ids, registered, revoke
-from .sessions import IDLE_TIMEOUT, MAX_BACKLOG, MAX_BACKLOG_FDS, MAX_ENDED, MAX_LEASES, RefusalLog
-
-__all__ = ["Exporter", "Export", "get_exporter", "is_live", "registered", "revoke", "advertised_addresses", "new_ids",
-           "refusal_text", "track_auto", "weak_or_none", "RefusalLog", "MAX_BACKLOG", "MAX_BACKLOG_FDS",
-           "MAX_ENDED", "MAX_LEASES", "IDLE_TIMEOUT", "_instance"]
+__all__: list[str] = []  # each name is imported from the module that defines it

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from .. import _auth, _control, _paths
 from .._errors import GpuShareError, InvalidInputError
 from .._manifest import MAX_PARTS as _MAX_PARTS
+from .._paths.base import Grant
 from .._paths.broker import peer_credentials
-from .._service import Connection, Protocol
+from .._connection import Connection, Protocol
 from .._share import altered
 from .._types import collection_paused
 from .lifetimes import Export, refusal_text
@@ -65,7 +66,7 @@ class Session(Protocol):
         #: The pid the importer gave with its proof (informational, for the log).
         self.claimed_pid: int | None = None
         #: What each lease's path granted (its state, what ends it).
-        self.grants: dict[int, _paths.Grant] = {}
+        self.grants: dict[int, Grant] = {}
         #: What a path keeps for the whole connection, by path name (cma: the
         #: importer's process, one pidfd for all its leases).
         self.held: dict[str, Any] = {}
@@ -280,7 +281,7 @@ class Session(Protocol):
             return
         if len(self.leases) >= MAX_LEASES:
             self._refuse(conn, rid, "limit", f"this importer process holds {MAX_LEASES} leases of this exporter "
-                         f"already, the most one connection may hold (gpushare._exporter.MAX_LEASES): close "
+                         f"already, the most one connection may hold (gpushare._exporter.sessions.MAX_LEASES): close "
                          "views it no longer uses")
             return
         described = msg.get("said")  # the wire's name for it
@@ -418,14 +419,14 @@ class _Bundled:
         self.name = name
 
 
-def _serve(export: Export, path: str, session: Session) -> _paths.Grant | None:
+def _serve(export: Export, path: str, session: Session) -> Grant | None:
     """The grant of one open (lock held): each allocation's path served, one
     lease for them all.  A share of one buffer is its own only allocation,
     and its grant the path's own; a bundle's is a grant per allocation and
     how many of the reply's fds are each one's."""
     bundle = export.parts is not None
     parts = export.parts if bundle else [export]
-    grants: list[_paths.Grant] = []
+    grants: list[Grant] = []
     try:
         with collection_paused(len(parts)):
             _serve_each(parts, path, bundle, session, grants)
@@ -444,11 +445,11 @@ def _serve(export: Export, path: str, session: Session) -> _paths.Grant | None:
         for grant in grants:
             _ended(grant)
 
-    return _paths.Grant({"parts": [g.payload for g in grants], "fds": [len(g.fds) for g in grants]},
+    return Grant({"parts": [g.payload for g in grants], "fds": [len(g.fds) for g in grants]},
                         [fd for g in grants for fd in g.fds], on_end=end, parts=grants, path=_Bundled(path))
 
 
-def _serve_each(parts: list[Export], path: str, bundle: bool, session: Session, grants: list[_paths.Grant]) -> None:
+def _serve_each(parts: list[Export], path: str, bundle: bool, session: Session, grants: list[Grant]) -> None:
     """Each allocation's path served, its grant appended to ``grants`` (the
     caller's to end on a failure); for a share of one buffer whose path is
     served in the exporting process only, nothing."""
@@ -512,7 +513,7 @@ def _altered_description(described: Any, export: Export) -> str | None:
     return altered(device, nbytes, offset, readonly, export.device, export.nbytes, export.offset, export.readonly)
 
 
-def _ended(grant: _paths.Grant | None) -> None:
+def _ended(grant: Grant | None) -> None:
     """A lease ended: what its path granted is withdrawn (export lock held)."""
     if grant is not None and grant.on_end is not None:
         grant.on_end()

@@ -25,15 +25,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from .. import _buffers
 from .._errors import InvalidInputError
 from . import cma, cuda_ipc, fabric, host_fd, posix_fd, same_process, ucx_rma
-from .base import KINDS, ControlOp, Grant, Here, Kind, Mapped, Memory, Offer, Opened, Options, Path
+from .base import ControlOp, Here, Memory, Path
 from .broker import release_registrations
 
 if TYPE_CHECKING:
     from .._buffers import LocalBuffer
     from .._share import Share
 
-__all__ = ["Path", "Mapping", "Transport", "Here", "Grant", "Mapped", "Memory", "Offer", "Opened", "Options",
-           "Kind", "KINDS", "offers", "PATHS", "by_name", "offered", "facts", "needs_cuda", "cliques", "control_op",
+__all__ = ["Mapping", "Transport", "offers", "PATHS", "by_name", "offered", "facts", "needs_cuda", "cliques", "control_op",
            "holder", "base_allocation", "stop", "on_seal", "warm", "slow_alone", "candidates", "explain", "path_list"]
 
 

@@ -19,10 +19,10 @@ from .._process import node_key, process_state
 from . import broker
 
 if TYPE_CHECKING:
-    from .._exporter import Export
-    from .._exporter import _Session as Session
+    from .._exporter.lifetimes import Export
+    from .._exporter.sessions import Session
     from .._importer import Lease
-    from .._service import Connection
+    from .._connection import Connection
     from .._share import Share
 
 

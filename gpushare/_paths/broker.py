@@ -41,7 +41,7 @@ from .._errors import AccessDeniedError, ExporterUnreachableError, InvalidInputE
 from .._process import PerProcess, node_identity
 from .._service import get_service
 
-__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "node_identity", "publish",
+__all__ = ["Broker", "control_address", "fetch_fds", "get_broker", "grant", "publish",
            "release_registrations"]
 
 _MAGIC = b"GSFD"

@@ -32,7 +32,7 @@ from .._errors import (
     InvalidInputError,
     UnsupportedError,
 )
-from .._process import check_same_node
+from .._process import check_same_node, node_identity
 from . import broker
 from .base import (
     OTHER_CUDA,
@@ -50,7 +50,7 @@ from .base import (
     no_fds,
     same_node,
 )
-from .broker import fetch_fds, node_identity
+from .broker import fetch_fds
 
 __all__ = ["export_ipc", "import_ipc", "import_pool", "map_ipc", "map_pool", "open_handle_count", "base_allocation"]
 

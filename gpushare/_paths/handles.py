@@ -17,6 +17,8 @@ from .._descriptors import (
 from .._errors import InvalidInputError, UnsupportedError, InvalidTypeError
 from .._types import internal_handle_type
 from . import cuda_ipc, host_fd, posix_fd
+# Named here for the modules above the paths, which may not import a path module
+# (tests/test_paths_closed.py): gs.allocate's host buffer is host-fd's.
 from .host_fd import HostBuffer, allocate_host
 
 __all__ = ["HostBuffer", "allocate_host", "export_buffer", "import_buffer", "HOST_HANDLE_TYPES", "CUDA_HANDLE_TYPES"]

@@ -1,12 +1,9 @@
 """UCX internals: the per-process region server and its client.
 
-:func:`server` and :func:`client` return this process's :class:`Server` and
-:class:`Client`, both on one UCX worker with one progress thread.  The older
+:func:`._server.server` and :func:`._peer.client` return this process's
+:class:`._server.Server` and :class:`._peer.Client`, both on one UCX worker
+(:mod:`._node`) with one progress thread.  The older
 per-object API (``Agent``, ``Endpoint``...) is :mod:`gpushare.ucx`.
 """
 
-from ._node import KEY_BYTES
-from ._peer import Client, Peer, client
-from ._server import Region, Server, server
-
-__all__ = ["server", "client", "Server", "Client", "Region", "Peer", "KEY_BYTES"]
+__all__: list[str] = []  # each name is imported from the module that defines it

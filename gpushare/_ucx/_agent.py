@@ -48,7 +48,7 @@ from ._local import LocalPeer
 from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated
 from ._rkey import check_remote_key
 
-__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES"]
+__all__ = ["Agent", "Endpoint"]
 
 
 def _shutdown_agent(pid: int, nagent: Any, endpoints: weakref.WeakSet, handles: weakref.WeakSet,

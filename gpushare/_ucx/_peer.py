@@ -266,7 +266,7 @@ class Client:
     __slots__ = ("_node",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("use gpushare._ucx.client() for this process's Client")
+        raise TypeError("use gpushare._ucx._peer.client() for this process's Client")
 
     @classmethod
     def _make(cls, node: _Node) -> Client:

@@ -20,10 +20,9 @@ from .. import _buffers, _types
 from .._errors import ClosedError, InvalidInputError, WaitTimeoutError
 from ._common import ADDRESS_MAGIC, MEMORY_TYPE_CODES, pack
 from . import _device
-from ._node import _NODE, KEY_BYTES, _check_key, _CLOSE_TIMEOUT, _Node, node_config, warm
-from ._peer import Client, Peer, client  # the importer's side, named here too (gpushare.ucx, tests)
+from ._node import _NODE, KEY_BYTES, _check_key, _CLOSE_TIMEOUT, _Node
 
-__all__ = ["Server", "Region", "Client", "Peer", "server", "client", "node_config", "warm", "KEY_BYTES"]
+__all__ = ["Server", "Region", "server"]
 
 
 # -- exporter side ---------------------------------------------------------------
@@ -202,7 +201,7 @@ class Server:
     __slots__ = ("_node",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("use gpushare._ucx.server() for this process's Server")
+        raise TypeError("use gpushare._ucx._server.server() for this process's Server")
 
     @classmethod
     def _make(cls, node: _Node) -> Server:
