@@ -17,7 +17,9 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="torch is an optional extra: these tests send torch tensors through gpushare.multiprocessing: "
+    "pip install torch")
 
 import gpushare as gs  # noqa: E402
 import gpushare.multiprocessing as gmp  # noqa: E402

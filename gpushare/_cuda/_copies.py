@@ -424,17 +424,18 @@ def _device(ordinal: int) -> _Device:
         return dev
 
 
-def _learn(dev: _Device, klass: tuple[int, int], n: int, per_byte: float | None, expected: int, late: bool,
+def _learn(dev: _Device, klass: tuple[int, int], n: int, per_byte: float | None, expected: int, late: int,
            elapsed: int) -> None:
-    """What one synchronous copy teaches about its class's time: late, it
-    took ``elapsed`` (the first copy of a class is not believed: a first
-    touch of memory is slow); done just after the query at its expected
-    time, it is expected sooner to learn more (a driver may complete work
-    only when asked); on time, the expected time shrinks, faster the longer
-    the run of copies on time, so that a slow outlier is soon outgrown."""
+    """What one synchronous copy teaches about its class's time.  ``late``
+    (``src/cuda/copy.cpp``): 0, done at its expected time: the expected time
+    shrinks, faster the longer the run of copies on time, so that a slow
+    outlier is soon outgrown; 1, done when asked again just after: about
+    right, or a driver that runs work only when asked (the stand-in), so it
+    is expected sooner, to learn; 2, later: it took ``elapsed`` (the first
+    such copy of a class is not believed: a first touch of memory is slow)."""
     if not n:
         return
-    if late and elapsed > expected * _JUST_AFTER:
+    if late == 2 and elapsed > expected * _JUST_AFTER:
         if klass in dev.seen:
             dev.ns_per_byte[klass] = elapsed / n
         dev.seen.add(klass)
@@ -520,7 +521,7 @@ def copy_sync(dst: int, src: int, n: int, *, ordinal: int, kind: int, stream: in
         if release is not None:
             release()
         _raise(code, what)
-    _learn(dev, klass, n, per_byte, expected, bool(late.value), elapsed.value)
+    _learn(dev, klass, n, per_byte, expected, late.value, elapsed.value)
     release = getattr(keep, "release", None)
     if release is not None:
         release()

@@ -179,9 +179,9 @@ __attribute__((visibility("default"))) int gs_copy_init(const uintptr_t* fns, in
 // with a null `event` for all the work queued on `stream` (gpushare's own):
 // see the top of the file.  `expected`: the copy's expected time in ns (0:
 // unknown); `deadline`: ns, CLOCK_MONOTONIC, or -1 for none (gs_wait_for
-// takes a timeout in ns from the call instead).  `*late`: 1 when
-// the event was not complete at the expected time; `*elapsed`: ns from
-// `start` until it was seen complete.
+// takes a timeout in ns from the call instead).  `*late`: 0 when the event
+// was complete at the expected time, 1 when at the first question asked
+// again, 2 when later; `*elapsed`: ns from `start` until it was seen complete.
 __attribute__((visibility("default"))) int gs_wait(CUevent event, CUstream stream, int64_t start, int64_t expected,
                                                    int64_t deadline, int* late, int64_t* elapsed)
 {
@@ -196,16 +196,27 @@ __attribute__((visibility("default"))) int gs_wait(CUevent event, CUstream strea
   CUresult r = query(event, stream);
   if (r == kNotReady) {
     // A little late: spin on, asking, for a quarter of the expected time
-    // (at least 20 us), then block.
+    // (at least 20 us), then block.  Done at the first question asked again:
+    // "just after" (*late 1), which says little of the copy's time (a driver
+    // may even run the work when asked); later: *late 2.
     int64_t const spin = now_ns() + std::max<int64_t>(expected / 4, 20000);
+    // Between questions: 1 us, doubling up to a 32nd of the expected time (a few dozen questions at most).
+    int64_t const widest = std::max<int64_t>(expected / 32, 1000);
+    int64_t gap          = 1000;
+    int asked            = 0;
     while (r == kNotReady && now_ns() < spin && (deadline < 0 || now_ns() < deadline)) {
-      for (int i = 0; i < 64; ++i) GS_PAUSE();
-      r = query(event, stream);
+      int64_t const next = now_ns() + gap;
+      while (now_ns() < next) GS_PAUSE();
+      gap = std::min(gap * 2, widest);
+      r   = query(event, stream);
+      ++asked;
     }
     if (r == kNotReady) {
       if (deadline >= 0 && now_ns() >= deadline) return kTimedOut;
       r = block_until(event, stream, deadline);
+      asked = 2;
     }
+    *late = asked > 1 ? 2 : 1;
   } else {
     *late = 0;
   }
