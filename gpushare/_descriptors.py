@@ -543,8 +543,9 @@ class CudaPoolBufferDescriptor(_Frozen):
     ``ipc_enabled=True``), which legacy CUDA IPC cannot share.
 
     The pool's POSIX file descriptor is served by the exporter's fd broker
-    (``address``, ``export_id``, ``token``, as for
-    :class:`PosixFdBufferDescriptor`); ``export_data`` is the 64-byte
+    (``address``, ``export_id``, ``token``, ``pid`` and ``node`` say where
+    and how to fetch it, as for :class:`PosixFdBufferDescriptor`);
+    ``export_data`` is the 64-byte
     ``CUmemPoolPtrExportData`` of the allocation that holds the buffer, which
     is ``size`` bytes at ``offset`` into that allocation of ``base_size``
     bytes.  Made by :func:`gpushare.export_buffer` (``handle_type="cuda-ipc"``),
@@ -555,8 +556,6 @@ class CudaPoolBufferDescriptor(_Frozen):
     ----------
     handle_type : str
         Always ``"cuda-pool"``.
-    address, export_id, token, pid, node :
-        Where and how to fetch the pool's file descriptor.
     device : int
         The exporting device's ordinal.
     owner_uuid : str or None
