@@ -196,12 +196,14 @@ def seed_run(quick: bool, cpu: int | None = None) -> dict:
         with ucx.Agent(transports="tcp") as agent:
             ep = agent.connect(address)
             rk = ep.unpack_remote_key(key)
-            local = np.ones(REGION, np.uint8)
+            # The local buffer registered once, as NIXL's is.
+            mh = agent.create_memory_handle(REGION)
+            local = np.frombuffer(mh.buffer, np.uint8)
+            local[:] = 1
             for size in SIZES:
-                view = local[:size]
                 iters = _iters(INFLIGHT * size, quick)
 
-                def once() -> None:
+                def once(view=local[:size]) -> None:
                     reqs = [ep.mem_put(view, rk.base_address, rk) for _ in range(INFLIGHT)]
                     for r in reqs:
                         r.wait(60)
@@ -212,14 +214,16 @@ def seed_run(quick: bool, cpu: int | None = None) -> dict:
                 for _ in range(iters):
                     once()
                 results[("put", size)] = INFLIGHT * size * iters / (time.perf_counter() - t0) / MiB
+            del once, local
             ep.close()
     return results
 
 
-def perftest_puts(quick: bool) -> dict:
-    """``ucp_put_bw`` per size, with error handling (``-e``) and in perftest's default mode."""
+def perftest_puts(quick: bool, cores: tuple[int | None, int | None]) -> dict:
+    """``ucp_put_bw`` per size, with error handling (``-e``) and in perftest's default mode; its
+    client and server on the cores of the importer and the exporter."""
     return {(mode, size): perftest("ucp_put_bw", size, INFLIGHT * _iters(INFLIGHT * size, quick), "tcp",
-                                   mode == "perftest -e")[0]
+                                   mode == "perftest -e", cores=cores)[0]
             for mode in ("perftest -e", "perftest") for size in SIZES}
 
 
@@ -275,15 +279,35 @@ def main() -> int:
     return 0
 
 
+def _ucx_versions() -> str:
+    """The UCX release each library runs: gpushare's (the libucx wheel's) and the one NIXL bundles."""
+    import ctypes
+    import glob
+
+    from gpushare import ucx
+
+    ours = ".".join(map(str, ucx.ucx_version()))
+    theirs = "unknown"
+    import nixl_cu13  # noqa: F401 - its wheel's folder holds the bundled UCX
+
+    for path in glob.glob(os.path.join(os.path.dirname(os.path.dirname(nixl_cu13.__file__)),
+                                       "nixl_cu13.libs", "libucp-*.so*")):
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        lib.ucp_get_version_string.restype = ctypes.c_char_p
+        theirs = lib.ucp_get_version_string().decode()
+    return f"gpushare on UCX {ours}, NIXL on its own UCX {theirs}"
+
+
 def _seed_main(args, mine: int | None, theirs: int | None) -> int:
     nixl, ours, ref = [], [], []
     for _ in range(args.runs):  # alternating, so that each sees the machine in the same states
         nixl.append(nixl_run(args.quick, theirs, seed=True))
         ours.append(seed_run(args.quick, theirs))
-        ref.append(perftest_puts(args.quick))
+        ref.append(perftest_puts(args.quick, (mine, theirs)))
     where = f"importer on core {mine}, exporter on core {theirs}" if mine is not None else "unpinned"
     print(f"seed API puts, {INFLIGHT} in flight; UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} "
-          f"CPUs, {where}; median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians\n")
+          f"CPUs, {where}; median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
+          f"{_ucx_versions()}\n")
     print(f"{'size':>8} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
           f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")
     for size in SIZES:

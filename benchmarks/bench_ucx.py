@@ -81,26 +81,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _on_core(cpu: int | None):
+    """A ``preexec_fn`` that keeps a child process on core ``cpu`` (None: on
+    every core this machine has, whatever core the caller is pinned to)."""
+    cpus = {cpu} if cpu is not None else set(range(os.cpu_count() or 1))
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
-             wait: str | None = None, settings: dict[str, str] | None = None) -> tuple[float, float, float]:
+             wait: str | None = None, settings: dict[str, str] | None = None,
+             cores: tuple[int | None, int | None] = (None, None)) -> tuple[float, float, float]:
     """Run ucx_perftest; return (overall bandwidth MiB/s, average overhead usec, overall msg/s).
 
     ``wait="sleep"`` makes both perftest sides sleep on the worker's event fd
     (``-E sleep``), as gpushare's blocking progress thread does.  ``settings``:
-    more UCX variables for both perftest sides.
+    more UCX variables for both perftest sides.  ``cores``: (client's core,
+    server's core), as the benchmark pins its own two sides; None lets a side
+    run anywhere (never on the caller's core only: two perftest processes
+    polling on one core measure the scheduler).
     """
     exe, env = _perftest_paths()
     env["UCX_TLS"] = tls
     env.update(settings or {})
     port = _free_port()
     flags = (["-e"] if error_handling else []) + (["-E", wait] if wait else [])
-    server = subprocess.Popen([exe, "-p", str(port), *flags], env=env,
+    server = subprocess.Popen([exe, "-p", str(port), *flags], env=env, preexec_fn=_on_core(cores[1]),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         out = subprocess.run(
             [exe, "127.0.0.1", "-p", str(port), *flags, "-t", test, "-s", str(size), "-n", str(iters)],
-            env=env, capture_output=True, text=True, timeout=300,
+            env=env, capture_output=True, text=True, timeout=300, preexec_fn=_on_core(cores[0]),
         )
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("Final:")), None)
         if line is None:

@@ -176,8 +176,10 @@ class Endpoint(Connection):
             # UCX copies CUDA memory on streams of its own: after the work
             # queued before the transfer (see _device).
             _device.order_before(local, consumer)
+            memh = self._agent._registration(local.address, nbytes, local.memory_type)
             with _device.on_memory_device(local):
-                nreq = method(local.address, nbytes, remote_address, rkey._native, None)
+                nreq = method(local.address, nbytes, remote_address, rkey._native,
+                              MEMORY_TYPE_CODES[local.memory_type], memh, None)
         except BaseException:
             local.release()
             raise
@@ -363,6 +365,8 @@ class Agent:
         self._quarantine: list = []
         self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
+        # The handle a transfer found its local range in last (see _registration).
+        self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
         self._native = native().Agent(cfg, progress == "polling", error_handling,
                                       wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
         self._address = None
@@ -459,6 +463,25 @@ class Agent:
         with self._lock:
             self._endpoints.add(ep)
         return ep
+
+    def _registration(self, address: int, nbytes: int, memory_type: str) -> Any:
+        """The native memory handle of this agent's that registers the local
+        range, or None (the transfer then registers it for itself).  The
+        handle found last is asked first (a caller usually moves data from
+        one registered buffer)."""
+        last = self._last_registration()
+        if last is not None:
+            nmh = last._covering(address, nbytes, memory_type)
+            if nmh is not None:
+                return nmh
+        if not self._handles:
+            return None
+        for mh in list(self._handles):
+            nmh = mh._covering(address, nbytes, memory_type)
+            if nmh is not None:
+                self._last_registration = weakref.ref(mh)
+                return nmh
+        return None
 
     def create_memory_handle(self, size: int, buffer: Any = None, memory_type: str | None = None) -> MemoryHandle:
         """Register memory for remote access; mirrors ``ucxx::createMemoryHandle``.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,11 @@ class RemoteKey:
         return f"<gpushare.ucx.RemoteKey {kind} base=0x{self._base:x} size={self._size}>"
 
 
+#: How long closing a handle of gpushare's host memory waits for this
+#: process's transfers still using it.
+_LOCAL_TRANSFERS_S = 60.0
+
+
 def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources: tuple) -> None:
     """Unregister a memory handle, keeping its memory reserved until agent close.
 
@@ -155,6 +161,12 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
             quarantine.append((None, None, nmh, ordinal))
         return
     try:
+        # This process's transfers from or into the memory finish first (a
+        # peer's death fails them): they would read the zero pages below.
+        if mm is not None and not nmh.wait_unused(_LOCAL_TRANSFERS_S):
+            warnings.warn(f"closing a memory handle while this process's transfers still use its memory "
+                          f"after {_LOCAL_TRANSFERS_S:.0f} s: they read or write zeros from now on",
+                          RuntimeWarning, stacklevel=2)
         nmh.close()
     except Exception:  # noqa: BLE001
         report_callback_error("memory handle close")
@@ -170,7 +182,8 @@ class MemoryHandle:
     Made by :meth:`Agent.create_memory_handle`; mirrors ``ucxx::MemoryHandle``.
     """
 
-    __slots__ = ("_native", "_agent", "_local", "_mm", "_finalizer", "_memory_type", "_ordinal", "__weakref__")
+    __slots__ = ("_native", "_agent", "_local", "_mm", "_finalizer", "_memory_type", "_ordinal", "_range",
+                 "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("MemoryHandle objects are made by Agent.create_memory_handle")
@@ -187,10 +200,19 @@ class MemoryHandle:
         self._ordinal = ordinal  # the device of CUDA memory
         addr = nmh.base_address
         length = len(mm) if mm is not None else nmh.size
+        self._range = (addr, addr + nmh.size)
         self._finalizer = weakref.finalize(
             self, _park, agent._pid, agent._quarantine, agent._lock, nmh, (addr, length, mm, local, ordinal)
         )
         return self
+
+    def _covering(self, address: int, nbytes: int, memory_type: str) -> Any:
+        """The native handle, if this open handle registers all of
+        ``[address, address + nbytes)`` as ``memory_type`` memory; else None."""
+        lo, hi = self._range
+        if lo <= address and address + nbytes <= hi and memory_type == self._memory_type and self._finalizer.alive:
+            return self._native
+        return None
 
     def _check_open(self) -> Any:
         if not self._finalizer.alive:
@@ -249,6 +271,9 @@ class MemoryHandle:
         Peers lose access from gpushare's point of view; the memory itself is
         kept reserved until the agent closes (see the class notes in
         ``docs/ucx.md``), so a stale key can never corrupt reused memory.
+        Host memory gpushare allocated reads as zeros from then on; this
+        process's own puts and gets still using it finish first (a dead
+        peer fails them), waited for at most a minute.
         """
         self._finalizer()
 

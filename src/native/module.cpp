@@ -57,6 +57,7 @@ void bindAgent(nb::module_& m)
     .def_prop_ro("base_address", &MemoryHandle::baseAddress)
     .def_prop_ro("memory_type", &MemoryHandle::memoryType)
     .def("pack_remote_key", &MemoryHandle::packRemoteKey)
+    .def("wait_unused", &MemoryHandle::waitUnused, "timeout"_a)
     .def("close", &MemoryHandle::close);
 
   nb::class_<RemoteKey>(m, "RemoteKey")
@@ -70,9 +71,9 @@ void bindAgent(nb::module_& m)
     .def("info", &Endpoint::info)
     .def("unpack_remote_key", &Endpoint::unpackRemoteKey, "blob"_a)
     .def("mem_put", &Endpoint::memPut, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
-         "callback"_a.none())
+         "memory_type"_a, "memh"_a.none(), "callback"_a.none())
     .def("mem_get", &Endpoint::memGet, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
-         "callback"_a.none())
+         "memory_type"_a, "memh"_a.none(), "callback"_a.none())
     .def("flush", &Endpoint::flush, "callback"_a.none())
     .def("close", &Endpoint::close, "timeout"_a);
 

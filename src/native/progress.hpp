@@ -340,6 +340,57 @@ inline ucxx::RequestCallbackUserFunction completer(const std::shared_ptr<Complet
   return [c](ucs_status_t status, std::shared_ptr<void>) { c->complete(status); };
 }
 
+// A memory handle of our own for a buffer that a transfer may move by
+// zero-copy or rendezvous, passed with UCP_OP_ATTR_FIELD_MEMH.  Where gpushare
+// turns UCX's memory events off (no InfiniBand: docs/ucx.md, "Memory
+// hooks"), UCX has no registration cache, and UCX 1.21 then crashes when a
+// peer fails while a rendezvous request holds a memory handle UCX
+// registered itself (ucp_request_memh_invalidate reaches for the missing
+// cache; openucx/ucx issue 11467).  It skips a user's handle, so every
+// buffer a rendezvous may move comes with one: the region's on the
+// exporter's side, one of these on the importer's.  Unmapped when the
+// request that used it has completed.
+class OwnMemh {
+ public:
+  // Whether transfers need handles of our own: UCX's memory events are off
+  // in this process (UCX_MEM_EVENTS, read once), so it has no registration
+  // cache.  With the cache, UCX's own registrations are cached and safe, and
+  // one of ours would cost a registration per transfer (InfiniBand).
+  static bool needed()
+  {
+    static const bool value = [] {
+      const char* v = std::getenv("UCX_MEM_EVENTS");
+      if (v == nullptr) return false;
+      std::string s(v);
+      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+      return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
+    }();
+    return value;
+  }
+
+  OwnMemh(ucp_context_h ctx_, void* address, size_t length, ucs_memory_type_t memoryType) : ctx(ctx_)
+  {
+    ucp_mem_map_params_t p{};
+    p.field_mask  = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    p.address     = address;
+    p.length      = length;
+    p.memory_type = memoryType;
+    status        = ucp_mem_map(ctx, &p, &memh);
+    if (status != UCS_OK) memh = nullptr;
+  }
+  ~OwnMemh()
+  {
+    if (memh != nullptr) ucp_mem_unmap(ctx, memh);
+  }
+  OwnMemh(const OwnMemh&)            = delete;
+  OwnMemh& operator=(const OwnMemh&) = delete;
+
+  ucp_context_h ctx;
+  ucp_mem_h memh{nullptr};
+  ucs_status_t status;
+};
+
 inline std::shared_ptr<Completion> newCompletion(nb::object callback)
 {
   auto c = std::make_shared<Completion>();

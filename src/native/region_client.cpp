@@ -140,7 +140,7 @@ ucs_status_t Node::onReply(void* arg, const void* header, size_t headerLength, v
   lock.unlock();
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  if (rndv) {
+  if (rndv && OwnMemh::needed()) {
     auto memh = std::make_unique<OwnMemh>(n->context->getHandle(), buffer, length, mt);
     if (memh->memh == nullptr) {
       n->partDone(id, kWaitRecv, memh->status);
@@ -243,7 +243,7 @@ bool Node::sendRequest(ucp_ep_h ep, unsigned amId, SendCtx* ctx, const void* hea
   p.cb.send     = &Node::onRequestSent;
   p.user_data   = ctx;
   p.memory_type = static_cast<ucs_memory_type_t>(memoryType);
-  if (!iov && count > 0 && !(flags & UCP_AM_SEND_FLAG_EAGER)) {
+  if (!iov && count > 0 && !(flags & UCP_AM_SEND_FLAG_EAGER) && OwnMemh::needed()) {
     // A payload that may go by rendezvous comes with our own memory handle (see OwnMemh).
     ctx->memh = std::make_unique<OwnMemh>(context->getHandle(), const_cast<void*>(payload), count, p.memory_type);
     if (ctx->memh->memh == nullptr) {

@@ -56,6 +56,19 @@ nb::bytes MemoryHandle::packRemoteKey()
   return nb::bytes(blob.data(), blob.size());
 }
 
+bool MemoryHandle::waitUnused(double timeout)
+{
+  auto h = handle;  // ours, this copy: 2 while nothing else holds it
+  if (!h) return true;
+  nb::gil_scoped_release nogil;
+  const int64_t deadline = steadyNanos() + static_cast<int64_t>(timeout * 1e9);
+  while (h.use_count() > 2) {
+    if (steadyNanos() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
 bool Endpoint::failFast(const std::shared_ptr<ucxx::Endpoint>& e, const std::shared_ptr<Completion>& c)
 {
   if (e->isAlive()) return false;
@@ -89,44 +102,90 @@ RemoteKey Endpoint::unpackRemoteKey(nb::bytes blob)
   return RemoteKey(std::move(k));
 }
 
-Request Endpoint::memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
-               nb::object callback)
+namespace {
+
+// What a put or get posted with ucp_put_nbx/ucp_get_nbx needs until UCX
+// calls back: its completion, and the local memory handle, the caller's
+// (kept registered until then, even if the caller closes it) or one made
+// for it.
+struct RmaCtx {
+  std::shared_ptr<Completion> completion;
+  std::shared_ptr<ucxx::MemoryHandle> userMemh;
+  std::unique_ptr<OwnMemh> memh;
+};
+
+void onRmaDone(void* request, ucs_status_t status, void* user)
+{
+  auto* ctx = static_cast<RmaCtx*>(user);
+  auto c    = std::move(ctx->completion);
+  delete ctx;  // unmaps our own handle: UCX is done with the buffer
+  ucp_request_free(request);
+  c->complete(status);
+}
+
+}  // namespace
+
+Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
+                      int memoryType, MemoryHandle* memh, nb::object callback)
 {
   auto e   = get();
   auto key = rk.key;
   if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
   auto c = newCompletion(std::move(callback));
-  Request r(c, "put");
+  Request r(c, put ? "put" : "get");
   if (failFast(e, c)) return r;
-  r.request = call("ucp_put_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
-    std::shared_ptr<ucxx::Request> req =
-      e->memPutBuilder(reinterpret_cast<const void*>(buffer), length, remoteAddress, key->getHandle())
-        .callbackFunction(completer(c))
-        .build();
-    return req;
-  });
+  auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->handle : nullptr, nullptr};
+  auto mtype      = static_cast<ucs_memory_type_t>(memoryType);
+  ucp_mem_h local = ctx->userMemh ? ctx->userMemh->getHandle() : nullptr;
+  if (local == nullptr && length > 0 && OwnMemh::needed()) {
+    // Without UCX's registration cache, every buffer UCX may move by
+    // zero-copy comes with a handle UCX did not register itself (OwnMemh).
+    ctx->memh = std::make_unique<OwnMemh>(std::dynamic_pointer_cast<ucxx::Context>(e->getWorker()->getParent())->getHandle(),
+                                          reinterpret_cast<void*>(buffer), length, mtype);
+    if (ctx->memh->memh == nullptr) {
+      ucs_status_t s = ctx->memh->status;
+      delete ctx;
+      throw NativeError(statusName(s), std::string("ucp_mem_map of the local buffer failed: ") +
+                                         ucs_status_string(s));
+    }
+    local = ctx->memh->memh;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.cb.send      = &onRmaDone;
+  p.user_data    = ctx;
+  p.memory_type  = mtype;
+  if (local != nullptr) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = local;
+  }
+  ucp_ep_h eh     = e->getHandle();
+  ucp_rkey_h kh   = key->getHandle();
+  ucs_status_ptr_t sp;
+  {
+    nb::gil_scoped_release nogil;
+    sp = put ? ucp_put_nbx(eh, reinterpret_cast<const void*>(buffer), length, remoteAddress, kh, &p)
+             : ucp_get_nbx(eh, reinterpret_cast<void*>(buffer), length, remoteAddress, kh, &p);
+  }
+  if (!UCS_PTR_IS_PTR(sp)) {
+    delete ctx;
+    c->complete(UCS_PTR_STATUS(sp));
+    return r;
+  }
   posted(r, length);
   return r;
 }
 
-Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
-               nb::object callback)
+Request Endpoint::memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
+                         MemoryHandle* memh, nb::object callback)
 {
-  auto e   = get();
-  auto key = rk.key;
-  if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
-  auto c = newCompletion(std::move(callback));
-  Request r(c, "get");
-  if (failFast(e, c)) return r;
-  r.request = call("ucp_get_nbx", [&]() -> std::shared_ptr<ucxx::Request> {
-    std::shared_ptr<ucxx::Request> req =
-      e->memGetBuilder(reinterpret_cast<void*>(buffer), length, remoteAddress, key->getHandle())
-        .callbackFunction(completer(c))
-        .build();
-    return req;
-  });
-  posted(r, length);
-  return r;
+  return rma(true, buffer, length, remoteAddress, rk, memoryType, memh, std::move(callback));
+}
+
+Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
+                         MemoryHandle* memh, nb::object callback)
+{
+  return rma(false, buffer, length, remoteAddress, rk, memoryType, memh, std::move(callback));
 }
 
 Request Endpoint::flush(nb::object callback)

@@ -25,6 +25,11 @@ class MemoryHandle {
 
   nb::bytes packRemoteKey();
 
+  // Wait, without the GIL, until no transfer of this process holds the
+  // handle (each holds it until UCX is done with its local buffer), at most
+  // `timeout` seconds; whether none does.
+  bool waitUnused(double timeout);
+
   void close() { releaseNoGil(handle); }
 };
 
@@ -83,13 +88,22 @@ class Endpoint {
 
   RemoteKey unpackRemoteKey(nb::bytes blob);
 
-  Request memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
-                 nb::object callback);
+  // A put or get of `length` bytes at `buffer` (memory type `memoryType`),
+  // with the local memory handle `memh` where the caller registered the
+  // buffer (null: one of our own for this request, see OwnMemh).
+  Request memPut(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
+                 MemoryHandle* memh, nb::object callback);
 
-  Request memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
-                 nb::object callback);
+  Request memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
+                 MemoryHandle* memh, nb::object callback);
 
   Request flush(nb::object callback);
+
+ private:
+  Request rma(bool put, uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
+              MemoryHandle* memh, nb::object callback);
+
+ public:
 
   // `r` was submitted: the engine's waiters drive it, and the progress
   // thread finishes it if nobody waits (woken if it sleeps and UCX holds

@@ -1,0 +1,143 @@
+"""The seed API's puts and gets from registered local memory, and a peer's
+death in the middle of many of them (real processes, loopback, host memory)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gpushare import ucx
+
+from _procs import Child
+import _rma_peer
+
+MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def sides():
+    """(this process's agent, an endpoint to the peer, the peer's key, the peer)."""
+    child = Child(_rma_peer.setup, 8 * MiB)
+    with ucx.Agent() as agent:
+        ep = agent.connect(child.hello["address"])
+        yield agent, ep, ep.unpack_remote_key(child.hello["key"]), child
+    child.close()
+
+
+@pytest.fixture
+def agent(sides):
+    return sides[0]
+
+
+def test_a_transfer_finds_the_handle_that_registers_its_local_range(agent):
+    with agent.create_memory_handle(MiB) as mh:
+        base = mh.base_address
+        assert agent._registration(base, MiB, "host") is mh._native
+        assert agent._registration(base + 4096, 4096, "host") is mh._native
+        assert agent._registration(base + 4096, MiB, "host") is None  # runs past its end
+        assert agent._registration(base - 1, 16, "host") is None
+        assert agent._registration(base, 16, "cuda") is None  # another memory type
+    assert agent._registration(base, 16, "host") is None  # closed: never used again
+
+
+def test_puts_and_gets_from_registered_memory_move_the_bytes(sides):
+    agent, ep, rk, peer = sides
+    with agent.create_memory_handle(4 * MiB) as mh:
+        local = np.frombuffer(mh.buffer, np.uint8)
+        data = np.random.default_rng(3).integers(0, 256, 3 * MiB + 5, dtype=np.uint8)
+        local[100:100 + data.size] = data
+        ep.mem_put(local[100:100 + data.size], rk.base_address + 7, rk).wait(30)
+        ep.flush().wait(30)
+        assert peer.call("digest", 7, data.size) == hashlib.sha256(data).hexdigest()
+        local[:] = 0
+        ep.mem_get(local[9:9 + data.size], rk.base_address + 7, rk).wait(30)
+        assert bytes(local[9:9 + data.size]) == data.tobytes()
+        del local
+
+
+def test_closing_the_local_handle_with_puts_in_flight_loses_nothing(sides):
+    """A transfer keeps its local registration until UCX is done with it,
+    whatever the caller closes meanwhile."""
+    agent, ep, rk, peer = sides
+    mh = agent.create_memory_handle(4 * MiB)
+    local = np.frombuffer(mh.buffer, np.uint8)
+    local[:] = 0x5A
+    reqs = [ep.mem_put(local[:MiB], rk.base_address + i * MiB, rk) for i in range(4)]
+    mh.close()
+    for r in reqs:
+        r.wait(30)
+    ep.flush().wait(30)
+    expected = hashlib.sha256(b"\x5a" * (4 * MiB)).hexdigest()
+    assert peer.call("digest", 0, 4 * MiB) == expected
+    del local
+
+
+_STORM = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    from _procs import Child
+    import _rma_peer
+    import gpushare
+    from gpushare import ucx
+
+    registered = sys.argv[2] == "registered"
+    agent = ucx.Agent()
+    child = Child(_rma_peer.setup, 8 << 20)
+    ep = agent.connect(child.hello["address"])
+    rk = ep.unpack_remote_key(child.hello["key"])
+    mh = agent.create_memory_handle(8 << 20) if registered else None
+    local = np.frombuffer(mh.buffer, np.uint8) if registered else np.ones(8 << 20, np.uint8)
+    reqs = []
+    for i in range(50):
+        reqs.append(ep.mem_put(local[:4 << 20], rk.base_address, rk))
+        reqs.append(ep.mem_get(local[4 << 20:], rk.base_address + (4 << 20), rk))
+        if i == 5:  # some are done, more in flight
+            reqs[0].wait(60)
+            reqs[1].wait(60)
+            os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.join(10)
+    child.close()
+    outcomes = []
+    for r in reqs:
+        err = r.exception(timeout=60)
+        outcomes.append("ok" if err is None else type(err).__name__)
+    print(" ".join(sorted(set(outcomes))), outcomes.count("ok"))
+    ep.close()
+    # The agent still works: a fresh peer, a fresh transfer.
+    fresh = Child(_rma_peer.setup, 1 << 20)
+    ep = agent.connect(fresh.hello["address"])
+    rk = ep.unpack_remote_key(fresh.hello["key"])
+    ep.mem_put(b"abcd", rk.base_address, rk).wait(30)
+    ep.flush().wait(30)
+    assert fresh.call("read", 0, 4) == b"abcd"
+    ep.close()
+    fresh.close()
+    del local
+    if mh is not None:
+        mh.close()
+    agent.close()
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("local", ["registered", "plain"])
+def test_a_peer_killed_during_100_rendezvous_sized_puts_and_gets_crashes_nothing(local):
+    r = subprocess.run([sys.executable, "-c", _STORM, HERE, local], capture_output=True, text=True, timeout=240)
+    if r.returncode < 0:
+        pytest.fail(f"the agent's process died of {signal.Signals(-r.returncode).name}: {r.stderr[-2000:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.split("\n")
+    assert lines[-2] == "done", r.stdout
+    kinds, ok = lines[-3].rsplit(" ", 1)
+    assert 2 <= int(ok) < 100, r.stdout  # the kill met transfers in flight
+    assert set(kinds.split()) <= {"ok", "UCXConnectionError", "UCXError", "UCXCanceledError"}, r.stdout
+    assert set(kinds.split()) - {"ok"}, r.stdout
