@@ -283,14 +283,14 @@ def _ucx_versions() -> str:
     """The UCX release each library runs: gpushare's (the libucx wheel's) and the one NIXL bundles."""
     import ctypes
     import glob
+    import importlib.util
 
     from gpushare import ucx
 
     ours = ".".join(map(str, ucx.ucx_version()))
     theirs = "unknown"
-    import nixl_cu13  # noqa: F401 - its wheel's folder holds the bundled UCX
-
-    for path in glob.glob(os.path.join(os.path.dirname(os.path.dirname(nixl_cu13.__file__)),
+    spec = importlib.util.find_spec("nixl_cu13")  # its wheel's folder holds the bundled UCX
+    for path in glob.glob(os.path.join(os.path.dirname(os.path.dirname(spec.origin or "")),
                                        "nixl_cu13.libs", "libucp-*.so*")):
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         lib.ucp_get_version_string.restype = ctypes.c_char_p
