@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import InvalidTypeError
 
-__all__ = ["LOG_ABOVE", "PIECE", "Progress", "check_callback", "listening", "piece_of"]
+__all__ = ["LOG_ABOVE", "PIECE", "Progress", "check_callback", "listening", "piece_of", "pieces"]
 
 log = logging.getLogger("gpushare.progress")
 
@@ -101,3 +101,20 @@ def piece_of(local: Any, start: int, nbytes: int) -> Any:
     if local.memory_type == "host":
         return (ctypes.c_uint8 * nbytes).from_address(address)
     return _CudaPiece(address, nbytes, local.readonly)
+
+
+def pieces(local: Any, what: str, progress: ProgressCallback | None) -> Iterator[tuple[int, int, Any, Progress]]:
+    """The pieces a reported copy of ``local`` (a resolved buffer the caller
+    holds) moves in: ``(start, end, piece, report)``, the caller calling
+    ``report(end)`` once each piece is done.  None at all when only
+    the log listens and the copy is too small to log (the caller then moves
+    it whole); one report of 0 for an empty copy."""
+    total = local.nbytes
+    if progress is None and total <= LOG_ABOVE:
+        return
+    report = Progress(what, total, progress)
+    if total == 0:
+        report(0)
+    for start in range(0, total, PIECE):
+        end = min(start + PIECE, total)
+        yield start, end, piece_of(local, start, end - start), report

@@ -604,45 +604,67 @@ class View:
         move = transport.get if get else transport.put
         local, offset = self._span(buf, offset, get, stream)
         try:
-            total = local.nbytes
-            if progress is None and total <= _progress.LOG_ABOVE:
-                move(offset, buf, timeout, stream, self._span, self._checked)
-                return
-            report = _progress.Progress(f"{direction} of share {self.share.share_id[:8]} over {self.path}", total,
-                                        progress)
             deadline = None if timeout is None else time.monotonic() + timeout
-            done = 0
-            while done < total:
-                n = min(_progress.PIECE, total - done)
+            reported = False
+            for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
                 left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-                move(offset + done, _progress.piece_of(local, done, n), left, stream, self._span, self._checked)
-                done += n
-                report(done)
-            if total == 0:
-                report(0)
+                move(offset + start, piece, left, stream, self._span, self._checked)
+                report(end)
+                reported = True
+            if not reported and (local.nbytes or progress is None):
+                move(offset, buf, timeout, stream, self._span, self._checked)
         finally:
             local.release()
 
+    async def _transfer_reported(self, transport: Any, buf: Any, offset: int, direction: str, stream: Any,
+                                 progress: _progress.ProgressCallback | None) -> None:
+        """:meth:`_move_reported` for asyncio."""
+        get = direction == "get"
+        move = transport.get_async if get else transport.put_async
+        local, offset = self._span(buf, offset, get, stream)
+        try:
+            reported = False
+            for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
+                await move(offset + start, piece, stream, self._span)
+                report(end)
+                reported = True
+            if not reported and (local.nbytes or progress is None):
+                await move(offset, buf, stream, self._span)
+        finally:
+            local.release()
+
+    def _copy_name(self, direction: str) -> str:
+        return f"{direction} of share {self.share.share_id[:8]} over {self.path}"
+
     async def get_async(self, dst: Any, offset: int = 0, *, stream: Any = None,
-                        timeout: float | None = None) -> None:
+                        timeout: float | None = None, progress: _progress.ProgressCallback | None = None) -> None:
         """:meth:`get` for asyncio: awaits the transfer without blocking the
         loop.  CUDA copies are queued on the stream and their completion
         awaited (no thread); host copies run in a worker thread.
-        :class:`WaitTimeoutError` after ``timeout`` seconds."""
-        await with_timeout(self._transfer(dst, offset, "get", stream), timeout)
+        :class:`WaitTimeoutError` after ``timeout`` seconds.  ``progress``
+        as for :meth:`get` (called in the loop's thread), and the same
+        DEBUG lines for a copy over cma or ucx-rma larger than 256 MiB."""
+        progress = _progress.check_callback(progress)
+        await with_timeout(self._transfer(dst, offset, "get", stream, progress), timeout)
 
     async def put_async(self, src: Any, offset: int = 0, *, stream: Any = None,
-                        timeout: float | None = None) -> None:
+                        timeout: float | None = None, progress: _progress.ProgressCallback | None = None) -> None:
         """:meth:`put` for asyncio; done when the bytes are visible to every
-        process that maps the memory (remote puts are flushed)."""
+        process that maps the memory (remote puts are flushed).  ``progress``
+        as for :meth:`get_async`."""
+        progress = _progress.check_callback(progress)
         self._check_writable()
-        await with_timeout(self._transfer(src, offset, "put", stream), timeout)
+        await with_timeout(self._transfer(src, offset, "put", stream, progress), timeout)
 
-    async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any) -> None:
+    async def _transfer(self, buf: Any, offset: int, direction: str, stream: Any,
+                        progress: _progress.ProgressCallback | None = None) -> None:
         transport = self._transport
         if transport is not None:
-            move = transport.get_async if direction == "get" else transport.put_async
-            await move(offset, buf, stream, self._span)
+            if _progress.listening(progress):
+                await self._transfer_reported(transport, buf, offset, direction, stream, progress)
+            else:
+                await (transport.get_async if direction == "get" else transport.put_async)(
+                    offset, buf, stream, self._span)
             return
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)
@@ -650,6 +672,10 @@ class View:
             request = self._copy(buf, offset, direction, stream)
         if request is not None:
             await request
+        if progress is not None:  # a mapped copy: reported once, at the end
+            local = self._span(buf, offset, False)[0]
+            local.release()
+            progress(local.nbytes, local.nbytes)
 
 
 def check_item(view: View, offset: Any, buf: Any, direction: str) -> None:

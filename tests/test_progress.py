@@ -5,6 +5,7 @@ is one request, as before."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -129,5 +130,51 @@ def test_a_callback_that_raises_stops_the_copy_and_a_wrong_one_is_a_type_error(p
             with pytest.raises(gs.InvalidTypeError, match=r"^progress must be a callable \(done, total\) or None, "
                                                          r"not int$"):
                 view.get(dst, progress=1)
+    finally:
+        peer.call("drop_exports")
+
+
+@pytest.mark.parametrize("prefer", ["cma", "ucx-rma"])
+def test_an_awaited_long_copy_reports_as_a_waited_one(peer, caplog, prefer):
+    share = peer.call("export", "numpy", BIG, {"lifetime": "revoked"})
+    view = gs.open(share, prefer=prefer)
+    try:
+        assert view.path == prefer
+        dst = np.zeros(BIG, np.uint8)
+        calls: list[tuple[int, int]] = []
+        with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
+            asyncio.run(view.get_async(dst, progress=lambda done, total: calls.append((done, total))))
+        assert np.array_equal(dst, _pattern(BIG))
+        _check_calls(calls, BIG)
+        assert len(calls) == -(-BIG // _progress.PIECE)
+        lines = [r.getMessage() for r in caplog.records if r.name == "gpushare.progress"]
+        what = f"get of share {share.share_id[:8]} over {prefer}"
+        assert lines[0] == f"{what}: {BIG // MiB} MiB, starting"
+        assert lines[-1].startswith(f"{what}: {BIG // MiB} MiB done in ")
+        # Only the log listens: the same lines, in pieces.
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
+            asyncio.run(view.put_async(np.full(BIG, 3, np.uint8)))
+        lines = [r.getMessage() for r in caplog.records if r.name == "gpushare.progress"]
+        assert lines[0] == f"put of share {share.share_id[:8]} over {prefer}: {BIG // MiB} MiB, starting", lines
+        assert (view.get()[::_progress.PIECE] == 3).all()
+    finally:
+        view.close()
+        peer.call("drop_exports")
+
+
+def test_an_awaited_small_or_mapped_copy_calls_back_once(peer):
+    shares = [peer.call("export", kind, 2 * MiB, {"lifetime": "revoked"}) for kind in ("numpy", "host")]
+    try:
+        for share, path in zip(shares, ("cma", "host-fd"), strict=True):
+            with gs.open(share) as view:
+                assert view.path == path
+                calls: list[tuple[int, int]] = []
+                dst = np.empty(MiB, np.uint8)
+                asyncio.run(view.get_async(dst, MiB, progress=lambda d, t: calls.append((d, t))))
+                assert calls == [(MiB, MiB)]
+                assert np.array_equal(dst, _pattern(2 * MiB)[MiB:])
+                with pytest.raises(gs.InvalidTypeError, match="^progress must be a callable"):
+                    asyncio.run(view.get_async(dst, progress="bar"))
     finally:
         peer.call("drop_exports")

@@ -272,9 +272,9 @@ def test_device_addresses_carry_the_host_id_as_each_transport_packs_it(host_id):
     me = ucx.LocalPeer(os.getpid(), os.geteuid(), os.pidfd_open(os.getpid()))
     pid = os.getpid().to_bytes(4, "little")
 
-    def check(name: str, dev: int) -> str:
+    def check(name: str, dev: int, peer: ucx.LocalPeer = me) -> str:
         t = _address._Transport(_address.TL_CSUMS[name], dev.to_bytes(8, "little"), 4, (), 0, 0, pid, ())
-        return _address._check_transport(t, me, host_id)
+        return _address._check_transport(t, peer, host_id)
 
     masked = host_id & ~(1 << 63)
     assert check("cuda_ipc", host_id) == "cuda_ipc" and check("cma", masked) == "cma"
