@@ -31,16 +31,24 @@ def _check_calls(calls: list[tuple[int, int]], total: int) -> None:
     assert done[-1] == total
 
 
+@pytest.mark.parametrize("waited", [True, False], ids=["get", "get_async"])
 @pytest.mark.parametrize("prefer", ["cma", "ucx-rma"])
-def test_a_long_copy_logs_at_debug_and_calls_back_after_each_piece(peer, caplog, prefer):
+def test_a_long_copy_logs_at_debug_and_calls_back_after_each_piece(peer, caplog, prefer, waited):
     share = peer.call("export", "numpy", BIG, {"lifetime": "revoked"})
     view = gs.open(share, prefer=prefer)
     try:
         assert view.path == prefer
         dst = np.zeros(BIG, np.uint8)
         calls: list[tuple[int, int]] = []
+
+        def progress(done: int, total: int) -> None:
+            calls.append((done, total))
+
         with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
-            view.get(dst, progress=lambda done, total: calls.append((done, total)))
+            if waited:
+                view.get(dst, progress=progress)
+            else:
+                asyncio.run(view.get_async(dst, progress=progress))
         assert np.array_equal(dst, _pattern(BIG))  # every byte arrived, piece by piece
         _check_calls(calls, BIG)
         pieces = -(-BIG // _progress.PIECE)
@@ -134,32 +142,17 @@ def test_a_callback_that_raises_stops_the_copy_and_a_wrong_one_is_a_type_error(p
         peer.call("drop_exports")
 
 
-@pytest.mark.parametrize("prefer", ["cma", "ucx-rma"])
-def test_an_awaited_long_copy_reports_as_a_waited_one(peer, caplog, prefer):
+def test_an_awaited_long_put_logs_when_only_the_log_listens(peer, caplog):
     share = peer.call("export", "numpy", BIG, {"lifetime": "revoked"})
-    view = gs.open(share, prefer=prefer)
     try:
-        assert view.path == prefer
-        dst = np.zeros(BIG, np.uint8)
-        calls: list[tuple[int, int]] = []
-        with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
-            asyncio.run(view.get_async(dst, progress=lambda done, total: calls.append((done, total))))
-        assert np.array_equal(dst, _pattern(BIG))
-        _check_calls(calls, BIG)
-        assert len(calls) == -(-BIG // _progress.PIECE)
-        lines = [r.getMessage() for r in caplog.records if r.name == "gpushare.progress"]
-        what = f"get of share {share.share_id[:8]} over {prefer}"
-        assert lines[0] == f"{what}: {BIG // MiB} MiB, starting"
-        assert lines[-1].startswith(f"{what}: {BIG // MiB} MiB done in ")
-        # Only the log listens: the same lines, in pieces.
-        caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
-            asyncio.run(view.put_async(np.full(BIG, 3, np.uint8)))
-        lines = [r.getMessage() for r in caplog.records if r.name == "gpushare.progress"]
-        assert lines[0] == f"put of share {share.share_id[:8]} over {prefer}: {BIG // MiB} MiB, starting", lines
-        assert (view.get()[::_progress.PIECE] == 3).all()
+        with gs.open(share, prefer="cma") as view:
+            with caplog.at_level(logging.DEBUG, logger="gpushare.progress"):
+                asyncio.run(view.put_async(np.full(BIG, 3, np.uint8)))
+            lines = [r.getMessage() for r in caplog.records if r.name == "gpushare.progress"]
+            assert lines[0] == f"put of share {share.share_id[:8]} over cma: {BIG // MiB} MiB, starting", lines
+            assert lines[-1].startswith(f"put of share {share.share_id[:8]} over cma: {BIG // MiB} MiB done in ")
+            assert (view.get()[::_progress.PIECE // 2] == 3).all()
     finally:
-        view.close()
         peer.call("drop_exports")
 
 
