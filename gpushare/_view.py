@@ -597,12 +597,10 @@ class View:
 
     def _move_reported(self, transport: Any, buf: Any, offset: int, direction: str, stream: Any,
                        timeout: float | None, progress: _progress.ProgressCallback | None) -> None:
-        """A copied path's get or put that someone listens to: in pieces of
-        :data:`gpushare._progress.PIECE`, each reported (one request, as
-        unreported, when only the log listens and the copy is too small to log)."""
-        get = direction == "get"
-        move = transport.get if get else transport.put
-        local, offset = self._span(buf, offset, get, stream)
+        """A copied path's get or put that someone listens to: in the pieces
+        :func:`gpushare._progress.pieces` gives, each reported (else whole)."""
+        move = transport.get if direction == "get" else transport.put
+        local, offset = self._span(buf, offset, direction == "get", stream)
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
             reported = False
@@ -619,9 +617,8 @@ class View:
     async def _transfer_reported(self, transport: Any, buf: Any, offset: int, direction: str, stream: Any,
                                  progress: _progress.ProgressCallback | None) -> None:
         """:meth:`_move_reported` for asyncio."""
-        get = direction == "get"
-        move = transport.get_async if get else transport.put_async
-        local, offset = self._span(buf, offset, get, stream)
+        move = transport.get_async if direction == "get" else transport.put_async
+        local, offset = self._span(buf, offset, direction == "get", stream)
         try:
             reported = False
             for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
@@ -661,11 +658,9 @@ class View:
         transport = self._transport
         if transport is not None:
             if _progress.listening(progress):
-                await self._transfer_reported(transport, buf, offset, direction, stream, progress)
-            else:
-                await (transport.get_async if direction == "get" else transport.put_async)(
-                    offset, buf, stream, self._span)
-            return
+                return await self._transfer_reported(transport, buf, offset, direction, stream, progress)
+            return await (transport.get_async if direction == "get" else transport.put_async)(
+                offset, buf, stream, self._span)
         if self.device == "host" and stream is None:
             request = await asyncio.to_thread(self._copy, buf, offset, direction, None)
         else:

@@ -107,6 +107,44 @@ def legacy_alloc(state: dict, name: str, size: int, fill: int) -> None:
     state["bufs"][name] = Buffer.from_handle(ptr, size)
 
 
+def expandable_alloc(state: dict, name: str, chunk: int, count: int, posix: bool = True) -> int:
+    """What torch's expandable segments do: one reservation, ``count``
+    allocations of ``chunk`` bytes (exportable as POSIX fds where ``posix``)
+    mapped back to back into it, readable and writable on device 0; every
+    byte set to its offset's low byte.  Returns the reservation's address."""
+    from cuda.core import Device
+
+    d = drv()
+    Device(0).set_current()
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    t = d.CUmemAllocationHandleType
+    prop.requestedHandleTypes = t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if posix else t.CU_MEM_HANDLE_TYPE_NONE
+    va = int(ok(d.cuMemAddressReserve(chunk * count, 0, 0, 0), "cuMemAddressReserve"))
+    handles = []
+    for i in range(count):
+        handles.append(ok(d.cuMemCreate(chunk, prop, 0), "cuMemCreate"))
+        ok(d.cuMemMap(va + i * chunk, chunk, 0, handles[-1], 0), "cuMemMap")
+    access = d.CUmemAccessDesc()
+    access.location = prop.location
+    access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    ok(d.cuMemSetAccess(va, chunk * count, [access], 1), "cuMemSetAccess")
+    pattern = (np.arange(chunk * count, dtype=np.uint64) & 0xFF).astype(np.uint8)
+    ok(d.cuMemcpyHtoD(va, pattern, pattern.nbytes), "cuMemcpyHtoD")
+    ok(d.cuCtxSynchronize(), "cuCtxSynchronize")  # from pageable memory the copy may still be under way
+    state.setdefault("segments", {})[name] = (va, handles)
+    return va
+
+
+def expandable_tensor(state: dict, name: str, segment: str, offset: int, n: int) -> int:
+    """A tensor torch places in an expandable segment: ``n`` bytes at ``offset``."""
+    va, _ = state["segments"][segment]
+    state["bufs"][name] = _CudaArray(va + offset, n, None)
+    return va + offset
+
+
 def pool_alloc(state: dict, name: str, size: int) -> None:
     """cuda.core's Device.allocate: memory from the device's stream-ordered pool."""
     from cuda.core import Device

@@ -112,6 +112,28 @@ def test_torch_cuda_tensor_goes_over_cuda_ipc(peer):
 
 
 @pytest.mark.kernels
+def test_torch_expandable_segment_tensor_goes_over_posix_fd(peer):
+    """torch's expandable segments map pages of their own (cuMemCreate, POSIX fd handles): a tensor
+    across three of them maps in the importer as torch.multiprocessing maps it, not over ucx-rma."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch build has no CUDA")
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        t = torch.arange(48 * MiB, dtype=torch.int64, device="cuda").to(torch.uint8)  # 48 MiB: pages of 20
+        torch.cuda.synchronize()
+        share = gs.export(t, lifetime="revoked")
+        assert "posix-fd" in share.offers, share.offers
+        info = peer.call("open", "xseg", share)
+        assert info["path"] == "posix-fd", info
+        assert peer.call("get", "xseg", 40 * MiB + 3, 4) == bytes([3, 4, 5, 6])
+        peer.call("close", "xseg")
+        share.revoke()
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
+@pytest.mark.kernels
 def test_cupy_arrays_on_a_non_default_stream_between_processes(peer):
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     buf = gs.allocate(MiB, device=0)

@@ -1,12 +1,14 @@
-"""The posix-fd path: CUDA virtual memory from gpushare.allocate mapped on
-this node through POSIX file descriptors, handed over by the broker."""
+"""The posix-fd path: CUDA virtual memory mapped on this node through POSIX
+file descriptors, handed over by the broker: gpushare.allocate's, and
+another allocator's whose allocations export as POSIX fds (torch's
+expandable segments; ``_cuda.foreign_vmm``)."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Any
 
-from .._cuda import _driver, vmm
+from .._cuda import _driver, foreign_vmm, vmm
 from .._descriptors import PosixFdBufferDescriptor
 from .._errors import GpuShareError, InvalidInputError
 from .._process import check_same_node
@@ -46,7 +48,11 @@ class PosixFd(Path):
 
     def offer(self, memory: Memory) -> Offer | None:
         obj = memory.obj
-        if memory.memory_type != "cuda" or not vmm.is_vmm_buffer(obj):
+        if memory.memory_type != "cuda":
+            return None
+        if isinstance(obj, foreign_vmm.ForeignVmm):
+            return _foreign_offer(obj)
+        if not vmm.is_vmm_buffer(obj):
             return None
         try:
             fds = vmm.posix_fds(obj)
@@ -57,9 +63,9 @@ class PosixFd(Path):
                                 owner_uuid=_driver.device_uuid(mr.ordinal))
 
     def holder(self, obj: Any, memory_type: str, span: tuple[int, int]) -> tuple[Any, int] | None:
-        if memory_type != "cuda" or not span[1] or vmm.is_vmm_buffer(obj):
+        if memory_type != "cuda" or not span[1] or vmm.is_vmm_buffer(obj) or isinstance(obj, foreign_vmm.ForeignVmm):
             return None
-        return vmm.containing(*span)
+        return vmm.containing(*span) or foreign_vmm.covering(*span, obj)
 
     def grant_fds(self, export: Any) -> int:
         return 0
@@ -69,7 +75,8 @@ class PosixFd(Path):
 
     def not_offered(self, share: Share) -> str | None:
         if share.device != "host":
-            return "not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N)"
+            return ("not posix-fd/fabric: not offered, the memory is not from gpushare.allocate(device=N) nor "
+                    "virtual memory whose allocations export as POSIX fds (torch's expandable segments)")
         return None
 
     def unavailable(self, share: Share, here: Here) -> str | None:
@@ -87,6 +94,22 @@ class PosixFd(Path):
 
 
 PATH: Path = PosixFd()
+
+
+def _foreign_offer(buf: foreign_vmm.ForeignVmm) -> Offer | None:
+    """The offer of another allocator's virtual memory: its allocations'
+    fds under this share's own registration (None where the driver will not
+    export them)."""
+    try:
+        fds = foreign_vmm.export_fds(buf)
+    except GpuShareError:
+        return None
+    try:
+        return own_registration(fds, device=buf.ordinal, sizes=buf.sizes, size=buf.size,
+                                owner_uuid=_driver.device_uuid(buf.ordinal))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def export_device(buf: Any) -> PosixFdBufferDescriptor:

@@ -1,0 +1,135 @@
+"""CUDA virtual memory another allocator mapped, as torch's expandable
+segments map it: physical allocations (``cuMemCreate``) mapped back to back
+into one reservation, each exportable as a POSIX fd.
+
+:func:`covering` finds the mappings under a range of such memory and
+returns them as one :class:`ForeignVmm` buffer; the posix-fd path exports
+its allocations' fds (:func:`export_fds`) and an importer maps them back to
+back, as it maps a ``gpushare.allocate`` buffer.  Memory of ``cuMemAlloc``,
+a stream-ordered pool or a registered host range is not virtual memory:
+:func:`covering` answers None for it after one driver call.
+
+It takes every mapping to map one whole allocation from its start (offset
+0, as torch maps its segments' pages): the driver says how large a mapping
+is, not where in its allocation it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+from . import _driver
+
+__all__ = ["ForeignVmm", "MAX_ALLOCATIONS", "covering", "export_fds"]
+
+#: The most allocations one buffer of another allocator's virtual memory is
+#: exported as (each is an fd the broker hands over with one open).  torch's
+#: expandable segments map pages of 20 MiB (2 MiB below 1 MiB requests), so
+#: this covers a tensor of 20 GiB; a larger one goes the copied way.
+MAX_ALLOCATIONS = 1024
+
+
+class ForeignVmm:
+    """Another allocator's mappings that cover a range: ``sizes`` bytes of
+    whole allocations mapped back to back from ``address`` on device
+    ``ordinal``.  It holds ``owner`` (the array over the range), so that the
+    allocator keeps them mapped while a share offers them, and reads as CUDA
+    bytes (``__cuda_array_interface__``) for the paths that copy."""
+
+    __slots__ = ("address", "sizes", "ordinal", "owner", "__cuda_array_interface__")
+
+    def __init__(self, address: int, sizes: tuple[int, ...], ordinal: int, owner: Any) -> None:
+        self.address = address
+        self.sizes = sizes
+        self.ordinal = ordinal
+        self.owner = owner
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (sum(sizes),), "typestr": "|u1",
+                                         "version": 3, "strides": None, "stream": None}
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"<ForeignVmm {len(self.sizes)} allocations, {self.size} bytes at 0x{self.address:x}>"
+
+
+def _handle_types(prop: Any) -> int:
+    """``requestedHandleTypes`` of a ``CUmemAllocationProp`` as the driver
+    wrote it (a bit mask, which the bindings' getter may not read: the field
+    follows the 4-byte ``type``, see ``vmm._set_handle_types``)."""
+    return ctypes.c_uint32.from_address(prop.getPtr() + 4).value
+
+
+def _exportable(drv: Any, address: int, ordinal: int) -> bool:
+    """Whether the mapping at ``address`` is virtual memory of device
+    ``ordinal`` whose allocation exports as a POSIX fd."""
+    err, handle = drv.cuMemRetainAllocationHandle(address)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return False  # not virtual memory
+    try:
+        err, prop = drv.cuMemGetAllocationPropertiesFromHandle(handle)
+    finally:
+        drv.cuMemRelease(handle)
+    posix = int(drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return (err == drv.CUresult.CUDA_SUCCESS and bool(_handle_types(prop) & posix)
+            and int(prop.location.id) == ordinal)
+
+
+def covering(address: int, nbytes: int, owner: Any) -> tuple[ForeignVmm, int] | None:
+    """The mappings of another allocator's virtual memory that cover
+    ``nbytes`` bytes at ``address`` (the memory of ``owner``), as one
+    buffer, and the range's offset in it; None unless the range lies in
+    mappings back to back, each of a whole allocation that exports as a
+    POSIX fd, at most :data:`MAX_ALLOCATIONS` of them."""
+    drv = _driver.driver()
+    ok = drv.CUresult.CUDA_SUCCESS
+    try:
+        ordinal = _driver.pointer_ordinal(address)
+    except Exception:  # noqa: BLE001 - not memory the driver knows: nothing to find
+        return None
+    sizes: list[int] = []
+    with _driver.on_device(ordinal):
+        if not _exportable(drv, address, ordinal):
+            return None
+        err, base, _ = drv.cuMemGetAddressRange(address)
+        if err != ok:
+            return None
+        start = at = int(base)
+        end = address + nbytes
+        while at < end:
+            if len(sizes) == MAX_ALLOCATIONS:
+                return None
+            err, got, size = drv.cuMemGetAddressRange(at)
+            if err != ok or int(got) != at or int(size) <= 0:
+                return None  # a hole in the reservation
+            if sizes and not _exportable(drv, at, ordinal):
+                return None
+            sizes.append(int(size))
+            at += int(size)
+    return ForeignVmm(start, tuple(sizes), ordinal, owner), address - start
+
+
+def export_fds(buf: ForeignVmm) -> list[int]:
+    """New POSIX fds of ``buf``'s allocations, in order (the caller's to close)."""
+    drv = _driver.driver()
+    posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    fds: list[int] = []
+    try:
+        with _driver.on_device(buf.ordinal):
+            at = buf.address
+            for i, size in enumerate(buf.sizes):
+                handle = _driver.check(drv.cuMemRetainAllocationHandle(at), f"retaining allocation {i}")
+                try:
+                    fds.append(int(_driver.check(drv.cuMemExportToShareableHandle(handle, posix, 0),
+                                                 f"exporting allocation {i} as a POSIX fd")))
+                finally:
+                    drv.cuMemRelease(handle)
+                at += size
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
