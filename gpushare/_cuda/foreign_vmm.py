@@ -6,8 +6,8 @@ into one reservation, each exportable as a POSIX fd.
 returns them as one :class:`ForeignVmm` buffer; the posix-fd path exports
 its allocations' fds (:func:`export_fds`) and an importer maps them back to
 back, as it maps a ``gpushare.allocate`` buffer.  Memory of ``cuMemAlloc``,
-a stream-ordered pool or a registered host range is not virtual memory:
-:func:`covering` answers None for it after one driver call.
+a stream-ordered pool or a registered host range is not such memory:
+:func:`covering` answers None for it after a few driver calls.
 
 It takes every mapping to map one whole allocation from its start (offset
 0, as torch maps its segments' pages): the driver says how large a mapping
@@ -65,7 +65,11 @@ def _handle_types(prop: Any) -> int:
 
 def _exportable(drv: Any, address: int, ordinal: int) -> bool:
     """Whether the mapping at ``address`` is virtual memory of device
-    ``ordinal`` whose allocation exports as a POSIX fd."""
+    ``ordinal`` whose allocation exports as a POSIX fd (a stream-ordered
+    pool's memory, whose pages the pool maps, is not: it goes as the pool's)."""
+    err, pool = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address)
+    if err != drv.CUresult.CUDA_SUCCESS or (pool is not None and int(pool)):
+        return False
     err, handle = drv.cuMemRetainAllocationHandle(address)
     if err != drv.CUresult.CUDA_SUCCESS:
         return False  # not virtual memory
