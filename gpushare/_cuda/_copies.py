@@ -24,7 +24,6 @@ makes the device's primary context current for the call.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import sys
@@ -33,7 +32,7 @@ import weakref
 from typing import Any
 
 from .._errors import CUDAError, WaitTimeoutError
-from . import _driver
+from . import _await, _driver
 from ._driver import LEGACY_STREAM, check, on_device
 
 __all__ = ["CopyRequest", "copy_async", "copy_sync", "inflight_copies", "own_stream", "drain_own_stream", "wait_for_copies", "KIND_ANY",
@@ -127,6 +126,21 @@ class _Pending:
             if code == _TIMED_OUT:
                 raise WaitTimeoutError(f"the CUDA copy did not complete within {timeout} s")
             self._settle(_driver.driver().CUresult(code))
+
+    def notify(self, fd: int) -> None:
+        """Queue a host function that adds 1 to eventfd ``fd`` once the copy
+        has completed: on a stream of gpushare's own that waits for the
+        copy's event (nothing is added to the stream the copy runs on)."""
+        with self.lock:
+            if self.complete:
+                return
+            drv = _driver.driver()
+            stream = _device(self.ordinal).notify_stream()
+            with on_device(self.ordinal):
+                check(drv.cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent")
+                code = _native().gs_notify(int(stream), fd)
+            if code:
+                raise CUDAError(_driver._name(drv, drv.CUresult(code)), "cuLaunchHostFunc")
 
     def sync(self) -> None:
         """Block until the copy has completed (or failed)."""
@@ -255,10 +269,11 @@ class CopyRequest:
             raise self._error
 
     def __await__(self) -> Any:
-        delay = 1e-5
-        while not self.done():
-            yield from asyncio.sleep(delay).__await__()
-            delay = min(delay * 2, 1e-3)
+        """Wait in the event loop, woken by a host function queued after the
+        copy (``_await``): no thread, no polling in steps."""
+        if not self._finished:
+            yield from _await.until(self.done, self._pending.notify).__await__()
+            self.done()
         if self._error is not None:
             raise self._error
 
@@ -362,6 +377,7 @@ def _native() -> Any:
         lib.gs_copy_wait.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, vp, vp, vp,
                                      i64, i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(i64))
         lib.gs_wait_for.argtypes = (vp, vp, i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(i64))
+        lib.gs_notify.argtypes = (vp, ctypes.c_int)
         _lib, _lib_pid = lib, os.getpid()
         return lib
 
@@ -371,7 +387,7 @@ class _Device:
     idle events (taken and given back whole: each waiter has its own), and
     the time a copy is expected to take, learned per kind and size class."""
 
-    __slots__ = ("ordinal", "ctx", "stream", "events", "ns_per_byte", "seen", "streak")
+    __slots__ = ("ordinal", "ctx", "stream", "events", "ns_per_byte", "seen", "streak", "_notify")
 
     def __init__(self, ordinal: int) -> None:
         drv = _driver.driver()
@@ -384,6 +400,24 @@ class _Device:
         self.ns_per_byte: dict[tuple[int, int], float] = {}
         self.seen: set[tuple[int, int]] = set()  # classes whose first late copy was seen
         self.streak: dict[tuple[int, int], int] = {}  # copies on time in a row
+        self._notify: Any = None
+
+    def notify_stream(self) -> Any:
+        """A non-blocking stream of gpushare's own that only waits for
+        events and runs the host functions that wake awaiting loops
+        (created at the first await)."""
+        if self._notify is None:
+            drv = _driver.driver()
+            with on_device(self.ordinal):
+                stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            with _devices_lock:
+                lost = self._notify is not None
+                if not lost:
+                    self._notify = stream
+            if lost:  # another thread made one first
+                with on_device(self.ordinal):
+                    drv.cuStreamDestroy(stream)
+        return self._notify
 
     def take_event(self) -> Any:
         try:

@@ -21,6 +21,7 @@
 
 #include <semaphore.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -120,6 +121,15 @@ void post_signal(void* p)
   auto* s = static_cast<Signal*>(p);
   sem_post(&s->sem);
   s->drop();
+}
+
+// A host function: add 1 to the eventfd whose number is `p` (a failed
+// write leaves the waiter to its poll).
+void post_eventfd(void* p)
+{
+  uint64_t const one = 1;
+  ssize_t const n    = write(static_cast<int>(reinterpret_cast<intptr_t>(p)), &one, sizeof one);
+  (void)n;
 }
 
 // Whether the work waited for (`event`, else all of `stream`) is complete.
@@ -265,6 +275,15 @@ __attribute__((visibility("default"))) int gs_wait_for(CUevent event, CUstream s
 {
   int64_t const start = now_ns();
   return gs_wait(event, stream, start, 0, timeout < 0 ? -1 : start + timeout, late, elapsed);
+}
+
+// Queue on `stream` a host function that adds 1 to eventfd `fd` when the
+// stream reaches it (gpushare/_cuda/_await.py: an event loop awaiting the
+// work reads the eventfd).  `fd` stays open for the process's life.
+__attribute__((visibility("default"))) int gs_notify(CUstream stream, int fd)
+{
+  if (!g_ready.load()) return kNoDriver;
+  return g_fn.launch_host_func(stream, post_eventfd, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
 }
 
 }  // extern "C"

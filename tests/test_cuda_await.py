@@ -1,0 +1,113 @@
+"""Awaiting queued CUDA work (``gpushare._cuda._await``): the loop wakes when
+the host function queued after the work writes to the process's eventfd,
+without polling; the slow poll covers a driver that runs it late."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+
+from gpushare._cuda import _await
+
+
+@pytest.fixture
+def no_poll(monkeypatch):
+    """The fallback poll an hour away: only the eventfd can wake a waiter."""
+    monkeypatch.setattr(_await, "_POLL_FIRST", 3600.0)
+
+
+def _later(fd: int, flag: list[bool], delay: float = 0.05) -> None:
+    """What the driver's host function does once the work is complete, from a thread of its own."""
+
+    def run() -> None:
+        time.sleep(delay)
+        flag.append(True)
+        os.eventfd_write(fd, 1)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_the_eventfd_wakes_a_waiter_without_the_poll(no_poll):
+    flag: list[bool] = []
+
+    async def main() -> None:
+        await asyncio.wait_for(_await.until(lambda: bool(flag), lambda fd: _later(fd, flag)), 10)
+
+    asyncio.run(main())
+    assert flag == [True]
+
+
+def test_waiters_whose_work_is_not_done_stay_asleep(no_poll):
+    first: list[bool] = []
+    second: list[bool] = []
+
+    async def main() -> None:
+        a = asyncio.ensure_future(_await.until(lambda: bool(first), lambda fd: _later(fd, first, 0.02)))
+        b = asyncio.ensure_future(_await.until(lambda: bool(second), lambda fd: None))
+        await asyncio.wait_for(a, 10)
+        assert not b.done()  # woken, looked, and waiting on
+        second.append(True)
+        os.eventfd_write(_await._eventfd(), 1)
+        await asyncio.wait_for(b, 10)
+        assert not _await._by_loop[asyncio.get_running_loop()].items  # nothing left behind
+
+    asyncio.run(main())
+
+
+def test_loops_in_two_threads_share_the_eventfd(no_poll):
+    flags: list[list[bool]] = [[], []]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            asyncio.run(asyncio.wait_for(_await.until(lambda: bool(flags[i]), lambda fd: _later(fd, flags[i])), 10))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and flags == [[True], [True]]
+
+
+def test_the_poll_finds_work_a_late_driver_never_announces():
+    flag: list[bool] = []
+
+    def announce_nothing(fd: int) -> None:
+        threading.Timer(0.02, lambda: flag.append(True)).start()
+
+    asyncio.run(asyncio.wait_for(_await.until(lambda: bool(flag), announce_nothing), 10))
+    assert flag == [True]
+
+
+def test_a_failed_notify_and_a_cancelled_wait_leave_no_waiter(no_poll):
+    class Refused(Exception):
+        pass
+
+    def refuse(fd: int) -> None:
+        raise Refused
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(Refused):
+            await _await.until(lambda: False, refuse)
+        task = asyncio.ensure_future(_await.until(lambda: False, lambda fd: None))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _await._by_loop[loop].items
+
+    asyncio.run(main())
+
+
+def test_work_done_before_the_wait_costs_no_notify():
+    calls: list[int] = []
+    asyncio.run(_await.until(lambda: True, calls.append))
+    assert calls == []
