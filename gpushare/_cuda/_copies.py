@@ -382,6 +382,9 @@ def _native() -> Any:
         return lib
 
 
+_notify_lock = threading.Lock()
+
+
 class _Device:
     """What synchronous copies on one device reuse: gpushare's stream there,
     idle events (taken and given back whole: each waiter has its own), and
@@ -410,7 +413,7 @@ class _Device:
             drv = _driver.driver()
             with on_device(self.ordinal):
                 stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-            with _devices_lock:
+            with _notify_lock:
                 lost = self._notify is not None
                 if not lost:
                     self._notify = stream
@@ -428,9 +431,7 @@ class _Device:
                 return check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
 
-_devices_lock = threading.Lock()
-_devices: dict[int, _Device] = {}
-_devices_pid = 0
+_devices = _driver.PerProcess()
 
 #: How much longer than the last late copy of its class a copy is expected
 #: to take (so that one a little slower is not late); how much shorter each
@@ -444,18 +445,7 @@ _JUST_AFTER = 1.01
 
 
 def _device(ordinal: int) -> _Device:
-    global _devices_pid
-    dev = _devices.get(ordinal) if _devices_pid == os.getpid() else None
-    if dev is not None:
-        return dev
-    with _devices_lock:
-        if _devices_pid != os.getpid():  # the driver's state does not survive fork
-            _devices.clear()
-            _devices_pid = os.getpid()
-        dev = _devices.get(ordinal)
-        if dev is None:
-            dev = _devices[ordinal] = _Device(ordinal)
-        return dev
+    return _devices.get(ordinal, _Device)
 
 
 def _learn(dev: _Device, klass: tuple[int, int], n: int, per_byte: float | None, expected: int, late: int,

@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._errors import CUDAError, InvalidInputError, UnsupportedError
@@ -212,26 +212,51 @@ def ordinal_of_uuid(uuid: str | None) -> int | None:
     return None
 
 
-_ctx_lock = threading.Lock()
-_primary: dict[int, Any] = {}
-_primary_pid = 0
+class PerProcess:
+    """Driver state kept per key (a device) for this process: made once by
+    ``make(key)``, forgotten in a forked child (the driver's state does not
+    survive fork).  Read without a lock once made."""
+
+    __slots__ = ("_lock", "_items", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[Any, Any] = {}
+        self._pid = 0
+
+    def get(self, key: Any, make: Callable[[Any], Any]) -> Any:
+        if self._pid == os.getpid():
+            value = self._items.get(key)
+            if value is not None:
+                return value
+        with self._lock:
+            if self._pid != os.getpid():
+                self._items = {}
+                self._pid = os.getpid()
+            value = self._items.get(key)
+            if value is None:
+                value = self._items[key] = make(key)
+            return value
+
+    def keys(self) -> list[Any]:
+        """The keys made in this process."""
+        with self._lock:
+            return list(self._items) if self._pid == os.getpid() else []
+
+
+def _retain_primary(ordinal: int) -> Any:
+    drv = driver()
+    dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    return check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({ordinal})")
+
+
+_primary = PerProcess()
 
 
 def _primary_context(ordinal: int) -> Any:
     """The device's primary context, retained once per process (as the CUDA
     runtime does) and kept until the process exits."""
-    global _primary_pid
-    drv = driver()
-    with _ctx_lock:
-        if _primary_pid != os.getpid():  # the driver's state does not survive fork
-            _primary.clear()
-            _primary_pid = os.getpid()
-        ctx = _primary.get(ordinal)
-        if ctx is None:
-            dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-            ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({ordinal})")
-            _primary[ordinal] = ctx
-        return ctx
+    return _primary.get(ordinal, _retain_primary)
 
 
 def ipc_allocation_size(handle: bytes, uuid: bytes) -> int:
@@ -348,8 +373,7 @@ def pointer_ordinal(address: int, hint: int | None = None) -> int:
     attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
     result = drv.cuPointerGetAttribute(attr, address)
     if result[0] == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        with _ctx_lock:
-            held = list(_primary) if _primary_pid == os.getpid() else []
+        held = _primary.keys()
         for ordinal in [hint] if hint is not None else held:
             with on_device(ordinal):
                 result = drv.cuPointerGetAttribute(attr, address)

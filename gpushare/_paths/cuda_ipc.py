@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .._cuda import _copies, _driver, vmm
@@ -204,13 +205,18 @@ class _Use:
         self.done = False
 
 
-def _release(use: _Use) -> None:
-    """``use`` ends: from close() or the garbage collector, so a driver
-    failure is a warning, never an exception."""
-    try:
-        _unuse(use)
-    except CUDAError as exc:
-        warnings.warn(f"closing a CUDA IPC handle failed: {exc}", ResourceWarning, 2)
+def _released(unuse: Callable[[Any], None], what: str) -> Callable[[Any], None]:
+    """A release of a use that ``unuse`` ends: called from close() or the
+    garbage collector, so a driver failure is a warning (``what`` failed),
+    never an exception."""
+
+    def release(use: Any) -> None:
+        try:
+            unuse(use)
+        except CUDAError as exc:
+            warnings.warn(f"{what} failed: {exc}", ResourceWarning, 2)
+
+    return release
 
 
 def _ref_class() -> type:
@@ -486,13 +492,8 @@ class _PoolUse(_Use):
                 _grant_pool(drv, pool_entry, ordinal)
 
 
-def _release_pool(use: _PoolUse) -> None:
-    """``use`` ends: from close() or the garbage collector, so a driver
-    failure is a warning, never an exception."""
-    try:
-        _unuse_pool(use)
-    except CUDAError as exc:
-        warnings.warn(f"freeing imported pool memory failed: {exc}", ResourceWarning, 2)
+_release = _released(_unuse, "closing a CUDA IPC handle")
+_release_pool = _released(_unuse_pool, "freeing imported pool memory")
 
 
 class CudaIpc(Path):
