@@ -257,18 +257,28 @@ def _ref_class() -> type:
     return _Ref
 
 
+def _last_use(ref: Any, table: dict, count: int) -> Any:
+    """End use ``ref`` (once) of its entry in ``table``, whose item
+    ``count`` counts the uses: the entry, taken out of the table, when that
+    was the last use; else None.  Called with ``_lock`` held."""
+    if ref.done:
+        return None
+    ref.done = True
+    entry = table.get(ref.key)
+    if entry is None:
+        return None
+    entry[count] -= 1
+    if entry[count]:
+        return None
+    del table[ref.key]
+    return entry
+
+
 def _unuse(ref: Any) -> None:
     drv = _driver.driver()
     with _lock:
-        if ref.done:
-            return
-        ref.done = True
-        entry = _opened.get(ref.key)
-        if entry is None:
-            return
-        entry[2] -= 1
-        if entry[2] == 0:
-            del _opened[ref.key]
+        entry = _last_use(ref, _opened, 2)
+        if entry is not None:
             # gpushare's own copies on the memory land first.  Any thread may
             # get here (close, finalizers, the garbage collector): the handle
             # belongs to the device's context.
@@ -437,16 +447,9 @@ def _grant_pool(drv: Any, pool_entry: list[Any], ordinal: int) -> None:
 def _unuse_pool(ref: Any) -> None:
     drv = _driver.driver()
     with _lock:
-        if ref.done:
-            return
-        ref.done = True
-        entry = _imported_ptrs.get(ref.key)
+        entry = _last_use(ref, _imported_ptrs, 1)
         if entry is None:
             return
-        entry[1] -= 1
-        if entry[1]:
-            return
-        del _imported_ptrs[ref.key]
         pool_entry = _imported_pools.get(entry[2])
         # gpushare's own copies on the memory land before it is freed (a
         # view waited for its consumers' work before: Mapped.close).
