@@ -51,14 +51,14 @@ def test_waiters_whose_work_is_not_done_stay_asleep(no_poll):
         await asyncio.wait_for(a, 10)
         assert not b.done()  # woken, looked, and waiting on
         second.append(True)
-        os.eventfd_write(_await._eventfd(), 1)
+        os.eventfd_write(_await._by_loop[asyncio.get_running_loop()].fd, 1)
         await asyncio.wait_for(b, 10)
         assert not _await._by_loop[asyncio.get_running_loop()].items  # nothing left behind
 
     asyncio.run(main())
 
 
-def test_loops_in_two_threads_share_the_eventfd(no_poll):
+def test_loops_in_two_threads_each_wake_on_their_own(no_poll):
     flags: list[list[bool]] = [[], []]
     errors: list[BaseException] = []
 
@@ -111,3 +111,16 @@ def test_work_done_before_the_wait_costs_no_notify():
     calls: list[int] = []
     asyncio.run(_await.until(lambda: True, calls.append))
     assert calls == []
+
+
+def test_a_gone_loops_eventfd_serves_the_next_loop():
+    import gc
+
+    async def fd_of_this_loop() -> int:
+        return _await._waiters(asyncio.get_running_loop()).fd
+
+    fds = set()
+    for _ in range(20):
+        fds.add(asyncio.run(fd_of_this_loop()))
+        gc.collect()
+    assert len(fds) <= 3, fds  # not one per loop (those of loops gone before this test may serve too)

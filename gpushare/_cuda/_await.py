@@ -1,13 +1,15 @@
 """Awaiting queued CUDA work without polling it: a host function queued
-after the work adds 1 to an eventfd of this process, which every event loop
-awaiting such work reads (``loop.add_reader``); on each wake-up a loop looks
-which of its waiters' work is complete and wakes those.
+after the work adds 1 to the eventfd of the event loop awaiting it, which
+the loop reads (``loop.add_reader``); on each wake-up the loop looks which of
+its waiters' work is complete and wakes those.
 
-One eventfd per process, never closed (a host function queued before a
-close would write into whatever took its number), and none per wait.  A
-driver may run a host function late (the driver stand-in runs queued work
-only when asked): a slow poll, from 1 ms doubling to 50 ms, asks each
-waiter's ``done`` too.
+One eventfd per event loop (a loop that shared one with others could miss
+its wake-up when another read it first), none per wait, and never closed: a
+host function queued before a close would write into whatever took its
+number.  The eventfd of a loop that is gone serves the next loop (a late
+host function then wakes that loop once for nothing).  A driver may run a
+host function late (the driver stand-in runs queued work only when asked):
+a slow poll, from 1 ms doubling to 50 ms, asks each waiter's ``done`` too.
 """
 
 from __future__ import annotations
@@ -25,35 +27,45 @@ __all__ = ["until"]
 _POLL_FIRST, _POLL_LONGEST = 1e-3, 5e-2
 
 _lock = threading.Lock()
-_fd = -1
-_fd_pid = 0
+#: Eventfds of loops that are gone, for the next loops (this process's).
+_free: list[int] = []
+_free_pid = 0
 
 
-def _eventfd() -> int:
-    """This process's eventfd (a forked child makes its own)."""
-    global _fd, _fd_pid
+def _take_eventfd() -> int:
+    global _free_pid
     with _lock:
-        if _fd_pid != os.getpid():
-            _fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            _fd_pid = os.getpid()
-        return _fd
+        if _free_pid != os.getpid():  # a forked child: the parent's are not its own
+            _free.clear()
+            _free_pid = os.getpid()
+        if _free:
+            return _free.pop()
+    return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+
+def _give_back(fd: int, pid: int) -> None:
+    with _lock:
+        if pid == os.getpid() == _free_pid:
+            _free.append(fd)
 
 
 class _Waiters:
-    """One event loop's waiters: futures and how to tell their work done."""
+    """One event loop's waiters (futures and how to tell their work done),
+    and its eventfd."""
 
     __slots__ = ("fd", "items", "__weakref__")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = _take_eventfd()
         self.items: dict[asyncio.Future, Callable[[], bool]] = {}
-        loop.add_reader(fd, self.woken)
+        weakref.finalize(self, _give_back, self.fd, os.getpid())
+        loop.add_reader(self.fd, self.woken)
 
     def woken(self) -> None:
         try:
             os.eventfd_read(self.fd)
         except BlockingIOError:
-            pass  # another loop read it first: look all the same
+            pass
         for fut, done in list(self.items.items()):
             if fut.done():
                 self.items.pop(fut, None)
@@ -66,10 +78,9 @@ _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waiters] = weakr
 
 
 def _waiters(loop: asyncio.AbstractEventLoop) -> _Waiters:
-    fd = _eventfd()
     waiters = _by_loop.get(loop)
-    if waiters is None or waiters.fd != fd:
-        waiters = _by_loop[loop] = _Waiters(loop, fd)
+    if waiters is None:
+        waiters = _by_loop[loop] = _Waiters(loop)
     return waiters
 
 
