@@ -63,10 +63,23 @@ def _handle_types(prop: Any) -> int:
     return ctypes.c_uint32.from_address(prop.getPtr() + 4).value
 
 
-def _exportable(drv: Any, address: int, ordinal: int) -> bool:
-    """Whether the mapping at ``address`` is virtual memory of device
-    ``ordinal`` whose allocation exports as a POSIX fd (a stream-ordered
-    pool's memory, whose pages the pool maps, is not: it goes as the pool's)."""
+def _handle_at(drv: Any, address: int) -> int | None:
+    """The allocation handle mapped at ``address`` (its number), or None
+    where none is (not virtual memory)."""
+    err, handle = drv.cuMemRetainAllocationHandle(address)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return None
+    drv.cuMemRelease(handle)
+    return int(handle)
+
+
+def _exportable(drv: Any, address: int, size: int, ordinal: int) -> bool:
+    """Whether the mapping of ``size`` bytes at ``address`` is one
+    allocation of virtual memory on device ``ordinal`` that exports as a
+    POSIX fd (a stream-ordered pool's memory, whose pages the pool maps, is
+    not: it goes as the pool's; nor is a range whose last byte lies in
+    another allocation than its first, as a driver that answered a
+    reservation's range would give)."""
     err, pool = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, address)
     if err != drv.CUresult.CUDA_SUCCESS or (pool is not None and int(pool)):
         return False
@@ -74,6 +87,8 @@ def _exportable(drv: Any, address: int, ordinal: int) -> bool:
     if err != drv.CUresult.CUDA_SUCCESS:
         return False  # not virtual memory
     try:
+        if _handle_at(drv, address + size - 1) != int(handle):
+            return False
         err, prop = drv.cuMemGetAllocationPropertiesFromHandle(handle)
     finally:
         drv.cuMemRelease(handle)
@@ -96,8 +111,8 @@ def covering(address: int, nbytes: int, owner: Any) -> tuple[ForeignVmm, int] | 
         return None
     sizes: list[int] = []
     with _driver.on_device(ordinal):
-        if not _exportable(drv, address, ordinal):
-            return None
+        if _handle_at(drv, address) is None:
+            return None  # the common case, cudaMalloc or pool memory: one call
         err, base, _ = drv.cuMemGetAddressRange(address)
         if err != ok:
             return None
@@ -109,7 +124,7 @@ def covering(address: int, nbytes: int, owner: Any) -> tuple[ForeignVmm, int] | 
             err, got, size = drv.cuMemGetAddressRange(at)
             if err != ok or int(got) != at or int(size) <= 0:
                 return None  # a hole in the reservation
-            if sizes and not _exportable(drv, at, ordinal):
+            if not _exportable(drv, at, int(size), ordinal):
                 return None
             sizes.append(int(size))
             at += int(size)
