@@ -85,22 +85,30 @@ class Progress:
 
 
 class _CudaPiece:
-    """A range of CUDA memory, as ``__cuda_array_interface__`` bytes."""
+    """A range of CUDA memory, as ``__cuda_array_interface__`` bytes, after
+    the work its producer left on ``stream``."""
 
-    __slots__ = ("__cuda_array_interface__",)
+    __slots__ = ("__cuda_array_interface__", "keep")
 
-    def __init__(self, address: int, nbytes: int, readonly: bool) -> None:
+    def __init__(self, address: int, nbytes: int, readonly: bool, stream: int | None, keep: Any) -> None:
         self.__cuda_array_interface__ = {"data": (address, readonly), "shape": (nbytes,), "typestr": "|u1",
-                                         "version": 3, "strides": None, "stream": None}
+                                         "version": 3, "strides": None, "stream": stream}
+        self.keep = keep
 
 
 def piece_of(local: Any, start: int, nbytes: int) -> Any:
-    """``nbytes`` of a resolved buffer (a ``LocalBuffer``, held by the caller
-    while the piece is in use) from ``start``, as an object a copy takes."""
+    """``nbytes`` of a resolved buffer (a ``LocalBuffer``) from ``start``,
+    as an object a copy takes: it names the stream of the buffer's producer
+    (CUDA memory) and holds ``local``, so that a piece still in flight when
+    its caller gives up (a timeout, a cancelled await) keeps the memory
+    pinned and alive; the caller releases ``local`` only once every piece
+    is done."""
     address = local.address + start
     if local.memory_type == "host":
-        return (ctypes.c_uint8 * nbytes).from_address(address)
-    return _CudaPiece(address, nbytes, local.readonly)
+        piece = (ctypes.c_uint8 * nbytes).from_address(address)
+        piece.keep = local  # type: ignore[attr-defined]
+        return piece
+    return _CudaPiece(address, nbytes, local.readonly, local.stream, local)
 
 
 def pieces(local: Any, what: str, progress: ProgressCallback | None) -> Iterator[tuple[int, int, Any, Progress]]:

@@ -601,34 +601,30 @@ class View:
         :func:`gpushare._progress.pieces` gives, each reported (else whole)."""
         move = transport.get if direction == "get" else transport.put
         local, offset = self._span(buf, offset, direction == "get", stream)
-        try:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            reported = False
-            for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
-                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-                move(offset + start, piece, left, stream, self._span, self._checked)
-                report(end)
-                reported = True
-            if not reported and (local.nbytes or progress is None):
-                move(offset, buf, timeout, stream, self._span, self._checked)
-        finally:
-            local.release()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reported = False
+        for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
+            left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+            move(offset + start, piece, left, stream, self._span, self._checked)
+            report(end)
+            reported = True
+        if not reported and (local.nbytes or progress is None):
+            move(offset, buf, timeout, stream, self._span, self._checked)
+        local.release()  # every piece is done (a piece in flight after an error holds it)
 
     async def _transfer_reported(self, transport: Any, buf: Any, offset: int, direction: str, stream: Any,
                                  progress: _progress.ProgressCallback | None) -> None:
         """:meth:`_move_reported` for asyncio."""
         move = transport.get_async if direction == "get" else transport.put_async
         local, offset = self._span(buf, offset, direction == "get", stream)
-        try:
-            reported = False
-            for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
-                await move(offset + start, piece, stream, self._span)
-                report(end)
-                reported = True
-            if not reported and (local.nbytes or progress is None):
-                await move(offset, buf, stream, self._span)
-        finally:
-            local.release()
+        reported = False
+        for start, end, piece, report in _progress.pieces(local, self._copy_name(direction), progress):
+            await move(offset + start, piece, stream, self._span)
+            report(end)
+            reported = True
+        if not reported and (local.nbytes or progress is None):
+            await move(offset, buf, stream, self._span)
+        local.release()  # every piece is done (a piece in flight after an error or cancel holds it)
 
     def _copy_name(self, direction: str) -> str:
         return f"{direction} of share {self.share.share_id[:8]} over {self.path}"

@@ -9,7 +9,8 @@ host function queued before a close would write into whatever took its
 number.  The eventfd of a loop that is gone serves the next loop (a late
 host function then wakes that loop once for nothing).  A driver may run a
 host function late (the driver stand-in runs queued work only when asked):
-a slow poll, from 1 ms doubling to 50 ms, asks each waiter's ``done`` too.
+a slow poll, from 1 ms doubling to 10 ms, asks each waiter's ``done`` too
+(also for a wake-up that found the work's state locked by another thread).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 __all__ = ["until"]
 
 #: The fallback poll's first and longest interval, in seconds.
-_POLL_FIRST, _POLL_LONGEST = 1e-3, 5e-2
+_POLL_FIRST, _POLL_LONGEST = 1e-3, 1e-2
 
 _lock = threading.Lock()
 #: Eventfds of loops that are gone, for the next loops (this process's).
@@ -59,7 +60,10 @@ class _Waiters:
         self.fd = _take_eventfd()
         self.items: dict[asyncio.Future, Callable[[], bool]] = {}
         weakref.finalize(self, _give_back, self.fd, os.getpid())
-        loop.add_reader(self.fd, self.woken)
+        try:
+            loop.add_reader(self.fd, self.woken)
+        except NotImplementedError:  # a loop that watches no fds: its waiters have the poll alone
+            pass
 
     def woken(self) -> None:
         try:

@@ -129,18 +129,24 @@ class _Pending:
 
     def notify(self, fd: int) -> None:
         """Queue a host function that adds 1 to eventfd ``fd`` once the copy
-        has completed: on a stream of gpushare's own that waits for the
-        copy's event (nothing is added to the stream the copy runs on)."""
-        with self.lock:
+        has completed: on an idle stream of gpushare's own that waits for
+        the copy's event (nothing is added to the stream the copy runs on).
+        Never blocks: while another thread synchronises on the copy, its
+        awaiter is left to its poll."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
             if self.complete:
                 return
             drv = _driver.driver()
-            stream = _device(self.ordinal).notify_stream()
             with on_device(self.ordinal):
+                stream = _device(self.ordinal).notify_stream()
                 check(drv.cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent")
                 code = _native().gs_notify(int(stream), fd)
             if code:
                 raise CUDAError(_driver._name(drv, drv.CUresult(code)), "cuLaunchHostFunc")
+        finally:
+            self.lock.release()
 
     def sync(self) -> None:
         """Block until the copy has completed (or failed)."""
@@ -383,6 +389,8 @@ def _native() -> Any:
 
 
 _notify_lock = threading.Lock()
+#: The most streams per device that awaits queue their host functions on.
+_NOTIFY_STREAMS = 8
 
 
 class _Device:
@@ -403,24 +411,26 @@ class _Device:
         self.ns_per_byte: dict[tuple[int, int], float] = {}
         self.seen: set[tuple[int, int]] = set()  # classes whose first late copy was seen
         self.streak: dict[tuple[int, int], int] = {}  # copies on time in a row
-        self._notify: Any = None
+        self._notify: list[Any] = []
 
     def notify_stream(self) -> Any:
         """A non-blocking stream of gpushare's own that only waits for
-        events and runs the host functions that wake awaiting loops
-        (created at the first await)."""
-        if self._notify is None:
-            drv = _driver.driver()
-            with on_device(self.ordinal):
-                stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-            with _notify_lock:
-                lost = self._notify is not None
-                if not lost:
-                    self._notify = stream
-            if lost:  # another thread made one first
-                with on_device(self.ordinal):
-                    drv.cuStreamDestroy(stream)
-        return self._notify
+        events and runs the host functions that wake awaiting loops: an idle
+        one, so that an await is never queued behind another's copy (a new
+        one while all are busy, up to :data:`_NOTIFY_STREAMS`).  The
+        device's context is current."""
+        drv = _driver.driver()
+        with _notify_lock:
+            streams = list(self._notify)
+        for stream in streams:
+            if drv.cuStreamQuery(stream)[0] == drv.CUresult.CUDA_SUCCESS:
+                return stream
+        if len(streams) >= _NOTIFY_STREAMS:
+            return streams[len(streams) - 1]
+        stream = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        with _notify_lock:
+            self._notify.append(stream)
+        return stream
 
     def take_event(self) -> Any:
         try:

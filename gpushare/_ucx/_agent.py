@@ -45,7 +45,7 @@ from ._common import (
 )
 from ._loader import check_memtype_config, keep_forever, native
 from ._local import LocalPeer
-from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated
+from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated, zero_unused
 from ._rkey import check_remote_key
 
 __all__ = ["Agent", "Endpoint"]
@@ -363,6 +363,9 @@ class Agent:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._quarantine: list = []
+        #: Closed handles of gpushare's host memory whose pages turn to zeros
+        #: once this process's transfers no longer use them (_registered._park).
+        self._zero_later: list = []
         self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         # The handle a transfer found its local range in last (see _registration).
@@ -469,6 +472,8 @@ class Agent:
         range, or None (the transfer then registers it for itself).  The
         handle found last is asked first (a caller usually moves data from
         one registered buffer)."""
+        if self._zero_later:
+            zero_unused(self._lock, self._zero_later)
         last = self._last_registration()
         if last is not None:
             nmh = last._covering(address, nbytes, memory_type)
@@ -476,7 +481,9 @@ class Agent:
                 return nmh
         if not self._handles:
             return None
-        for mh in list(self._handles):
+        with self._lock:
+            handles = list(self._handles)
+        for mh in handles:
             nmh = mh._covering(address, nbytes, memory_type)
             if nmh is not None:
                 self._last_registration = weakref.ref(mh)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -136,12 +135,18 @@ class RemoteKey:
         return f"<gpushare.ucx.RemoteKey {kind} base=0x{self._base:x} size={self._size}>"
 
 
-#: How long closing a handle of gpushare's host memory waits for this
-#: process's transfers still using it.
-_LOCAL_TRANSFERS_S = 60.0
+def zero_unused(lock: threading.Lock, zero_later: list) -> None:
+    """Replace by zero pages the memory of closed handles that this
+    process's transfers no longer use (see :func:`_park`)."""
+    with lock:
+        ready = [item for item in zero_later if not item[0].in_use()]
+        for item in ready:
+            zero_later.remove(item)
+    for _, addr, length in ready:
+        native().quarantine(addr, length)
 
 
-def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources: tuple) -> None:
+def _park(pid: int, quarantine: list, zero_later: list, lock: threading.Lock, nmh: Any, resources: tuple) -> None:
     """Unregister a memory handle, keeping its memory reserved until agent close.
 
     UCX does not stop a peer that still holds a key from writing into the
@@ -150,6 +155,10 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
     still receive: host memory gpushare allocated is replaced by fresh zero
     pages (a stale write lands nowhere useful, a stale read sees zeros), a
     user's buffer stays referenced, and memory UCX allocated stays registered.
+    This process's own transfers still using the memory keep the handle
+    registered and its bytes in place until they are done: its zero pages
+    then come at the agent's next transfer or handle close (``zero_later``),
+    never under a transfer, and nothing here waits.
     """
     if os.getpid() != pid:
         return  # a forked child: the parent's UCX state is not ours to touch
@@ -161,19 +170,14 @@ def _park(pid: int, quarantine: list, lock: threading.Lock, nmh: Any, resources:
             quarantine.append((None, None, nmh, ordinal))
         return
     try:
-        # This process's transfers from or into the memory finish first (a
-        # peer's death fails them): they would read the zero pages below.
-        if mm is not None and not nmh.wait_unused(_LOCAL_TRANSFERS_S):
-            warnings.warn(f"closing a memory handle while this process's transfers still use its memory "
-                          f"after {_LOCAL_TRANSFERS_S:.0f} s: they read or write zeros from now on",
-                          RuntimeWarning, stacklevel=2)
-        nmh.close()
+        nmh.close()  # no new transfer takes it
     except Exception:  # noqa: BLE001
         report_callback_error("memory handle close")
-    if mm is not None:
-        native().quarantine(addr, length)
     with lock:
         quarantine.append((mm, local, None, None))
+        if mm is not None:
+            zero_later.append((nmh, addr, length))
+    zero_unused(lock, zero_later)
 
 
 class MemoryHandle:
@@ -202,7 +206,8 @@ class MemoryHandle:
         length = len(mm) if mm is not None else nmh.size
         self._range = (addr, addr + nmh.size)
         self._finalizer = weakref.finalize(
-            self, _park, agent._pid, agent._quarantine, agent._lock, nmh, (addr, length, mm, local, ordinal)
+            self, _park, agent._pid, agent._quarantine, agent._zero_later, agent._lock, nmh,
+            (addr, length, mm, local, ordinal)
         )
         return self
 
@@ -271,9 +276,11 @@ class MemoryHandle:
         Peers lose access from gpushare's point of view; the memory itself is
         kept reserved until the agent closes (see the class notes in
         ``docs/ucx.md``), so a stale key can never corrupt reused memory.
-        Host memory gpushare allocated reads as zeros from then on; this
-        process's own puts and gets still using it finish first (a dead
-        peer fails them), waited for at most a minute.
+        Host memory gpushare allocated reads as zeros from then on, except
+        under this process's own puts and gets still using it: those keep
+        the registration and the bytes until they are done (the zeros come
+        at the agent's next transfer or handle close after that).  Never
+        waits.
         """
         self._finalizer()
 

@@ -57,7 +57,7 @@ void bindAgent(nb::module_& m)
     .def_prop_ro("base_address", &MemoryHandle::baseAddress)
     .def_prop_ro("memory_type", &MemoryHandle::memoryType)
     .def("pack_remote_key", &MemoryHandle::packRemoteKey)
-    .def("wait_unused", &MemoryHandle::waitUnused, "timeout"_a)
+    .def("in_use", &MemoryHandle::inUse)
     .def("close", &MemoryHandle::close);
 
   nb::class_<RemoteKey>(m, "RemoteKey")

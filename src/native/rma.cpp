@@ -56,19 +56,6 @@ nb::bytes MemoryHandle::packRemoteKey()
   return nb::bytes(blob.data(), blob.size());
 }
 
-bool MemoryHandle::waitUnused(double timeout)
-{
-  auto h = handle;  // ours, this copy: 2 while nothing else holds it
-  if (!h) return true;
-  nb::gil_scoped_release nogil;
-  const int64_t deadline = steadyNanos() + static_cast<int64_t>(timeout * 1e9);
-  while (h.use_count() > 2) {
-    if (steadyNanos() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  return true;
-}
-
 bool Endpoint::failFast(const std::shared_ptr<ucxx::Endpoint>& e, const std::shared_ptr<Completion>& c)
 {
   if (e->isAlive()) return false;
@@ -134,7 +121,7 @@ Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remote
   auto c = newCompletion(std::move(callback));
   Request r(c, put ? "put" : "get");
   if (failFast(e, c)) return r;
-  auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->handle : nullptr, nullptr};
+  auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->forTransfer() : nullptr, nullptr};
   auto mtype      = static_cast<ucs_memory_type_t>(memoryType);
   ucp_mem_h local = ctx->userMemh ? ctx->userMemh->getHandle() : nullptr;
   if (local == nullptr && length > 0 && OwnMemh::needed()) {

@@ -9,7 +9,11 @@ namespace gpushare::native {
 
 class MemoryHandle {
  public:
+  // Read and swapped with std::atomic_load/exchange: a transfer copies it
+  // while another thread may close it.
   std::shared_ptr<ucxx::MemoryHandle> handle;
+  // The handle after close: held on only by transfers still using it.
+  std::weak_ptr<ucxx::MemoryHandle> closedRef;
   explicit MemoryHandle(std::shared_ptr<ucxx::MemoryHandle> h) : handle(std::move(h)) {}
   ~MemoryHandle() { releaseNoGil(handle); }
 
@@ -18,6 +22,9 @@ class MemoryHandle {
     if (!handle) throw NativeError("UCS_ERR_INVALID_PARAM", "memory handle is closed");
     return *handle;
   }
+
+  // The handle for a transfer to hold until UCX is done with it; null once closed.
+  std::shared_ptr<ucxx::MemoryHandle> forTransfer() { return std::atomic_load(&handle); }
   uintptr_t ucpHandle() { return reinterpret_cast<uintptr_t>(get().getHandle()); }
   size_t size() { return get().getSize(); }
   uint64_t baseAddress() { return get().getBaseAddress(); }
@@ -25,12 +32,18 @@ class MemoryHandle {
 
   nb::bytes packRemoteKey();
 
-  // Wait, without the GIL, until no transfer of this process holds the
-  // handle (each holds it until UCX is done with its local buffer), at most
-  // `timeout` seconds; whether none does.
-  bool waitUnused(double timeout);
+  // After close: whether a transfer of this process still holds the handle
+  // (each holds it until UCX is done with its local buffer).
+  bool inUse() { return !closedRef.expired(); }
 
-  void close() { releaseNoGil(handle); }
+  // No transfer takes the handle from now on; it is unregistered once the
+  // last one still holding it is done.
+  void close()
+  {
+    std::shared_ptr<ucxx::MemoryHandle> h = std::atomic_exchange(&handle, std::shared_ptr<ucxx::MemoryHandle>());
+    if (h) closedRef = h;
+    releaseNoGil(h);
+  }
 };
 
 class RemoteKey {
