@@ -27,8 +27,8 @@ from ._offering import device_ordinal, memory_of
 from ._paths.base import Memory
 from ._paths.broker import release_registrations
 from ._process import node_key
-from ._share import PATHS, Share
-from ._types import collection_paused
+from ._share import Share
+from ._types import collection_paused, path_names
 
 __all__ = ["export_tree", "is_tree"]
 
@@ -377,7 +377,7 @@ def export_tree(tree: Any, policy: Any, lifetime_name: str, wanted: list[str] | 
                      for p, clique in zip(parts, cliques, strict=True)]
         manifest, made = columns.encode(described, shape_of, tree_doc)
         total = sum(p.nbytes for p in parts)
-        union = tuple(name for name in PATHS if any(name in p.offers for p in parts))
+        union = tuple(name for name in path_names() if any(name in p.offers for p in parts))
         all_readonly = all(p.readonly for p in parts)
         record = Export(share_id=share_id, token=token, nbytes=total, device=parts[0].device,
                         memory_type=parts[0].memory_type, offers=union, descriptors={}, policy=policy,

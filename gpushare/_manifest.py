@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InvalidInputError
-from ._types import PATH_NAMES, strict_json
+from ._types import path_names, strict_json
 
 __all__ = ["Manifest", "Part", "Leaf", "Columns", "encode", "decode", "MAX_TENSORS", "MAX_PARTS", "MAX_MANIFEST_BYTES"]
 
@@ -276,7 +276,8 @@ class Columns:
 
 @functools.lru_cache(maxsize=256)
 def _mask(offers: tuple[str, ...]) -> int:
-    return sum(1 << PATH_NAMES.index(p) for p in offers)
+    names = path_names()
+    return sum(1 << names.index(p) for p in offers)
 
 
 def _tree_doc(node: Any) -> Any:
@@ -418,6 +419,7 @@ def _parts(value: Any) -> tuple[Part, ...]:
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_PARTS:
         raise InvalidInputError(f"a bundle lists 1 to {MAX_PARTS} allocations")
     out = []
+    names = path_names()
     for i, entry in enumerate(value):
         if not isinstance(entry, list) or len(entry) != 5:
             raise InvalidInputError(f"bundle allocation {i} is not a [device, nbytes, offers, readonly, fabric] list")
@@ -426,13 +428,13 @@ def _parts(value: Any) -> tuple[Part, ...]:
             raise InvalidInputError(f"bundle allocation {i}: device {device!r:.20} is not -1 (host) or an ordinal")
         if type(nbytes) is not int or not 1 <= nbytes <= _MAX_NBYTES:
             raise InvalidInputError(f"bundle allocation {i}: size {nbytes!r:.30} is not a positive int")
-        if type(mask) is not int or not 1 <= mask < 1 << len(PATH_NAMES):
+        if type(mask) is not int or not 1 <= mask < 1 << len(names):
             raise InvalidInputError(f"bundle allocation {i}: offers {mask!r:.20} name no known path")
         if readonly not in (0, 1) or type(readonly) is not int:
             raise InvalidInputError(f"bundle allocation {i}: readonly must be 0 or 1")
         if fabric is not None and (not isinstance(fabric, str) or not 0 < len(fabric) <= 256):
             raise InvalidInputError(f"bundle allocation {i}: fabric must be a short string or null")
-        offers = tuple(p for b, p in enumerate(PATH_NAMES) if mask >> b & 1)
+        offers = tuple(p for b, p in enumerate(names) if mask >> b & 1)
         out.append(Part("host" if device == -1 else device, nbytes, offers, bool(readonly), fabric))
     return tuple(out)
 

@@ -21,12 +21,11 @@ from typing import Any, Literal
 
 from . import _manifest
 from ._errors import ClosedError, InvalidInputError, InvalidTypeError
-from ._types import PATH_NAMES, PathName, in_range, strict_json, text
+from ._types import PathName, in_range, path_names, strict_json, text
 
-__all__ = ["Share", "BundleShare", "expect_share", "PATHS", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
+__all__ = ["Share", "BundleShare", "expect_share", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
 #: Every path, fastest first.
-PATHS = PATH_NAMES
 #: Lifetime policy names (an int N means "until N imports have closed").
 LIFETIMES = ("auto", "closed", "revoked", "none")
 
@@ -146,8 +145,9 @@ class Share:
             )
         if not isinstance(offers, tuple) or not offers:
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
+        known = path_names()
         for p in offers:
-            if not isinstance(p, str) or p not in PATHS:
+            if not isinstance(p, str) or p not in known:
                 raise InvalidInputError(f"share offers unknown path {p!r:.40}")
         if len(set(offers)) != len(offers):
             raise InvalidInputError("share offers must be a non-empty tuple of distinct path names")
@@ -553,7 +553,7 @@ def _bundle_of(manifest: Any, fields: tuple, made: _manifest.Manifest | None = N
     parts = decoded.parts
     f = dict(zip(Share._NAMES, fields, strict=True))
     nbytes = f["nbytes"]
-    union = tuple(p for p in PATHS if any(p in part.offers for part in parts))
+    union = tuple(p for p in path_names() if any(p in part.offers for part in parts))
     total = sum(part.nbytes for part in parts)
     whole = (f["offset"], f["dtype_name"], f["dlpack_dtype"], f["strides"]) == (0, None, None, None)
     if (nbytes != total or f["device"] != parts[0].device or f["shape"] != (nbytes,) or f["typestr"] != "|u1"

@@ -18,7 +18,7 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from ._errors import InvalidInputError, InvalidTypeError
@@ -31,7 +31,8 @@ __all__ = [
     "LifetimeName",
     "Lifetime",
     "Device",
-    "PATH_NAMES",
+    "path_names",
+    "set_path_names",
     "HANDLE_TYPES",
     "handle_type",
     "internal_handle_type",
@@ -49,7 +50,8 @@ __all__ = [
     "Completion",
 ]
 
-#: A path between two processes, fastest first in :data:`PATH_NAMES`.
+#: A path between two processes, as type checkers know them (at run time the
+#: paths themselves tell their names: :func:`path_names`).
 PathName: TypeAlias = Literal["same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "cma", "ucx-rma"]
 #: How same-node memory is handed over by :func:`gpushare.export_buffer`.
 HandleType: TypeAlias = Literal["posix-fd", "fabric", "cuda-ipc"]
@@ -60,7 +62,29 @@ Lifetime: TypeAlias = LifetimeName | int
 #: Where memory lives: a CUDA device ordinal, or host memory (``"cpu"`` is a synonym of ``"host"``).
 Device: TypeAlias = int | Literal["host", "cpu"]
 
-PATH_NAMES: tuple[PathName, ...] = ("same-process", "fabric", "posix-fd", "cuda-ipc", "host-fd", "cma", "ucx-rma")
+
+
+def _no_paths() -> tuple[str, ...]:
+    return ()
+
+
+_path_names_of: Callable[[], tuple[str, ...]] = _no_paths
+
+
+def path_names() -> tuple[str, ...]:
+    """The names of the paths, fastest first: what a share's offers may
+    name, and the order of a bundle manifest's bits (one per name).
+    :mod:`gpushare._paths` tells them, from its ``PATHS``
+    (:func:`set_path_names`), so that a path added there is known here."""
+    return _path_names_of()
+
+
+def set_path_names(source: Callable[[], tuple[str, ...]]) -> None:
+    """Where :func:`path_names` asks (``gpushare._paths``, at its import)."""
+    global _path_names_of
+    _path_names_of = source
+
+
 HANDLE_TYPES: tuple[HandleType, ...] = ("posix-fd", "fabric", "cuda-ipc")
 #: The older underscore spellings of handle types, and the one each now is.
 OLD_HANDLE_TYPES = {"posix_fd": "posix-fd", "cuda_ipc": "cuda-ipc"}

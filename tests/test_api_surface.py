@@ -210,7 +210,7 @@ _addresses = st.sampled_from(["127.0.0.1", "10.1.2.3", "::1", "fe80::1%eth0", "1
     shape=st.lists(st.integers(0, 64), max_size=4),
     itemsize=st.sampled_from([1, 2, 4, 8]),
     device=st.one_of(st.just("host"), st.integers(0, 1 << 16)),
-    offers=st.lists(st.sampled_from(gs._share.PATHS), min_size=1, max_size=6, unique=True),
+    offers=st.lists(st.sampled_from(gs._types.path_names()), min_size=1, max_size=6, unique=True),
     lifetime=st.one_of(st.sampled_from(["closed", "revoked", "none"]),
                        st.integers(1, 999_999_999).map(lambda n: f"imports={n}")),
     fabric=st.one_of(st.none(), st.text(max_size=256)),

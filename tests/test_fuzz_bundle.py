@@ -32,7 +32,7 @@ import gpushare as gs
 from gpushare import _exporter, _manifest, _share
 from gpushare._exporter.registry import get_exporter
 from gpushare._share import Share
-from gpushare._types import PATH_NAMES
+from gpushare._types import path_names
 
 from _procs import Child
 
@@ -170,7 +170,7 @@ DOC_CASES = [
     pytest.param(_set("parts", (0, 0), False), "is not -1 .host. or an ordinal", id="bool-device"),
     pytest.param(_set("parts", (0, 0), "host"), "is not -1 .host. or an ordinal", id="str-device"),
     pytest.param(_set("parts", (0, 2), 0), "name no known path", id="offers-nothing"),
-    pytest.param(_set("parts", (0, 2), 1 << len(PATH_NAMES)), "name no known path", id="offers-unknown-path"),
+    pytest.param(_set("parts", (0, 2), 1 << len(path_names())), "name no known path", id="offers-unknown-path"),
     pytest.param(_set("parts", (0, 2), True), "name no known path", id="bool-offers"),
     pytest.param(_set("parts", (0, 3), 2), "readonly must be 0 or 1", id="readonly-two"),
     pytest.param(_set("parts", (0, 3), True), "readonly must be 0 or 1", id="bool-readonly"),

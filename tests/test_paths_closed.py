@@ -18,11 +18,12 @@ import ast
 import os
 import pathlib
 import re
+import typing
 
 import pytest
 
 import gpushare as gs
-from gpushare import _doctor, _paths, _share, _types
+from gpushare import _doctor, _paths, _types
 from gpushare._paths.base import ALLOCATED_HOST, Grant, Here, Memory, Offer, Opened, Options, Path
 
 PACKAGE = pathlib.Path(gs.__file__).resolve().parent
@@ -154,11 +155,11 @@ def test_the_check_sees_what_it_should_and_no_more(source, module, expected):
     assert violations(source, module, _names(), _path_modules()) == expected
 
 
-def test_the_wire_table_of_path_names_is_paths_in_order():
+def test_the_names_a_share_carries_are_the_paths_in_order():
     # a share carries path names, and a bundle's manifest one bit per name
-    # in this order: a path added to PATHS needs its name here too
-    assert _types.PATH_NAMES == tuple(p.name for p in _paths.PATHS)
-    assert _share.PATHS == _types.PATH_NAMES
+    # in this order: they come from PATHS, and follow it when it changes
+    assert _types.path_names() == tuple(p.name for p in _paths.PATHS)
+    assert typing.get_args(_types.PathName) == _types.path_names()  # what type checkers are told
 
 
 def test_each_path_is_a_path():
@@ -205,11 +206,8 @@ class Dummy(Path):
 @pytest.fixture
 def dummy(monkeypatch):
     path = Dummy()
-    monkeypatch.setattr(_paths, "PATHS", (path, *_paths.PATHS))
-    # the wire's table of names, as a share validates it
-    names = (path.name, *_types.PATH_NAMES)
-    monkeypatch.setattr(_types, "PATH_NAMES", names)
-    monkeypatch.setattr(_share, "PATHS", names)
+    monkeypatch.setattr(_paths, "PATHS", (path, *_paths.PATHS))  # all it takes
+    assert _types.path_names()[0] == "dummy"
     return path
 
 

@@ -11,9 +11,10 @@ from plain facts about that process (:class:`Here`), and :func:`explain`
 says why in one line.
 
 Adding a path is one module with a ``PATH`` object (a class that
-subclasses :class:`Path`), one entry in :data:`PATHS` and its name in the
-wire's table of names (:data:`gpushare._types.PATH_NAMES`; a test checks
-that the two agree).  Nothing above this package names a path: it asks a
+subclasses :class:`Path`) and one entry in :data:`PATHS`: the names a
+share's offers may carry, in the order of a bundle manifest's bits, are
+``PATHS``' (:func:`names`, which :func:`gpushare._types.path_names`
+asks).  Nothing above this package names a path: it asks a
 path's traits (``mapped``, ``holds_memory``, ``in_process``, ``network``...).
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .. import _buffers
+from .. import _buffers, _types
 from .._errors import InvalidInputError
 from . import cma, cuda_ipc, fabric, host_fd, posix_fd, same_process, ucx_rma
 from .base import ControlOp, Here, Memory, Path
@@ -66,8 +67,7 @@ class Transport(Protocol):
 
 
 #: Every path, fastest first.  Adding a path is a module with a ``PATH``
-#: object and one entry here (and its name in the wire's table of names,
-#: :data:`gpushare._types.PATH_NAMES`, which a test checks against this).
+#: object and one entry here.
 PATHS: tuple[Path, ...] = (same_process.PATH, fabric.PATH, posix_fd.PATH, cuda_ipc.PATH, host_fd.PATH,
                            cma.PATH, ucx_rma.PATH)
 _by_name: tuple[tuple[Path, ...], dict[str, Path]] = ((), {})
@@ -248,3 +248,19 @@ def offers(memory: Memory, wanted: list[str] | None) -> tuple[list[str], dict[st
         release_registrations(regs)
         raise
     return memory.offered, descs, regs
+
+
+_names_of: tuple[tuple[Path, ...], tuple[str, ...]] = ((), ())
+
+
+def names() -> tuple[str, ...]:
+    """The paths' names, fastest first (made again when ``PATHS`` changes)."""
+    global _names_of
+    paths, made = _names_of
+    if paths is not PATHS:
+        made = tuple(p.name for p in PATHS)
+        _names_of = (PATHS, made)
+    return made
+
+
+_types.set_path_names(names)
