@@ -352,18 +352,22 @@ inline ucxx::RequestCallbackUserFunction completer(const std::shared_ptr<Complet
 // request that used it has completed.
 class OwnMemh {
  public:
-  // Whether transfers need handles of our own: UCX's memory events are off
-  // in this process (UCX_MEM_EVENTS, read once), so it has no registration
-  // cache.  With the cache, UCX's own registrations are cached and safe, and
-  // one of ours would cost a registration per transfer (InfiniBand).
+  // Whether transfers need handles of our own: UCX has no registration
+  // cache in this process, its memory events or the cache itself being
+  // turned off (UCX_MEM_EVENTS, UCX_RCACHE_ENABLE; read once).  With the
+  // cache, UCX's own registrations are cached and safe, and one of ours
+  // would cost a registration per transfer (InfiniBand).
   static bool needed()
   {
     static const bool value = [] {
-      const char* v = std::getenv("UCX_MEM_EVENTS");
-      if (v == nullptr) return false;
-      std::string s(v);
-      std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
-      return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
+      auto off = [](const char* name) {
+        const char* v = std::getenv(name);
+        if (v == nullptr) return false;
+        std::string s(v);
+        std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+        return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
+      };
+      return off("UCX_MEM_EVENTS") || off("UCX_RCACHE_ENABLE");
     }();
     return value;
   }
