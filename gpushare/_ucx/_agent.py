@@ -147,10 +147,11 @@ class Endpoint(Connection):
         if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
             raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
         rkey._check_open()
-        _types.in_range(remote_address, "remote_address")
+        if type(remote_address) is not int or not 0 <= remote_address < 1 << 64:
+            _types.in_range(remote_address, "remote_address")  # raises
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
-        consumer = _device.consumer_stream(stream)
+        consumer = None if stream is None else _device.consumer_stream(stream)
         local = _device.resolve(buffer, writable=(op == "get"), stream=consumer)
         try:
             if nbytes is None:
@@ -177,9 +178,12 @@ class Endpoint(Connection):
             # queued before the transfer (see _device).
             _device.order_before(local, consumer)
             memh = self._agent._registration(local.address, nbytes, local.memory_type)
-            with _device.on_memory_device(local):
-                nreq = method(local.address, nbytes, remote_address, rkey._native,
-                              MEMORY_TYPE_CODES[local.memory_type], memh, None)
+            if local.memory_type == "host":
+                nreq = method(local.address, nbytes, remote_address, rkey._native, 0, memh, None)
+            else:
+                with _device.on_memory_device(local):
+                    nreq = method(local.address, nbytes, remote_address, rkey._native,
+                                  MEMORY_TYPE_CODES[local.memory_type], memh, None)
         except BaseException:
             local.release()
             raise

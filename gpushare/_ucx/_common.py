@@ -237,6 +237,8 @@ class Request:
         if not self._native.wait(-1.0 if t is None else t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         self._buffer = None
+        if self._native.ok():
+            return
         err = self._error()
         if err is not None:
             raise err
