@@ -62,6 +62,21 @@ def mark_array() -> np.ndarray:
     return a
 
 
+def _let_go(procs: list, go, outbox) -> None:
+    """Tell each receiver to drop what it holds, check that each did, and reap them all."""
+    for _ in procs:
+        go.put(True)
+    try:
+        dropped = [outbox.get(timeout=60) for _ in procs]
+        assert all(d.get("dropped") for d in dropped), dropped
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+
+
 def _settled() -> bool:
     gc.collect()
     return gmp.outstanding() == 0
@@ -114,17 +129,7 @@ def test_queue_fan_out_maps_tensors_and_arrays_and_releases_them(method):
         # storage stay views of one storage.
         assert msg["layers"]["wt"].untyped_storage().data_ptr() == msg["layers"]["w"].untyped_storage().data_ptr()
     finally:
-        for _ in procs:
-            go.put(True)
-    try:
-        dropped = [outbox.get(timeout=60) for _ in procs]
-        assert all(d.get("dropped") for d in dropped), dropped
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+        _let_go(procs, go, outbox)
     assert wait_for(_settled)  # every receiver done: the producer holds nothing for them
     assert get_exporter().stats()["leases"] == 0
 
@@ -151,16 +156,7 @@ def test_pipes_carry_a_dict_as_one_bundle_each(method):
         # one share for the whole dict per message: the registry grew by one bundle each
         assert get_exporter().stats()["exports"] - before == 2 and gmp.outstanding() == 2
     finally:
-        for _ in procs:
-            go.put(True)
-    try:
-        assert all(outbox.get(timeout=60)["dropped"] for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+        _let_go(procs, go, outbox)
 
 
 def test_a_dict_of_tensors_costs_no_fd_or_thread_per_tensor():
