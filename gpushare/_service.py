@@ -76,6 +76,10 @@ class Service:
         self._deadlines: list[tuple[float, int, Connection]] = []
         self._seq = itertools.count()
         self._conns: dict[int, Connection] = {}
+        # Connections made but not yet added by the service thread: a thread reading its reply
+        # itself (Connection.read_until) may be done with one before then, and a fork meanwhile
+        # must still close it in the child.
+        self._adding: set[Connection] = set()
         self._listeners: dict[int, tuple[socket.socket, Callable[[socket.socket], None]]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gpushare-service", daemon=True)
@@ -152,6 +156,8 @@ class Service:
     def connect(self, sock: socket.socket, protocol: Protocol, deadline: float | None = None) -> Connection:
         """Serve an open socket with ``protocol``; returns its connection."""
         conn = Connection(self, sock, protocol, deadline)
+        with self._reg_lock:
+            self._adding.add(conn)
         self.call_soon(lambda: self._add(conn))
         return conn
 
@@ -169,7 +175,7 @@ class Service:
         self.call_soon(lambda: None)
         if not self.in_service_thread():
             self._thread.join(timeout=5.0)
-        for conn in list(self._conns.values()):
+        for conn in [*self._conns.values(), *self._adding]:
             conn.close()
         for sock, _ in list(self._listeners.values()):
             sock.close()
@@ -182,7 +188,8 @@ class Service:
         """In a forked child: close every inherited socket, touching nothing
         the parent still uses (no unregistering, no shutdown)."""
         self._stopping = True
-        for conn in self._conns.values():
+        # No lock: a thread that held it at the fork is gone, and the forking thread holds the GIL.
+        for conn in [*self._conns.values(), *self._adding]:
             conn.closed = True
             try:
                 conn.sock.close()
@@ -196,10 +203,12 @@ class Service:
             self._epoll.close()  # this process's reference only: nothing it watches changes
         except OSError:
             pass
-        self._conns, self._listeners, self._calls = {}, {}, collections.deque()
+        self._conns, self._adding, self._listeners, self._calls = {}, set(), {}, collections.deque()
 
     # -- service thread -----------------------------------------------------
     def _add(self, conn: Connection) -> None:
+        with self._reg_lock:
+            self._adding.discard(conn)
         if conn.closed:
             return
         if self._stopping:

@@ -134,3 +134,43 @@ def test_an_exception_while_reading_drops_the_connection(fail):
         assert peer.recv(16) == b""  # the peer sees the end
     finally:
         peer.close()
+
+
+def test_a_fork_closes_a_connection_the_service_thread_has_not_added_yet():
+    """A caller reading its reply itself can be done with a connection before the
+    service thread adds it: a fork then must still close it in the child."""
+    import os
+
+    service = get_service()
+    mine, peer = socket.socketpair()
+    hold, started = threading.Event(), threading.Event()
+
+    def busy():
+        started.set()
+        hold.wait(10.0)
+
+    service.call_soon(busy)  # the service thread runs nothing else meanwhile
+    try:
+        assert started.wait(5.0)
+        conn = service.connect(mine, Record())
+        assert conn.fileno not in service._conns  # not added yet
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                try:
+                    os.fstat(conn.fileno)
+                    code = 2  # the child kept the inherited socket
+                except OSError:
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        hold.set()
+    service.run(lambda: None)
+    assert service._conns.get(conn.fileno) is conn  # the parent's is served as before
+    peer.sendall(b"x")
+    peer.close()
+    service.run(conn.close)
