@@ -46,6 +46,7 @@ on its request.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -122,7 +123,27 @@ def _nixl_measure(agent, peer, laddr: int, raddr: int, op: str, pairs: list[tupl
 
 def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
     """NIXL's figures: ``seed`` (the seed-API comparison): WRITE of INFLIGHT descriptors per size;
-    else single gets and puts per size and the batch."""
+    else single gets and puts per size and the batch.  The initiator runs in a process of its own
+    (on this process's core): NIXL's teardown at the exit of a process that used an agent crashed
+    it (SIGSEGV, after the work was done)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_nixl_initiator, args=(child, quick, cpu, seed))  # it starts the target
+    proc.start()
+    child.close()
+    try:
+        results = parent.recv()
+    except EOFError:
+        proc.join(10)
+        raise RuntimeError(f"NIXL's initiator process ended with status {proc.exitcode} before its figures") from None
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+    return results
+
+
+def _nixl_initiator(conn, quick: bool, cpu: int | None, seed: bool) -> None:
     import numpy as np
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
@@ -149,7 +170,7 @@ def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
             results[("get", "batch")] = measure("READ", pairs)
             results[("put", "batch")] = measure("WRITE", pairs)
         agent.remove_remote_agent(peer)
-    return results
+    conn.send(results)
 
 
 # -- gpushare ---------------------------------------------------------------------
@@ -185,15 +206,16 @@ def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
     return results
 
 
-def seed_run(quick: bool, cpu: int | None = None) -> dict:
-    """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration."""
+def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None = None) -> dict:
+    """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration;
+    ``config``: further UCX settings of both agents."""
     import numpy as np
 
     from gpushare import ucx
 
     results = {}
-    with spawned(_pinned, cpu, _exporter, "tcp", True, REGION, "blocking") as (address, key):
-        with ucx.Agent(transports="tcp") as agent:
+    with spawned(_pinned, cpu, _exporter, "tcp", True, REGION, "blocking", None, config) as (address, key):
+        with ucx.Agent(transports="tcp", config=config) as agent:
             ep = agent.connect(address)
             rk = ep.unpack_remote_key(key)
             # The local buffer registered once, as NIXL's is.
@@ -219,11 +241,14 @@ def seed_run(quick: bool, cpu: int | None = None) -> dict:
     return results
 
 
-def perftest_puts(quick: bool, cores: tuple[int | None, int | None]) -> dict:
-    """``ucp_put_bw`` per size, with error handling (``-e``) and in perftest's default mode; its
-    client and server on the cores of the importer and the exporter."""
+def perftest_puts(quick: bool, cores: tuple[int | None, int | None], config: dict[str, str] | None = None) -> dict:
+    """``ucp_put_bw`` per size, with error handling (``-e``, with the agents' further settings
+    ``config``) and in perftest's default mode; its client and server on the cores of the importer
+    and the exporter."""
+    settings = {f"UCX_{k}": v for k, v in (config or {}).items()}
     return {(mode, size): perftest("ucp_put_bw", size, INFLIGHT * _iters(INFLIGHT * size, quick), "tcp",
-                                   mode == "perftest -e", cores=cores)[0]
+                                   mode == "perftest -e", cores=cores,
+                                   settings=settings if mode == "perftest -e" else None)[0]
             for mode in ("perftest -e", "perftest") for size in SIZES}
 
 
@@ -244,6 +269,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations per run")
     p.add_argument("--seed", action="store_true",
                    help="the seed API's puts with 16 in flight against NIXL and ucx_perftest instead")
+    p.add_argument("--no-rndv", action="store_true",
+                   help="with --seed: both agents and perftest -e run with UCX_RNDV_THRESH=inf, as NIXL's "
+                        "UCX backend does (see docs/ucx.md for why gpushare's agents do not)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the processes' placement on cores to the scheduler")
     args = p.parse_args()
@@ -300,13 +328,15 @@ def _ucx_versions() -> str:
 
 def _seed_main(args, mine: int | None, theirs: int | None) -> int:
     nixl, ours, ref = [], [], []
+    config = {"RNDV_THRESH": "inf"} if args.no_rndv else None
     for _ in range(args.runs):  # alternating, so that each sees the machine in the same states
         nixl.append(nixl_run(args.quick, theirs, seed=True))
-        ours.append(seed_run(args.quick, theirs))
-        ref.append(perftest_puts(args.quick, (mine, theirs)))
+        ours.append(seed_run(args.quick, theirs, config))
+        ref.append(perftest_puts(args.quick, (mine, theirs), config))
     where = f"importer on core {mine}, exporter on core {theirs}" if mine is not None else "unpinned"
     print(f"seed API puts, {INFLIGHT} in flight; UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} "
-          f"CPUs, {where}; median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
+          f"CPUs, {where}; agents and perftest -e {'with UCX_RNDV_THRESH=inf' if args.no_rndv else 'as gpushare sets them'}; "
+          f"median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
           f"{_ucx_versions()}\n")
     print(f"{'size':>8} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
           f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")

@@ -124,14 +124,15 @@ def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
         server.wait(10)
 
 
-def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str, listener: str | None = None) -> None:
+def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str, listener: str | None = None,
+              config: dict[str, str] | None = None) -> None:
     from gpushare import ucx
 
     proof = None
     if listener is not None:  # the importer proves this process through the socket's credentials
         proof = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         proof.connect(listener)
-    with ucx.Agent(transports=tls, error_handling=error_handling, progress=progress) as agent:
+    with ucx.Agent(transports=tls, error_handling=error_handling, progress=progress, config=config) as agent:
         mh = agent.create_memory_handle(size)
         conn.send((agent.address, mh.create_remote_key().serialize()))
         conn.recv()
