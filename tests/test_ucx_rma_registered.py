@@ -90,6 +90,7 @@ _STORM = textwrap.dedent("""
     from gpushare import ucx
 
     registered = sys.argv[2] == "registered"
+    kill = sys.argv[3] == "kill"
     agent = ucx.Agent()
     child = Child(_rma_peer.setup, 8 << 20)
     ep = agent.connect(child.hello["address"])
@@ -100,16 +101,17 @@ _STORM = textwrap.dedent("""
     for i in range(50):
         reqs.append(ep.mem_put(local[:4 << 20], rk.base_address, rk))
         reqs.append(ep.mem_get(local[4 << 20:], rk.base_address + (4 << 20), rk))
-        if i == 5:  # some are done, more in flight
+        if i == 5 and kill:  # some are done, more in flight
             reqs[0].wait(60)
             reqs[1].wait(60)
             os.kill(child.proc.pid, signal.SIGKILL)
-    child.proc.join(10)
-    child.close()
+    if kill:
+        child.proc.join(10)
     outcomes = []
     for r in reqs:
         err = r.exception(timeout=60)
         outcomes.append("ok" if err is None else type(err).__name__)
+    child.close()
     print(" ".join(sorted(set(outcomes))), outcomes.count("ok"))
     ep.close()
     # The agent still works: a fresh peer, a fresh transfer.
@@ -129,15 +131,32 @@ _STORM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("local", ["registered", "plain"])
-def test_a_peer_killed_during_100_rendezvous_sized_puts_and_gets_crashes_nothing(local):
-    r = subprocess.run([sys.executable, "-c", _STORM, HERE, local], capture_output=True, text=True, timeout=240)
+def _storm(local: str, kill: str) -> tuple[set[str], int]:
+    r = subprocess.run([sys.executable, "-c", _STORM, HERE, local, kill], capture_output=True, text=True,
+                       timeout=240)
     if r.returncode < 0:
         pytest.fail(f"the agent's process died of {signal.Signals(-r.returncode).name}: {r.stderr[-2000:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.split("\n")
     assert lines[-2] == "done", r.stdout
     kinds, ok = lines[-3].rsplit(" ", 1)
-    assert 2 <= int(ok) < 100, r.stdout  # the kill met transfers in flight
-    assert set(kinds.split()) <= {"ok", "UCXConnectionError", "UCXError", "UCXCanceledError"}, r.stdout
-    assert set(kinds.split()) - {"ok"}, r.stdout
+    return set(kinds.split()), int(ok)
+
+
+def test_100_puts_and_gets_right_after_connect_all_arrive():
+    """Posted at once after connect, over every TCP device of this machine (loopback and
+    the others: the peer's wire-up may travel on another connection than the first puts),
+    three times over: none fails.  With rendezvous off (``UCX_RNDV_THRESH=inf``, which makes
+    the puts zero-copy) UCX 1.21's TCP transport reset the connection here in most runs, while
+    the peer paired the connections under a put (docs/ucx.md): the agents keep it on."""
+    for local in ("plain", "registered", "plain"):
+        assert _storm(local, "keep") == ({"ok"}, 100)
+
+
+@pytest.mark.parametrize("local", ["registered", "plain"])
+def test_a_peer_killed_during_100_rendezvous_sized_puts_and_gets_crashes_nothing(local):
+    kinds, ok = _storm(local, "kill")
+    outcome = f"{sorted(kinds)}, {ok} ok"
+    assert 2 <= ok < 100, outcome  # the kill met transfers in flight
+    assert kinds <= {"ok", "UCXConnectionError", "UCXError", "UCXCanceledError"}, outcome
+    assert kinds - {"ok"}, outcome
