@@ -160,3 +160,25 @@ def test_a_peer_killed_during_100_rendezvous_sized_puts_and_gets_crashes_nothing
     assert 2 <= ok < 100, outcome  # the kill met transfers in flight
     assert kinds <= {"ok", "UCXConnectionError", "UCXError", "UCXCanceledError"}, outcome
     assert kinds - {"ok"}, outcome
+
+
+@pytest.mark.parametrize("value, own", [("n", True), ("NO", True), ("off", True), ("try", False)])
+def test_an_agent_without_a_registration_cache_by_its_config_gives_every_transfer_a_handle(value, own):
+    """UCX_RCACHE_ENABLE in the environment, or RCACHE_ENABLE in one agent's config: either
+    leaves UCX without its registration cache, where a peer's death mid-transfer needs a
+    handle of gpushare's own for each buffer (see the storm tests)."""
+    child = Child(_rma_peer.setup, MiB)
+    try:
+        with ucx.Agent(config={"RCACHE_ENABLE": value}) as agent:
+            ep = agent.connect(child.hello["address"])
+            assert ep._native.own_memh is own
+            rk = ep.unpack_remote_key(child.hello["key"])
+            data = np.arange(256 * 1024, dtype=np.uint8)
+            ep.mem_put(data, rk.base_address, rk).wait(30)
+            ep.flush().wait(30)
+            out = np.empty_like(data)
+            ep.mem_get(out, rk.base_address, rk).wait(30)
+            assert np.array_equal(out, data)
+            ep.close()
+    finally:
+        child.close()

@@ -362,14 +362,18 @@ class OwnMemh {
     static const bool value = [] {
       auto off = [](const char* name) {
         const char* v = std::getenv(name);
-        if (v == nullptr) return false;
-        std::string s(v);
-        std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
-        return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
+        return v != nullptr && saysNo(v);
       };
       return off("UCX_MEM_EVENTS") || off("UCX_RCACHE_ENABLE");
     }();
     return value;
+  }
+
+  // Whether a UCX setting's value turns it off, as UCX parses a yes/no/try value.
+  static bool saysNo(std::string s)
+  {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
   }
 
   OwnMemh(ucp_context_h ctx_, void* address, size_t length, ucs_memory_type_t memoryType) : ctx(ctx_)

@@ -124,7 +124,7 @@ Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remote
   auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->forTransfer() : nullptr, nullptr};
   auto mtype      = static_cast<ucs_memory_type_t>(memoryType);
   ucp_mem_h local = ctx->userMemh ? ctx->userMemh->getHandle() : nullptr;
-  if (local == nullptr && length > 0 && OwnMemh::needed()) {
+  if (local == nullptr && length > 0 && (ownMemh || OwnMemh::needed())) {
     // Without UCX's registration cache, every buffer UCX may move by
     // zero-copy comes with a handle UCX did not register itself (OwnMemh).
     ctx->memh = std::make_unique<OwnMemh>(std::dynamic_pointer_cast<ucxx::Context>(e->getWorker()->getParent())->getHandle(),
@@ -217,6 +217,8 @@ Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool po
       int wakeTimeoutMs)
   : errorHandling(errorHandling_)
 {
+  auto rcache = config.find("RCACHE_ENABLE");
+  ownMemh     = rcache != config.end() && OwnMemh::saysNo(rcache->second);
   beforeUcpInit();
   ucxx::ConfigMap cfg(config.begin(), config.end());
   call("ucp_init", [&] {
@@ -253,7 +255,9 @@ Endpoint Agent::connect(nb::bytes peer)
     std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(std::string_view(s)).build();
     return ucxx::endpointBuilder(w, a).endpointErrorHandling(errorHandling).build();
   });
-  return Endpoint(std::move(e), engine.prog);
+  Endpoint out(std::move(e), engine.prog);
+  out.ownMemh = ownMemh;
+  return out;
 }
 
 MemoryHandle Agent::createMemoryHandle(size_t size, uintptr_t buffer, int memoryType)

@@ -77,6 +77,10 @@ class Endpoint {
   std::shared_ptr<ucxx::Endpoint> ep;
   // The worker's engine: its waiters drive this endpoint's requests.
   std::shared_ptr<Progress> progress;
+  // Its context runs without a registration cache by its own settings
+  // (RCACHE_ENABLE=n given to the agent): every zero-copy buffer comes with
+  // a handle of ours, as where the environment turns the cache off.
+  bool ownMemh{false};
   Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p) : ep(std::move(e)), progress(std::move(p))
   {
   }
@@ -135,6 +139,7 @@ class Agent {
   std::shared_ptr<ucxx::Worker> worker;
   Engine engine;
   bool errorHandling;
+  bool ownMemh{false};  // see Endpoint::ownMemh
 
   Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
         int wakeTimeoutMs);
