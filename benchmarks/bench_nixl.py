@@ -29,7 +29,10 @@ waits for it, so each figure is what one synchronous caller gets:
 and with ``ucx_perftest``'s ``ucp_put_bw`` in the same error-handling mode
 (``-e``: gpushare's agents and NIXL's UCX backend handle peer failure) and
 in its default mode (no error handling), so that what error handling costs
-UCX itself shows.
+UCX itself shows.  ``--no-rndv`` runs both agents and perftest -e with
+``UCX_RNDV_THRESH=inf``, as NIXL's UCX backend sets it: with rendezvous on,
+UCX 1.21 emulates a TCP put when the endpoint handles peer failure (see
+docs/ucx.md for the figures and for why gpushare's agents keep it on).
 
 Each figure is the median of ``--runs`` runs (lowest-highest) of either
 library, each run in processes of its own, the two libraries' runs
@@ -132,6 +135,10 @@ def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
     proc.start()
     child.close()
     try:
+        if not parent.poll(600):
+            proc.kill()
+            proc.join(10)
+            raise RuntimeError("NIXL's initiator gave no figures within 600 s")
         results = parent.recv()
     except EOFError:
         proc.join(10)

@@ -157,8 +157,13 @@ class Service:
         """Serve an open socket with ``protocol``; returns its connection."""
         conn = Connection(self, sock, protocol, deadline)
         with self._reg_lock:
-            self._adding.add(conn)
-        self.call_soon(lambda: self._add(conn))
+            stopped = self._stopping
+            if not stopped:
+                self._adding.add(conn)
+        if stopped:  # no service thread will add it (at exit)
+            conn.close()
+        else:
+            self.call_soon(lambda: self._add(conn))
         return conn
 
     def stats(self) -> dict[str, int]:
@@ -207,20 +212,21 @@ class Service:
 
     # -- service thread -----------------------------------------------------
     def _add(self, conn: Connection) -> None:
+        # One step from "being added" to "served": a fork in between would find it in neither.
         with self._reg_lock:
             self._adding.discard(conn)
-        if conn.closed:
+            serve = not conn.closed and not self._stopping
+            if serve:
+                self._conns[conn.fileno] = conn
+                self._epoll.register(conn.fileno, _EPOLL[conn._events()])
+        if not serve:
+            conn.close()  # idempotent; outside the lock, which closing takes
             return
-        if self._stopping:
-            conn.close()
-            return
-        with self._reg_lock:
-            self._conns[conn.fileno] = conn
-            self._epoll.register(conn.fileno, _EPOLL[conn._events()])
         conn._on_readable()  # bytes may have arrived before it was registered
 
     def _forget(self, conn: Connection) -> None:
         with self._reg_lock:
+            self._adding.discard(conn)
             if self._conns.get(conn.fileno) is conn:
                 del self._conns[conn.fileno]
                 try:

@@ -150,9 +150,10 @@ def test_a_fork_closes_a_connection_the_service_thread_has_not_added_yet():
         hold.wait(10.0)
 
     service.call_soon(busy)  # the service thread runs nothing else meanwhile
+    proto = Record()
     try:
         assert started.wait(5.0)
-        conn = service.connect(mine, Record())
+        conn = service.connect(mine, proto)
         assert conn.fileno not in service._conns  # not added yet
         pid = os.fork()
         if pid == 0:
@@ -172,5 +173,34 @@ def test_a_fork_closes_a_connection_the_service_thread_has_not_added_yet():
     service.run(lambda: None)
     assert service._conns.get(conn.fileno) is conn  # the parent's is served as before
     peer.sendall(b"x")
+    assert _wait_for(lambda: proto.data == b"x", 5.0)
     peer.close()
     service.run(conn.close)
+
+
+@pytest.mark.parametrize("when", ["before its thread added it", "after stop"])
+def test_stop_closes_a_connection_not_added_yet(when):
+    """At exit the service closes every connection it was given, added or not; one
+    given after it stopped is closed at once."""
+    from gpushare._service import Service
+
+    service = Service()
+    mine, peer = socket.socketpair()
+    proto = Record()
+    hold = threading.Event()
+    if when == "after stop":
+        service.stop()
+    else:
+        service.call_soon(lambda: hold.wait(10.0))
+    conn = service.connect(mine, proto)
+    if when != "after stop":
+        threading.Timer(0.2, hold.set).start()
+        service.stop()
+    try:
+        assert conn.closed and proto.lost == [None]
+        assert not service._adding
+        peer.settimeout(5.0)
+        assert peer.recv(1) == b""  # the peer sees the end
+    finally:
+        hold.set()
+        peer.close()

@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import gpushare
 from gpushare import ucx
 
 from _procs import Child
@@ -81,7 +82,7 @@ def test_closing_the_local_handle_with_puts_in_flight_loses_nothing(sides):
 
 
 _STORM = textwrap.dedent("""
-    import os, signal, sys
+    import hashlib, os, signal, sys
     sys.path.insert(0, sys.argv[1])
     import numpy as np
     from _procs import Child
@@ -97,6 +98,8 @@ _STORM = textwrap.dedent("""
     rk = ep.unpack_remote_key(child.hello["key"])
     mh = agent.create_memory_handle(8 << 20) if registered else None
     local = np.frombuffer(mh.buffer, np.uint8) if registered else np.ones(8 << 20, np.uint8)
+    local[: 4 << 20] = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
+    theirs = None if kill else child.call("fill", 4 << 20, 4 << 20, 2)  # the digest of what the gets read
     reqs = []
     for i in range(50):
         reqs.append(ep.mem_put(local[:4 << 20], rk.base_address, rk))
@@ -111,6 +114,10 @@ _STORM = textwrap.dedent("""
     for r in reqs:
         err = r.exception(timeout=60)
         outcomes.append("ok" if err is None else type(err).__name__)
+    if not kill and outcomes.count("ok") == len(outcomes):
+        ep.flush().wait(30)
+        assert child.call("digest", 0, 4 << 20) == hashlib.sha256(local[: 4 << 20]).hexdigest(), "puts"
+        assert hashlib.sha256(local[4 << 20 :]).hexdigest() == theirs, "gets"
     child.close()
     print(" ".join(sorted(set(outcomes))), outcomes.count("ok"))
     ep.close()
@@ -133,7 +140,7 @@ _STORM = textwrap.dedent("""
 
 def _storm(local: str, kill: str) -> tuple[set[str], int]:
     r = subprocess.run([sys.executable, "-c", _STORM, HERE, local, kill], capture_output=True, text=True,
-                       timeout=240)
+                       timeout=90)
     if r.returncode < 0:
         pytest.fail(f"the agent's process died of {signal.Signals(-r.returncode).name}: {r.stderr[-2000:]}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -144,13 +151,14 @@ def _storm(local: str, kill: str) -> tuple[set[str], int]:
 
 
 def test_100_puts_and_gets_right_after_connect_all_arrive():
-    """Posted at once after connect, over every TCP device of this machine (loopback and
-    the others: the peer's wire-up may travel on another connection than the first puts),
-    three times over: none fails.  With rendezvous off (``UCX_RNDV_THRESH=inf``, which makes
-    the puts zero-copy) UCX 1.21's TCP transport reset the connection here in most runs, while
-    the peer paired the connections under a put (docs/ucx.md): the agents keep it on."""
+    """Posted at once after connect, three times over, the bytes checked both ways: none
+    fails.  This guards the agents' rendezvous setting.  With rendezvous off
+    (``UCX_RNDV_THRESH=inf``, which makes TCP puts zero-copy) UCX adds a lane for each further
+    TCP device (``eth0`` beside ``lo`` here), the peer's wire-up may travel on another
+    connection than the first puts, and UCX 1.21's TCP transport reset the connection in most
+    runs while the peer paired the connections under a put (docs/ucx.md)."""
     for local in ("plain", "registered", "plain"):
-        assert _storm(local, "keep") == ({"ok"}, 100)
+        assert _storm(local, "keep") == ({"ok"}, 100)  # and the bytes checked both ways
 
 
 @pytest.mark.parametrize("local", ["registered", "plain"])
@@ -162,23 +170,48 @@ def test_a_peer_killed_during_100_rendezvous_sized_puts_and_gets_crashes_nothing
     assert kinds - {"ok"}, outcome
 
 
-@pytest.mark.parametrize("value, own", [("n", True), ("NO", True), ("off", True), ("try", False)])
+_OWN_HANDLES = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    from _procs import Child
+    import _rma_peer
+    from gpushare import ucx
+    from gpushare._ucx._loader import native
+
+    child = Child(_rma_peer.setup, 1 << 20)
+    with ucx.Agent(config={"RCACHE_ENABLE": sys.argv[2]}) as agent:
+        ep = agent.connect(child.hello["address"])
+        rk = ep.unpack_remote_key(child.hello["key"])
+        data = np.arange(256 * 1024, dtype=np.uint8)  # in none of the agent's handles
+        before = native().own_memh_made()
+        ep.mem_put(data, rk.base_address, rk).wait(30)
+        ep.flush().wait(30)
+        out = np.empty_like(data)
+        ep.mem_get(out, rk.base_address, rk).wait(30)
+        assert np.array_equal(out, data)
+        print(ep._native.own_memh, native().own_memh_made() - before)
+        ep.close()
+    child.close()
+""")
+
+
+@pytest.mark.parametrize("value, own", [("n", True), ("NO", True), ("off", True), ("0", True), ("try", False)])
 def test_an_agent_without_a_registration_cache_by_its_config_gives_every_transfer_a_handle(value, own):
-    """UCX_RCACHE_ENABLE in the environment, or RCACHE_ENABLE in one agent's config: either
-    leaves UCX without its registration cache, where a peer's death mid-transfer needs a
-    handle of gpushare's own for each buffer (see the storm tests)."""
-    child = Child(_rma_peer.setup, MiB)
-    try:
-        with ucx.Agent(config={"RCACHE_ENABLE": value}) as agent:
-            ep = agent.connect(child.hello["address"])
-            assert ep._native.own_memh is own
-            rk = ep.unpack_remote_key(child.hello["key"])
-            data = np.arange(256 * 1024, dtype=np.uint8)
-            ep.mem_put(data, rk.base_address, rk).wait(30)
-            ep.flush().wait(30)
-            out = np.empty_like(data)
-            ep.mem_get(out, rk.base_address, rk).wait(30)
-            assert np.array_equal(out, data)
-            ep.close()
-    finally:
-        child.close()
+    """RCACHE_ENABLE=n in one agent's config leaves UCX without its registration cache for that
+    agent, where a peer's death mid-transfer needs a handle of gpushare's own for each buffer
+    (see the storm tests), as UCX_RCACHE_ENABLE=n in the environment does.  Run with memory
+    events on (UCX_MEM_EVENTS=y, as with InfiniBand), where the environment asks for none."""
+    env = dict(os.environ, UCX_MEM_EVENTS="y")
+    env.pop("UCX_RCACHE_ENABLE", None)
+    r = subprocess.run([sys.executable, "-c", _OWN_HANDLES, HERE, value], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    flag, made = r.stdout.split()[-2:]
+    assert flag == str(own), r.stdout
+    assert (int(made) == 2) if own else (int(made) == 0), r.stdout  # the put's and the get's
+
+
+def test_a_value_ucx_does_not_read_as_a_choice_is_refused():
+    with pytest.raises(gpushare.GpuShareError):
+        ucx.Agent(config={"RCACHE_ENABLE": "false"})

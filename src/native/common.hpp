@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cxxabi.h>
 #include <cstring>
+#include <strings.h>
 #include <functional>
 #include <memory>
 #include <mutex>

@@ -154,6 +154,8 @@ NB_MODULE(_native, m)
     ucp_get_version(&major, &minor, &release);
     return nb::make_tuple(major, minor, release);
   });
+  m.def("own_memh_made", [] { return OwnMemh::made.load(std::memory_order_relaxed); },
+        "How many memory handles of its own a transfer has made in this process (OwnMemh).");
   m.def("ucx_built_version", [] { return nb::make_tuple(UCP_API_MAJOR, UCP_API_MINOR); },
         "The UCX (major, minor) this module was compiled against.");
   m.def("serialized_remote_key_range", &serializedRemoteKeyRange, "blob"_a);

@@ -369,12 +369,15 @@ class OwnMemh {
     return value;
   }
 
-  // Whether a UCX setting's value turns it off, as UCX parses a yes/no/try value.
-  static bool saysNo(std::string s)
+  // Whether a UCX setting's value turns it off, as UCX parses a yes/no/try
+  // value (ucs_config_sscanf_bool: "n" and "no" in any case, "off", "0").
+  static bool saysNo(const std::string& v)
   {
-    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
-    return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
+    return strcasecmp(v.c_str(), "n") == 0 || strcasecmp(v.c_str(), "no") == 0 || v == "off" || v == "0";
   }
+
+  // OwnMemh made in this process so far (for tests).
+  static inline std::atomic<uint64_t> made{0};
 
   OwnMemh(ucp_context_h ctx_, void* address, size_t length, ucs_memory_type_t memoryType) : ctx(ctx_)
   {
@@ -386,6 +389,7 @@ class OwnMemh {
     p.memory_type = memoryType;
     status        = ucp_mem_map(ctx, &p, &memh);
     if (status != UCS_OK) memh = nullptr;
+    made.fetch_add(1, std::memory_order_relaxed);
   }
   ~OwnMemh()
   {

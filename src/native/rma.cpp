@@ -255,9 +255,7 @@ Endpoint Agent::connect(nb::bytes peer)
     std::shared_ptr<ucxx::Address> a = ucxx::AddressBuilder(std::string_view(s)).build();
     return ucxx::endpointBuilder(w, a).endpointErrorHandling(errorHandling).build();
   });
-  Endpoint out(std::move(e), engine.prog);
-  out.ownMemh = ownMemh;
-  return out;
+  return Endpoint(std::move(e), engine.prog, ownMemh);
 }
 
 MemoryHandle Agent::createMemoryHandle(size_t size, uintptr_t buffer, int memoryType)

@@ -81,9 +81,13 @@ class Endpoint {
   // (RCACHE_ENABLE=n given to the agent): every zero-copy buffer comes with
   // a handle of ours, as where the environment turns the cache off.
   bool ownMemh{false};
-  Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p) : ep(std::move(e)), progress(std::move(p))
+  Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p, bool own = false)
+    : ep(std::move(e)), progress(std::move(p)), ownMemh(own)
   {
   }
+  Endpoint(Endpoint&&) noexcept            = default;
+  Endpoint(const Endpoint&)                = delete;
+  Endpoint& operator=(const Endpoint&)     = delete;
   ~Endpoint() { releaseNoGil(ep); }
 
   std::shared_ptr<ucxx::Endpoint> get()
