@@ -174,6 +174,28 @@ def in_thread(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
     if errors:
         raise errors[0]
     return result[0]
+def in_threads(fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[BaseException]:
+    """Run each of ``fns`` in a thread of its own, all at once; return what they raised
+    (TimeoutError if one is still running after ``timeout`` seconds)."""
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - carried back to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a thread did not finish within {timeout} s")
+    return errors
+
+
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
     """Poll ``cond()`` until it is true or ``timeout`` passes; its last value."""
     deadline = time.monotonic() + timeout

@@ -13,6 +13,8 @@ import pytest
 
 from gpushare._cuda import _await
 
+from _procs import in_threads
+
 
 @pytest.fixture
 def no_poll(monkeypatch):
@@ -60,19 +62,11 @@ def test_waiters_whose_work_is_not_done_stay_asleep(no_poll):
 
 def test_loops_in_two_threads_each_wake_on_their_own(no_poll):
     flags: list[list[bool]] = [[], []]
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            asyncio.run(asyncio.wait_for(_await.until(lambda: bool(flags[i]), lambda fd: _later(fd, flags[i])), 10))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        asyncio.run(asyncio.wait_for(_await.until(lambda: bool(flags[i]), lambda fd: _later(fd, flags[i])), 10))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = in_threads([lambda i=i: run(i) for i in range(2)], 30)
     assert not errors and flags == [[True], [True]]
 
 

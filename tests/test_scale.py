@@ -12,7 +12,7 @@ import pytest
 import gpushare as gs
 from gpushare import _importer
 
-from _procs import Child, wait_for as _wait_for
+from _procs import Child, in_threads, wait_for as _wait_for
 import _share_peer
 
 MiB = 1 << 20
@@ -419,27 +419,18 @@ def test_a_hello_of_another_protocol_is_refused_clearly():
 
 
 def test_threads_opening_at_once_share_one_connection(exporter):
-    import threading
-
     shares = [exporter.call("export", "host", 4096, {"lifetime": "revoked"}) for _ in range(4)]
-    views, errors = [], []
+    views = []
 
     def opener(i):
-        try:
-            for k in range(25):
-                view = gs.open(shares[(i + k) % len(shares)])
-                out = bytearray(4)
-                view.get(out)
-                assert out == bytes(range(4))
-                views.append(view)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for k in range(25):
+            view = gs.open(shares[(i + k) % len(shares)])
+            out = bytearray(4)
+            view.get(out)
+            assert out == bytes(range(4))
+            views.append(view)
 
-    threads = [threading.Thread(target=opener, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = in_threads([lambda i=i: opener(i) for i in range(8)], 60)
     assert errors == [] and len(views) == 200
     stats = exporter.call("stats")["exporter"]
     assert stats["leases"] == 200

@@ -17,7 +17,7 @@ import pytest
 import gpushare
 from gpushare._ucx import _peer, _server
 
-from _procs import Child
+from _procs import Child, in_threads
 import _server_peer
 
 MiB = 1 << 20
@@ -99,27 +99,16 @@ def test_a_wait_that_times_out_leaves_the_transfer_running(exporter, peer, big):
 def test_threads_share_one_peer(exporter, peer, big):
     """Callers in several threads post and wait at once (each waiter drives
     the worker for a while); every byte lands where it was meant to."""
-    import threading
-
-    errors = []
-
     def work(t: int) -> None:
-        try:
-            for i in range(50):
-                data = _pattern(1000 + 37 * i, 100 * t + i)
-                off = t * MiB + 8192 * i
-                peer.put(*big, off, data, timeout=60)
-                back = np.zeros_like(data)
-                peer.get_async(*big, off, back).wait(60)
-                assert np.array_equal(back, data)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(50):
+            data = _pattern(1000 + 37 * i, 100 * t + i)
+            off = t * MiB + 8192 * i
+            peer.put(*big, off, data, timeout=60)
+            back = np.zeros_like(data)
+            peer.get_async(*big, off, back).wait(60)
+            assert np.array_equal(back, data)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
+    errors = in_threads([lambda t=t: work(t) for t in range(4)], 120)
     assert not errors, errors
     data = _pattern(1000 + 37 * 49, 100 * 3 + 49)
     assert exporter.call("read", "big", 3 * MiB + 8192 * 49, data.size) == data.tobytes()

@@ -43,7 +43,7 @@ from ._common import (
     user_callback,
     wake_timeout_ms,
 )
-from ._loader import check_memtype_config, keep_forever, native
+from ._loader import check_memtype_config, keep_forever, native, without_registration_cache
 from ._local import LocalPeer
 from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated, zero_unused
 from ._rkey import check_remote_key
@@ -375,7 +375,8 @@ class Agent:
         # The handle a transfer found its local range in last (see _registration).
         self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
         self._native = native().Agent(cfg, progress == "polling", error_handling,
-                                      wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))))
+                                      wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))),
+                                      without_registration_cache(cfg))
         self._address = None
         self._finalizer = weakref.finalize(
             self, _shutdown_agent, self._pid, self._native, self._endpoints, self._handles,

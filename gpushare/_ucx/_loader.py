@@ -73,6 +73,14 @@ def _ternary(value: str) -> str:
     return _TERNARY.get(value.strip().lower(), value.strip().lower())
 
 
+def without_registration_cache(cfg: dict[str, str]) -> bool:
+    """Whether a context made with settings ``cfg`` (and this environment) runs without
+    UCX's registration cache: memory events off (a setting of the whole process), or
+    ``RCACHE_ENABLE`` off in ``cfg`` or, where ``cfg`` does not say, in the environment."""
+    rcache = cfg.get("RCACHE_ENABLE", os.environ.get("UCX_RCACHE_ENABLE", "try"))
+    return _ternary(os.environ.get("UCX_MEM_EVENTS", "y")) == "n" or _ternary(rcache) == "n"
+
+
 def choose_memtype_cache() -> None:
     """Turn UCX's memory-type cache off for the process, before its libraries load.
 

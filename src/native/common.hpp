@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cxxabi.h>
 #include <cstring>
-#include <strings.h>
 #include <functional>
 #include <memory>
 #include <mutex>

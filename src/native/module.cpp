@@ -79,8 +79,8 @@ void bindAgent(nb::module_& m)
     .def("close", &Endpoint::close, "timeout"_a);
 
   nb::class_<Agent>(m, "Agent")
-    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int>(),
-         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a)
+    .def(nb::init<const std::unordered_map<std::string, std::string>&, bool, bool, int, bool>(),
+         "config"_a, "polling"_a, "error_handling"_a, "wake_timeout_ms"_a, "without_rcache"_a)
     .def("address", &Agent::address)
     .def("info", &Agent::info)
     .def("connect", &Agent::connect, "peer_address"_a)

@@ -362,18 +362,14 @@ class OwnMemh {
     static const bool value = [] {
       auto off = [](const char* name) {
         const char* v = std::getenv(name);
-        return v != nullptr && saysNo(v);
+        if (v == nullptr) return false;
+        std::string s(v);
+        std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return std::tolower(ch); });
+        return s == "n" || s == "no" || s == "off" || s == "0" || s == "false";
       };
       return off("UCX_MEM_EVENTS") || off("UCX_RCACHE_ENABLE");
     }();
     return value;
-  }
-
-  // Whether a UCX setting's value turns it off, as UCX parses a yes/no/try
-  // value (ucs_config_sscanf_bool: "n" and "no" in any case, "off", "0").
-  static bool saysNo(const std::string& v)
-  {
-    return strcasecmp(v.c_str(), "n") == 0 || strcasecmp(v.c_str(), "no") == 0 || v == "off" || v == "0";
   }
 
   // OwnMemh made in this process so far (for tests).

@@ -124,7 +124,7 @@ Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remote
   auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->forTransfer() : nullptr, nullptr};
   auto mtype      = static_cast<ucs_memory_type_t>(memoryType);
   ucp_mem_h local = ctx->userMemh ? ctx->userMemh->getHandle() : nullptr;
-  if (local == nullptr && length > 0 && (ownMemh || OwnMemh::needed())) {
+  if (local == nullptr && length > 0 && ownMemh) {
     // Without UCX's registration cache, every buffer UCX may move by
     // zero-copy comes with a handle UCX did not register itself (OwnMemh).
     ctx->memh = std::make_unique<OwnMemh>(std::dynamic_pointer_cast<ucxx::Context>(e->getWorker()->getParent())->getHandle(),
@@ -214,11 +214,9 @@ void Endpoint::close(double timeout)
 }
 
 Agent::Agent(const std::unordered_map<std::string, std::string>& config, bool polling, bool errorHandling_,
-      int wakeTimeoutMs)
-  : errorHandling(errorHandling_)
+      int wakeTimeoutMs, bool withoutRcache)
+  : errorHandling(errorHandling_), ownMemh(withoutRcache)
 {
-  auto rcache = config.find("RCACHE_ENABLE");
-  ownMemh     = rcache != config.end() && OwnMemh::saysNo(rcache->second);
   beforeUcpInit();
   ucxx::ConfigMap cfg(config.begin(), config.end());
   call("ucp_init", [&] {

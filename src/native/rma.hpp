@@ -77,9 +77,8 @@ class Endpoint {
   std::shared_ptr<ucxx::Endpoint> ep;
   // The worker's engine: its waiters drive this endpoint's requests.
   std::shared_ptr<Progress> progress;
-  // Its context runs without a registration cache by its own settings
-  // (RCACHE_ENABLE=n given to the agent): every zero-copy buffer comes with
-  // a handle of ours, as where the environment turns the cache off.
+  // Its context runs without UCX's registration cache (the agent's settings
+  // or the environment's): every zero-copy buffer comes with a handle of ours.
   bool ownMemh{false};
   Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p, bool own = false)
     : ep(std::move(e)), progress(std::move(p)), ownMemh(own)
@@ -145,8 +144,10 @@ class Agent {
   bool errorHandling;
   bool ownMemh{false};  // see Endpoint::ownMemh
 
+  // `withoutRcache`: the caller's word that these settings leave UCX without
+  // its registration cache (Python reads UCX's yes/no values).
   Agent(const std::unordered_map<std::string, std::string>& config, bool polling_, bool errorHandling_,
-        int wakeTimeoutMs);
+        int wakeTimeoutMs, bool withoutRcache);
   ~Agent() { shutdown(); }
 
   std::shared_ptr<ucxx::Worker> getWorker()
