@@ -49,7 +49,6 @@ on its request.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -129,25 +128,8 @@ def nixl_run(quick: bool, cpu: int | None = None, seed: bool = False) -> dict:
     else single gets and puts per size and the batch.  The initiator runs in a process of its own
     (on this process's core): NIXL's teardown at the exit of a process that used an agent crashed
     it (SIGSEGV, after the work was done)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_nixl_initiator, args=(child, quick, cpu, seed))  # it starts the target
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(600):
-            proc.kill()
-            proc.join(10)
-            raise RuntimeError("NIXL's initiator gave no figures within 600 s")
-        results = parent.recv()
-    except EOFError:
-        proc.join(10)
-        raise RuntimeError(f"NIXL's initiator process ended with status {proc.exitcode} before its figures") from None
-    proc.join(60)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
-    return results
+    with spawned(_nixl_initiator, quick, cpu, seed, daemon=False, timeout=600) as results:  # it starts the target
+        return results
 
 
 def _nixl_initiator(conn, quick: bool, cpu: int | None, seed: bool) -> None:
@@ -178,6 +160,7 @@ def _nixl_initiator(conn, quick: bool, cpu: int | None, seed: bool) -> None:
             results[("put", "batch")] = measure("WRITE", pairs)
         agent.remove_remote_agent(peer)
     conn.send(results)
+    conn.recv()
 
 
 # -- gpushare ---------------------------------------------------------------------

@@ -175,18 +175,32 @@ BATCH, BATCH_SIZE = 64, 64 * KiB
 
 
 @contextlib.contextmanager
-def spawned(target, *args):
+def spawned(target, *args, daemon: bool = True, timeout: float | None = None):
     """Run ``target(conn, *args)`` in a spawned process; yield what it sends first.
 
     On exit the process is told ``"done"`` and reaped (killed if it hangs).
+    ``daemon=False`` lets the process start processes of its own; ``timeout``
+    bounds the wait for its first message.
     """
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=target, args=(child, *args), daemon=True)
+    proc = mp.get_context("spawn").Process(target=target, args=(child, *args), daemon=daemon)
     proc.start()
+    child.close()
     try:
-        yield parent.recv()
+        if timeout is not None and not parent.poll(timeout):
+            raise RuntimeError(f"{target.__name__} sent nothing within {timeout} s")
+        try:
+            first = parent.recv()
+        except EOFError:
+            proc.join(10)
+            raise RuntimeError(f"{target.__name__}'s process ended with status {proc.exitcode} "
+                               "before it sent anything") from None
+        yield first
     finally:
-        parent.send("done")
+        try:
+            parent.send("done")
+        except OSError:
+            pass  # it is gone already
         proc.join(30)
         if proc.is_alive():
             proc.kill()

@@ -25,7 +25,6 @@ from ._types import PathName, in_range, path_names, strict_json, text
 
 __all__ = ["Share", "BundleShare", "expect_share", "LIFETIMES", "MAX_SHARE_BYTES", "MAX_BUNDLE_SHARE_BYTES"]
 
-#: Every path, fastest first.
 #: Lifetime policy names (an int N means "until N imports have closed").
 LIFETIMES = ("auto", "closed", "revoked", "none")
 

@@ -144,7 +144,7 @@ class _Pending:
                 check(drv.cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent")
                 code = _native().gs_notify(int(stream), fd)
             if code:
-                raise CUDAError(_driver._name(drv, drv.CUresult(code)), "cuLaunchHostFunc")
+                _raise(code, "cuLaunchHostFunc")
         finally:
             self.lock.release()
 
@@ -279,7 +279,6 @@ class CopyRequest:
         copy (``_await``): no thread, no polling in steps."""
         if not self._finished:
             yield from _await.until(self.done, self._pending.notify).__await__()
-            self.done()
         if self._error is not None:
             raise self._error
 
@@ -441,7 +440,7 @@ class _Device:
                 return check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
 
-_devices = _driver.PerProcess()
+_devices = _driver.PerDevice()
 
 #: How much longer than the last late copy of its class a copy is expected
 #: to take (so that one a little slower is not late); how much shorter each

@@ -212,7 +212,7 @@ def ordinal_of_uuid(uuid: str | None) -> int | None:
     return None
 
 
-class PerProcess:
+class PerDevice:
     """Driver state kept per key (a device) for this process: made once by
     ``make(key)``, forgotten in a forked child (the driver's state does not
     survive fork).  Read without a lock once made."""
@@ -250,7 +250,7 @@ def _retain_primary(ordinal: int) -> Any:
     return check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({ordinal})")
 
 
-_primary = PerProcess()
+_primary = PerDevice()
 
 
 def _primary_context(ordinal: int) -> Any:

@@ -22,13 +22,13 @@ from typing import Any
 
 from . import _driver
 
-__all__ = ["ForeignVmm", "MAX_ALLOCATIONS", "covering", "export_fds"]
+__all__ = ["ForeignVmm", "MAX_FOREIGN_ALLOCATIONS", "covering", "export_fds"]
 
 #: The most allocations one buffer of another allocator's virtual memory is
 #: exported as (each is an fd the broker hands over with one open).  torch's
 #: expandable segments map pages of 20 MiB (2 MiB below 1 MiB requests), so
 #: this covers a tensor of 20 GiB; a larger one goes the copied way.
-MAX_ALLOCATIONS = 1024
+MAX_FOREIGN_ALLOCATIONS = 1024
 
 
 class ForeignVmm:
@@ -102,7 +102,7 @@ def covering(address: int, nbytes: int, owner: Any) -> tuple[ForeignVmm, int] | 
     ``nbytes`` bytes at ``address`` (the memory of ``owner``), as one
     buffer, and the range's offset in it; None unless the range lies in
     mappings back to back, each of a whole allocation that exports as a
-    POSIX fd, at most :data:`MAX_ALLOCATIONS` of them."""
+    POSIX fd, at most :data:`MAX_FOREIGN_ALLOCATIONS` of them."""
     drv = _driver.driver()
     ok = drv.CUresult.CUDA_SUCCESS
     try:
@@ -119,7 +119,7 @@ def covering(address: int, nbytes: int, owner: Any) -> tuple[ForeignVmm, int] | 
         start = at = int(base)
         end = address + nbytes
         while at < end:
-            if len(sizes) == MAX_ALLOCATIONS:
+            if len(sizes) == MAX_FOREIGN_ALLOCATIONS:
                 return None
             err, got, size = drv.cuMemGetAddressRange(at)
             if err != ok or int(got) != at or int(size) <= 0:
