@@ -590,7 +590,11 @@ class View:
             (transport.get if get else transport.put)(offset, buf, timeout, stream, self._span, self._checked)
         else:
             self._copy(buf, offset, direction, stream, True, timeout)
-        if progress is not None:  # a mapped copy: done at once
+        self._report_whole(buf, offset, progress)
+
+    def _report_whole(self, buf: Any, offset: int, progress: _progress.ProgressCallback | None) -> None:
+        """A mapped copy's progress: reported once, at the end."""
+        if progress is not None:
             local = self._span(buf, offset, False)[0]
             local.release()
             progress(local.nbytes, local.nbytes)
@@ -663,10 +667,7 @@ class View:
             request = self._copy(buf, offset, direction, stream)
         if request is not None:
             await request
-        if progress is not None:  # a mapped copy: reported once, at the end
-            local = self._span(buf, offset, False)[0]
-            local.release()
-            progress(local.nbytes, local.nbytes)
+        self._report_whole(buf, offset, progress)
 
 
 def check_item(view: View, offset: Any, buf: Any, direction: str) -> None:
