@@ -142,6 +142,13 @@ def bytes_of(handle: Any, n: int) -> bytes:
     return ctypes.string_at(handle.getPtr(), n)
 
 
+def handle_types_field(prop: Any) -> ctypes.c_uint32:
+    """``requestedHandleTypes`` of a ``CUmemAllocationProp`` in the C struct (it follows the
+    4-byte ``type``): the driver's bit mask, which the bindings' getter and setter take as one
+    enum member only."""
+    return ctypes.c_uint32.from_address(prop.getPtr() + 4)
+
+
 def set_bytes(handle: Any, data: bytes) -> Any:
     """Fill a driver struct from bytes; returns it."""
     ctypes.memmove(handle.getPtr(), data, len(data))

@@ -16,7 +16,6 @@ is, not where in its allocation it starts.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any
 
@@ -56,13 +55,6 @@ class ForeignVmm:
         return f"<ForeignVmm {len(self.sizes)} allocations, {self.size} bytes at 0x{self.address:x}>"
 
 
-def _handle_types(prop: Any) -> int:
-    """``requestedHandleTypes`` of a ``CUmemAllocationProp`` as the driver
-    wrote it (a bit mask, which the bindings' getter may not read: the field
-    follows the 4-byte ``type``, see ``vmm._set_handle_types``)."""
-    return ctypes.c_uint32.from_address(prop.getPtr() + 4).value
-
-
 def _handle_at(drv: Any, address: int) -> int | None:
     """The allocation handle mapped at ``address`` (its number), or None
     where none is (not virtual memory)."""
@@ -93,7 +85,7 @@ def _exportable(drv: Any, address: int, size: int, ordinal: int) -> bool:
     finally:
         drv.cuMemRelease(handle)
     posix = int(drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-    return (err == drv.CUresult.CUDA_SUCCESS and bool(_handle_types(prop) & posix)
+    return (err == drv.CUresult.CUDA_SUCCESS and bool(_driver.handle_types_field(prop).value & posix)
             and int(prop.location.id) == ordinal)
 
 

@@ -15,7 +15,6 @@ Thin on purpose: every driver call goes through :func:`._driver.check`.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import warnings
@@ -76,7 +75,7 @@ def _set_handle_types(drv: Any, prop: Any, names: Sequence[str]) -> None:
     prop.requestedHandleTypes = chosen[-1]
     if len(chosen) == 1:
         return
-    field = ctypes.c_uint32.from_address(prop.getPtr() + 4)
+    field = _driver.handle_types_field(prop)
     if field.value != int(chosen[-1]):
         raise UnsupportedError("cannot request several handle types: unexpected CUmemAllocationProp layout")
     mask = 0
