@@ -29,10 +29,12 @@ waits for it, so each figure is what one synchronous caller gets:
 and with ``ucx_perftest``'s ``ucp_put_bw`` in the same error-handling mode
 (``-e``: gpushare's agents and NIXL's UCX backend handle peer failure) and
 in its default mode (no error handling), so that what error handling costs
-UCX itself shows.  ``--no-rndv`` runs both agents and perftest -e with
-``UCX_RNDV_THRESH=inf``, as NIXL's UCX backend sets it: with rendezvous on,
-UCX 1.21 emulates a TCP put when the endpoint handles peer failure (see
-docs/ucx.md for the figures and for why gpushare's agents keep it on).
+UCX itself shows.  Agents run with rendezvous off (``RNDV_THRESH=inf``, as
+NIXL's UCX backend sets it) and wire-up on the active-message lane, which
+makes their TCP puts zero-copy with error handling on; perftest -e runs with
+the same settings.  ``--rndv`` runs both agents and perftest -e with UCX's
+default rendezvous threshold instead, under which UCX 1.21 emulates a TCP
+put when the endpoint handles peer failure (see docs/ucx.md).
 
 Each figure is the median of ``--runs`` runs (lowest-highest) of either
 library, each run in processes of its own, the two libraries' runs
@@ -259,9 +261,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations per run")
     p.add_argument("--seed", action="store_true",
                    help="the seed API's puts with 16 in flight against NIXL and ucx_perftest instead")
-    p.add_argument("--no-rndv", action="store_true",
-                   help="with --seed: both agents and perftest -e run with UCX_RNDV_THRESH=inf, as NIXL's "
-                        "UCX backend does (see docs/ucx.md for why gpushare's agents do not)")
+    p.add_argument("--rndv", action="store_true",
+                   help="with --seed: both agents and perftest -e run with UCX's default rendezvous threshold "
+                        "(gpushare's agents turn rendezvous off, as NIXL's UCX backend does; see docs/ucx.md)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the processes' placement on cores to the scheduler")
     args = p.parse_args()
@@ -318,14 +320,18 @@ def _ucx_versions() -> str:
 
 def _seed_main(args, mine: int | None, theirs: int | None) -> int:
     nixl, ours, ref = [], [], []
-    config = {"RNDV_THRESH": "inf"} if args.no_rndv else None
+    from gpushare._ucx._common import rma_config
+
+    config = {"RNDV_THRESH": "auto"} if args.rndv else None  # the agents' further settings
+    settings = rma_config() | (config or {})  # perftest -e's: the agents' own
     for _ in range(args.runs):  # alternating, so that each sees the machine in the same states
         nixl.append(nixl_run(args.quick, theirs, seed=True))
         ours.append(seed_run(args.quick, theirs, config))
-        ref.append(perftest_puts(args.quick, (mine, theirs), config))
+        ref.append(perftest_puts(args.quick, (mine, theirs), settings))
     where = f"importer on core {mine}, exporter on core {theirs}" if mine is not None else "unpinned"
     print(f"seed API puts, {INFLIGHT} in flight; UCX_TLS=tcp, UCX_NET_DEVICES=lo, host memory, {os.cpu_count()} "
-          f"CPUs, {where}; agents and perftest -e {'with UCX_RNDV_THRESH=inf' if args.no_rndv else 'as gpushare sets them'}; "
+          f"CPUs, {where}; agents and perftest -e {'with UCX_RNDV_THRESH=auto' if args.rndv else 'as gpushare sets them'} "
+          f"({', '.join(f'{k}={v}' for k, v in settings.items())}); "
           f"median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
           f"{_ucx_versions()}\n")
     print(f"{'size':>8} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "

@@ -318,9 +318,12 @@ def run_server(sizes, runs: int, quick: bool) -> None:
 
 def run(settings, sizes, runs: int, quick: bool) -> None:
     from gpushare import ucx
+    from gpushare._ucx._common import rma_config
 
+    same = {f"UCX_{k}": v for k, v in rma_config().items()}  # perftest runs with the agents' settings
     print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; median of {runs} runs "
-          "(lowest-highest); MiB/s for bandwidths, us for latencies, operations/s for rates\n")
+          "(lowest-highest); MiB/s for bandwidths, us for latencies, operations/s for rates; perftest with "
+          f"the agents' settings {' '.join(f'{k}={v}' for k, v in same.items())}\n")
     for name, tls, eh in settings:
         if name == "server":
             try:
@@ -355,7 +358,7 @@ def run(settings, sizes, runs: int, quick: bool) -> None:
                             ref, got = [], []
                             try:
                                 for _ in range(runs):
-                                    ref.append(perftest(test, size, n, tls, eh)[0])
+                                    ref.append(perftest(test, size, n, tls, eh, settings=same)[0])
                                     got.append(gpushare_bw(ep, rk, op, size, n))
                             except Exception as exc:  # noqa: BLE001 - report and go on
                                 print(f"   {_label(size):>8} {op:>4} failed: {exc}")
@@ -365,7 +368,7 @@ def run(settings, sizes, runs: int, quick: bool) -> None:
                     ref_lat, got_lat = [], []
                     for _ in range(runs):
                         try:
-                            ref_lat.append(perftest("ucp_get", 8, li, tls, eh)[1])
+                            ref_lat.append(perftest("ucp_get", 8, li, tls, eh, settings=same)[1])
                         except Exception:  # noqa: BLE001 - the latency line says so
                             ref_lat.append(float("nan"))
                         got_lat.append(gpushare_lat(ep, rk, li))

@@ -150,13 +150,38 @@ def _storm(local: str, kill: str) -> tuple[set[str], int]:
     return set(kinds.split()), int(ok)
 
 
+def test_an_agents_tcp_puts_are_remote_memory_access_with_wire_up_on_the_am_lane(sides):
+    """With error handling, an agent's endpoint over TCP has lanes for remote memory access (its
+    puts zero-copy, not emulated with active messages the peer copies in), and wire-up travels
+    on the active-message lane (the storm below resets the connection otherwise): the settings
+    of gpushare._ucx._common.rma_config, which the environment's UCX_* variables override."""
+    agent, ep, rk, peer = sides
+    ep.mem_put(b"x" * 4096, rk.base_address, rk).wait(30)
+    ep.flush().wait(30)
+    lanes = [ln for ln in ep._native.info().splitlines() if "lane[" in ln]
+    assert lanes and all("tcp/" in ln for ln in lanes), lanes
+    assert any("rma_bw" in ln for ln in lanes), lanes
+    wireup = [ln for ln in lanes if ln.rstrip().endswith("wireup") or " wireup" in ln]
+    assert len(wireup) == 1 and " am " in wireup[0], lanes
+
+
+def test_the_environment_overrides_the_agents_rma_settings(monkeypatch):
+    from gpushare._ucx._common import rma_config
+
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    monkeypatch.delenv("UCX_WIREUP_VIA_AM_LANE", raising=False)
+    assert rma_config() == {"RNDV_THRESH": "inf", "WIREUP_VIA_AM_LANE": "y"}
+    monkeypatch.setenv("UCX_RNDV_THRESH", "auto")
+    assert rma_config() == {"WIREUP_VIA_AM_LANE": "y"}
+
+
 def test_100_puts_and_gets_right_after_connect_all_arrive():
     """Posted at once after connect, three times over, the bytes checked both ways: none
-    fails.  This guards the agents' rendezvous setting.  With rendezvous off
-    (``UCX_RNDV_THRESH=inf``, which makes TCP puts zero-copy) UCX adds a lane for each further
-    TCP device (``eth0`` beside ``lo`` here), the peer's wire-up may travel on another
-    connection than the first puts, and UCX 1.21's TCP transport reset the connection in most
-    runs while the peer paired the connections under a put (docs/ucx.md)."""
+    fails.  This guards the agents' wire-up setting.  With rendezvous off (which makes TCP
+    puts zero-copy) UCX adds a lane for each further TCP device (``eth0`` beside ``lo`` here);
+    with wire-up on that lane's connection (UCX's default, ``UCX_WIREUP_VIA_AM_LANE=n``), the
+    peer paired the connections while a zero-copy put arrived and UCX 1.21's TCP transport
+    reset the connection in most runs (docs/ucx.md)."""
     for local in ("plain", "registered", "plain"):
         assert _storm(local, "keep") == ({"ok"}, 100)  # and the bytes checked both ways
 

@@ -39,6 +39,7 @@ from ._common import (
     mt_config,
     pack,
     report_callback_error,
+    rma_config,
     unpack,
     user_callback,
     wake_timeout_ms,
@@ -329,7 +330,11 @@ class Agent:
         descriptors; without it, UCX chooses.
     config : mapping, optional
         Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
-        environment variables apply as usual.  ``MEMTYPE_CACHE`` is one
+        environment variables apply as usual.  Agents run with rendezvous
+        off (``RNDV_THRESH=inf``: TCP puts are zero-copy with error
+        handling) and wire-up on the active-message lane
+        (``WIREUP_VIA_AM_LANE=y``) unless ``config`` or the environment
+        says otherwise (docs/ucx.md).  ``MEMTYPE_CACHE`` is one
         setting of the whole process in UCX, which gpushare sets to ``n``
         when it loads UCX (``UCX_MEMTYPE_CACHE`` in the environment wins):
         a value other than the process's is refused with
@@ -359,7 +364,7 @@ class Agent:
             cfg["TLS"] = transports
         elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
-        for key, value in (mt_config() | cuda_ipc_config()).items():
+        for key, value in (mt_config() | cuda_ipc_config() | rma_config()).items():
             cfg.setdefault(key, value)
         check_memtype_config(cfg)  # one setting per process: see _loader.choose_memtype_cache
         self._progress = progress

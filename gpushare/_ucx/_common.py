@@ -32,6 +32,7 @@ __all__ = [
     "MEMORY_TYPE_NAMES",
     "default_transports",
     "mt_config",
+    "rma_config",
     "wake_timeout_ms",
     "pack",
     "unpack",
@@ -102,6 +103,26 @@ def mt_config() -> dict[str, str]:
     A mutex sleeps instead.  ``UCX_USE_MT_MUTEX`` in the environment wins.
     """
     return {} if "UCX_USE_MT_MUTEX" in os.environ else {"USE_MT_MUTEX": "y"}
+
+
+def rma_config() -> dict[str, str]:
+    """Settings under which an agent's puts are remote memory access, with error handling.
+
+    With peer error handling and rendezvous on, UCX 1.21 admits a transport
+    as a lane for bulk remote memory access only if its memory domain can
+    invalidate remote access, which TCP's cannot: every TCP put was then
+    emulated with active messages the peer copies in (openucx/ucx issue
+    11929).  An agent sends nothing by rendezvous (its puts and gets are
+    remote memory access), so rendezvous is off (``RNDV_THRESH=inf``, as
+    NIXL sets it) and TCP puts are zero-copy.  Wire-up then travels on the
+    endpoint's active-message lane (``WIREUP_VIA_AM_LANE=y``): where a
+    second TCP device added a lane, UCX sent wire-up on that device's
+    connection, and the peer's TCP transport dropped a zero-copy put that
+    arrived while it paired the connections, resetting the endpoint.
+    ``UCX_RNDV_THRESH`` / ``UCX_WIREUP_VIA_AM_LANE`` in the environment win.
+    """
+    wanted = {"RNDV_THRESH": "inf", "WIREUP_VIA_AM_LANE": "y"}
+    return {k: v for k, v in wanted.items() if "UCX_" + k not in os.environ}
 
 
 def cuda_ipc_config() -> dict[str, str]:
