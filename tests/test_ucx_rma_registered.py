@@ -3,6 +3,7 @@ death in the middle of many of them (real processes, loopback, host memory)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
@@ -47,6 +48,22 @@ def test_a_transfer_finds_the_handle_that_registers_its_local_range(agent):
         assert agent._registration(base - 1, 16, "host") is None
         assert agent._registration(base, 16, "cuda") is None  # another memory type
     assert agent._registration(base, 16, "host") is None  # closed: never used again
+
+
+def test_the_lookup_skips_closed_and_dropped_handles_and_forgets_them(agent):
+    first, second = agent.create_memory_handle(MiB), agent.create_memory_handle(MiB)
+    base1, base2 = first.base_address, second.base_address
+    assert agent._registration(base2, 16, "host") is second._native
+    assert agent._registration(base1, 16, "host") is first._native
+    first.close()
+    assert agent._registration(base1, 16, "host") is None
+    del second
+    gc.collect()
+    assert agent._registration(base2, 16, "host") is None
+    for _ in range(200):
+        agent.create_memory_handle(4096).close()
+    still_open = sum(1 for h in list(agent._handles) if not h.closed)
+    assert len(agent._registry) <= still_open + 1  # the last one closed, until the next creation
 
 
 def test_puts_and_gets_from_registered_memory_move_the_bytes(sides):

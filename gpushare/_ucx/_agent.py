@@ -21,6 +21,7 @@ from .._errors import (
     UCXConnectionError,
     WaitTimeoutError,
 )
+from .._process import current_pid
 from . import _device
 from ._address import PeerAddress, check_worker_address
 from ._common import (
@@ -379,6 +380,8 @@ class Agent:
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         # The handle a transfer found its local range in last (see _registration).
         self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
+        #: (low, high, memory type, weak reference) of each open handle (see _register).
+        self._registry: tuple[tuple[int, int, str, Callable[[], MemoryHandle | None]], ...] = ()
         self._native = native().Agent(cfg, progress == "polling", error_handling,
                                       wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))),
                                       without_registration_cache(cfg))
@@ -392,10 +395,10 @@ class Agent:
     # -- state ---------------------------------------------------------------
 
     def _usable(self) -> bool:
-        return self._finalizer.alive and os.getpid() == self._pid
+        return self._finalizer.alive and current_pid() == self._pid
 
     def _check_usable(self) -> None:
-        if os.getpid() != self._pid:
+        if current_pid() != self._pid:
             raise ClosedError(
                 f"this agent belongs to process {self._pid}; UCX state does not survive fork. "
                 "Create a new gpushare.ucx.Agent in the child"
@@ -489,16 +492,23 @@ class Agent:
             nmh = last._covering(address, nbytes, memory_type)
             if nmh is not None:
                 return nmh
-        if not self._handles:
-            return None
-        with self._lock:
-            handles = list(self._handles)
-        for mh in handles:
-            nmh = mh._covering(address, nbytes, memory_type)
-            if nmh is not None:
-                self._last_registration = weakref.ref(mh)
-                return nmh
+        # The open handles' ranges, without the lock or the WeakSet's iteration (see _register).
+        for lo, hi, mtype, ref in self._registry:
+            if lo <= address and address + nbytes <= hi and mtype == memory_type:
+                mh = ref()
+                if mh is not None and (nmh := mh._covering(address, nbytes, memory_type)) is not None:
+                    self._last_registration = ref
+                    return nmh
         return None
+
+    def _register(self, mh: MemoryHandle) -> None:
+        """Count ``mh`` among the agent's handles, and remake the ranges a transfer looks
+        its local buffer up in: those of the handles still open (a closed one's entry goes
+        at the next handle's creation; a transfer skips it meanwhile)."""
+        with self._lock:
+            self._handles.add(mh)
+            self._registry = tuple((*h._range, h._memory_type, weakref.ref(h))
+                                   for h in list(self._handles) if h._finalizer.alive)
 
     def create_memory_handle(self, size: int, buffer: Any = None, memory_type: str | None = None) -> MemoryHandle:
         """Register memory for remote access; mirrors ``ucxx::createMemoryHandle``.
@@ -564,8 +574,7 @@ class Agent:
                 mm.close()
             raise
         mh = MemoryHandle._make(self, nmh, local, mm, mtype, ordinal if mtype == "cuda" else None)
-        with self._lock:
-            self._handles.add(mh)
+        self._register(mh)
         return mh
 
     def close(self) -> None:

@@ -254,8 +254,13 @@ class Request:
         UCXError
             If the request failed.
         """
-        t = _types.timeout(timeout)
-        if not self._native.wait(-1.0 if t is None else t):
+        if timeout is None:
+            t = -1.0
+        elif (type(timeout) is float or type(timeout) is int) and timeout >= 0:  # NaN and bools: below
+            t = float(timeout)
+        else:
+            t = _types.timeout(timeout)  # checked there: NumPy numbers pass, the rest is refused
+        if not self._native.wait(t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         self._buffer = None
         if self._native.ok():
