@@ -22,31 +22,14 @@ from typing import Any, Generic, TypeVar
 
 from ._errors import ClosedError, ExporterUnreachableError, InvalidInputError, UnsupportedError
 
-__all__ = ["QUIET", "PerProcess", "Stopped", "await_alive", "check_same_node", "current_pid", "node_identity",
-           "node_key", "peer_timeout", "process_state", "state_of", "wait_alive"]
+__all__ = ["QUIET", "PerProcess", "Stopped", "await_alive", "check_same_node", "node_identity", "node_key",
+           "peer_timeout", "process_state", "state_of", "wait_alive"]
 
 T = TypeVar("T")
 
 #: Seconds the exit hook of a :class:`PerProcess` waits for a make under way
 #: in another thread (loading UCX takes well under one) before it gives up.
 EXIT_WAIT = 10.0
-
-
-_pid = os.getpid()
-
-
-def _forked() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-def current_pid() -> int:
-    """``os.getpid()`` without a system call (read on every transfer): kept
-    up to date by a fork hook, which runs in every child ``os.fork`` makes."""
-    return _pid
 
 
 class PerProcess(Generic[T]):

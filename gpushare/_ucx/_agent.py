@@ -21,7 +21,6 @@ from .._errors import (
     UCXConnectionError,
     WaitTimeoutError,
 )
-from .._process import current_pid
 from . import _device
 from ._address import PeerAddress, check_worker_address
 from ._common import (
@@ -380,8 +379,10 @@ class Agent:
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         # The handle a transfer found its local range in last (see _registration).
         self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
-        #: (low, high, memory type, weak reference) of each open handle (see _register).
-        self._registry: tuple[tuple[int, int, str, Callable[[], MemoryHandle | None]], ...] = ()
+        #: (low, high, memory type, weak reference) of each handle (see _register), and how
+        #: many entries its last pruning kept.
+        self._registry: list[tuple[int, int, str, Callable[[], MemoryHandle | None]]] = []
+        self._registry_kept = 0
         self._native = native().Agent(cfg, progress == "polling", error_handling,
                                       wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))),
                                       without_registration_cache(cfg))
@@ -395,10 +396,10 @@ class Agent:
     # -- state ---------------------------------------------------------------
 
     def _usable(self) -> bool:
-        return self._finalizer.alive and current_pid() == self._pid
+        return self._finalizer.alive and os.getpid() == self._pid
 
     def _check_usable(self) -> None:
-        if current_pid() != self._pid:
+        if os.getpid() != self._pid:
             raise ClosedError(
                 f"this agent belongs to process {self._pid}; UCX state does not survive fork. "
                 "Create a new gpushare.ucx.Agent in the child"
@@ -492,7 +493,7 @@ class Agent:
             nmh = last._covering(address, nbytes, memory_type)
             if nmh is not None:
                 return nmh
-        # The open handles' ranges, without the lock or the WeakSet's iteration (see _register).
+        # The handles' ranges, read without the lock (see _register).
         for lo, hi, mtype, ref in self._registry:
             if lo <= address and address + nbytes <= hi and mtype == memory_type:
                 mh = ref()
@@ -502,13 +503,17 @@ class Agent:
         return None
 
     def _register(self, mh: MemoryHandle) -> None:
-        """Count ``mh`` among the agent's handles, and remake the ranges a transfer looks
-        its local buffer up in: those of the handles still open (a closed one's entry goes
-        at the next handle's creation; a transfer skips it meanwhile)."""
+        """Count ``mh`` among the agent's handles, and add its range to those a transfer looks
+        its local buffer up in.  Entries of handles closed or dropped go when the list has grown
+        past twice what its last pruning kept (into a new list: a transfer reading the old one
+        meanwhile skips them, see _covering), so creation costs O(1) on average and the list
+        holds at most about twice the most handles ever open at once."""
         with self._lock:
             self._handles.add(mh)
-            self._registry = tuple((*h._range, h._memory_type, weakref.ref(h))
-                                   for h in list(self._handles) if h._finalizer.alive)
+            self._registry.append((*mh._range, mh._memory_type, weakref.ref(mh)))
+            if len(self._registry) > 2 * self._registry_kept + 16:
+                self._registry = [e for e in self._registry if (h := e[3]()) is not None and not h.closed]
+                self._registry_kept = len(self._registry)
 
     def create_memory_handle(self, size: int, buffer: Any = None, memory_type: str | None = None) -> MemoryHandle:
         """Register memory for remote access; mirrors ``ucxx::createMemoryHandle``.

@@ -259,7 +259,7 @@ class Request:
         elif (type(timeout) is float or type(timeout) is int) and timeout >= 0:  # NaN and bools: below
             t = float(timeout)
         else:
-            t = _types.timeout(timeout)  # checked there: NumPy numbers pass, the rest is refused
+            t = _types.timeout(timeout)  # checked there (a NumPy float64, a float, passes)
         if not self._native.wait(t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         self._buffer = None
