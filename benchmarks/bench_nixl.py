@@ -24,7 +24,8 @@ waits for it, so each figure is what one synchronous caller gets:
   API does for host memory).
 
 ``--seed`` compares instead the seed API's puts (``gpushare.ucx.Agent``,
-``Endpoint.mem_put`` with 16 in flight, then a flush) of 4 KiB, 64 KiB and
+``Endpoint.mem_put`` with 16 in flight, then a flush; and one
+``Endpoint.mem_put_batch`` of the same 16 puts, then a flush) of 4 KiB, 64 KiB and
 1 MiB with NIXL's WRITE of 16 descriptors of the same size in one transfer,
 and with ``ucx_perftest``'s ``ucp_put_bw`` in the same error-handling mode
 (``-e``: gpushare's agents and NIXL's UCX backend handle peer failure) and
@@ -199,7 +200,8 @@ def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
 
 
 def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None = None) -> dict:
-    """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration;
+    """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration
+    (``"put"``), and one ``mem_put_batch`` of INFLIGHT items, then a flush (``"batch"``);
     ``config``: further UCX settings of both agents."""
     import numpy as np
 
@@ -223,12 +225,17 @@ def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None 
                         r.wait(60)
                     ep.flush().wait(60)
 
-                once()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    once()
-                results[("put", size)] = INFLIGHT * size * iters / (time.perf_counter() - t0) / MiB
-            del once, local
+                def batch(items=[(local[:size], rk.base_address)] * INFLIGHT) -> None:
+                    ep.mem_put_batch(items, rk).wait(60)  # the same puts as NIXL's 16 descriptors
+                    ep.flush().wait(60)
+
+                for kind, fn in (("put", once), ("batch", batch)):
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    results[(kind, size)] = INFLIGHT * size * iters / (time.perf_counter() - t0) / MiB
+            del once, batch, local
             ep.close()
     return results
 
@@ -334,15 +341,19 @@ def _seed_main(args, mine: int | None, theirs: int | None) -> int:
           f"({', '.join(f'{k}={v}' for k, v in settings.items())}); "
           f"median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
           f"{_ucx_versions()}\n")
-    print(f"{'size':>8} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
+    print("gpushare: mem_put x 16; gpushare batch: one mem_put_batch of 16 items, as NIXL's one WRITE of 16 "
+          "descriptors\n")
+    print(f"{'size':>8} {'':>6} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
           f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")
     for size in SIZES:
-        g = statistics.median([r[("put", size)] for r in ours])
-        cols = [[r[("put", size)] for r in ours], [r[("put", size)] for r in nixl],
-                [r[("perftest -e", size)] for r in ref], [r[("perftest", size)] for r in ref]]
-        ratios = [g / statistics.median(c) for c in cols[1:]]
-        print(f"{_label(size):>8} " + " ".join(f"{_fmt(c):>20}" for c in cols) + " "
-              + " ".join(f"{x:6.2f}" for x in ratios))
+        theirs_cols = [[r[("put", size)] for r in nixl], [r[("perftest -e", size)] for r in ref],
+                       [r[("perftest", size)] for r in ref]]
+        for kind in ("put", "batch"):
+            mine_col = [r[(kind, size)] for r in ours]
+            g = statistics.median(mine_col)
+            ratios = [g / statistics.median(c) for c in theirs_cols]
+            print(f"{_label(size):>8} {kind:>6} " + " ".join(f"{_fmt(c):>20}" for c in [mine_col, *theirs_cols]) + " "
+                  + " ".join(f"{x:6.2f}" for x in ratios))
     return 0
 
 

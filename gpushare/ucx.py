@@ -27,6 +27,7 @@ UCX is loaded when the first :class:`Agent`, server or client is made.  See
 
 from ._ucx import _loader
 from ._ucx._agent import Agent, Endpoint
+from ._ucx._batch import MAX_BATCH_ITEMS
 from ._ucx._common import PROGRESS_MODES, Request
 from ._ucx._registered import MemoryHandle, RemoteKey
 from ._ucx._local import LocalPeer
@@ -35,7 +36,7 @@ from ._ucx._peer import Client, Peer, client
 from ._ucx._server import Region, Server, server
 
 __all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version", "LocalPeer",
-           "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES"]
+           "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES", "MAX_BATCH_ITEMS"]
 
 for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, Server, Region, Client, Peer, LocalPeer):
     _cls.__module__ = __name__  # they present themselves as gpushare.ucx.X

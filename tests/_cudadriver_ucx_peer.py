@@ -184,8 +184,9 @@ def dev_read_now(state: dict, name: str) -> bytes:
 def transfer(state: dict, api: str, op: str, name: str, mode: str, target: Any = None) -> dict:
     """One get or put between device memory ``name`` and the peer over ``api``:
     ``view``/``view_async``/``batch`` (a ucx-rma view ``target``), ``peer``
-    (the region server client; ``target`` = (address, region id, key)) or
-    ``agent`` (gpushare.ucx, connected by :func:`agent_connect`).  Reports
+    (the region server client; ``target`` = (address, region id, key)),
+    ``agent`` (gpushare.ucx, connected by :func:`agent_connect`) or
+    ``agent_batch`` (the same, a batch of one item).  Reports
     the thread's current device afterwards."""
     import gpushare as gs
 
@@ -205,6 +206,10 @@ def transfer(state: dict, api: str, op: str, name: str, mode: str, target: Any =
         address, rid, key = target
         peer = client().connect(address)
         (peer.get if op == "get" else peer.put)(rid, key, 0, buf, 30, **kw)
+    elif api == "agent_batch":
+        ep, rk = state["ep"], state["rk"]
+        (ep.mem_get_batch if op == "get" else ep.mem_put_batch)([(buf, rk.base_address)], rk, **kw).wait(30)
+        ep.flush().wait(30)
     else:
         ep, rk = state["ep"], state["rk"]
         (ep.mem_get if op == "get" else ep.mem_put)(buf, rk.base_address, rk, **kw).wait(30)
@@ -265,6 +270,27 @@ def serve(state: dict, name: str) -> tuple:
     state.setdefault("regions", []).append(region)
     rid, key = region.grant()
     return server().address, rid, key
+
+
+def batch_refusal(state: dict, names: list) -> str:
+    """What a put batch of device memory ``names`` (or ``"host"``: 8 bytes of host memory) after a
+    first item of device memory says when refused: its error's message."""
+    import gpushare
+
+    ep, rk = state["ep"], state["rk"]
+    items = [(bytes(8) if name == "host" else _buffer(state, name, "legacy")[0], rk.base_address) for name in names]
+    try:
+        ep.mem_put_batch(items, rk).wait(30)
+    except gpushare.InvalidInputError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def pending_on(state: dict, name: str, n: int, ordinal: int) -> None:
+    """Device memory on device ``ordinal``, nothing queued; no context is current afterwards."""
+    d = drv()
+    with on_device(ordinal):
+        state["devs"][name] = (int(ok(d.cuMemAlloc(n), "cuMemAlloc")), n, None)
 
 
 def fill_at(state: dict, address: int, data: bytes) -> None:

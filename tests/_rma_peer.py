@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
-from _procs import idle_cpu
+from _procs import Child, idle_cpu
 
 
 def setup(region_size: int, agent_kwargs: dict | None = None) -> dict:
@@ -25,6 +27,21 @@ def setup(region_size: int, agent_kwargs: dict | None = None) -> dict:
         "pid": os.getpid(),
     }
     return state
+
+
+@contextlib.contextmanager
+def connected(region_size: int) -> Iterator[tuple]:
+    """(an agent of this process, an endpoint to a peer of this module, the peer's key, the
+    peer): the peer's region ``region_size`` bytes; all closed at the end."""
+    from gpushare import ucx
+
+    child = Child(setup, region_size)
+    try:
+        with ucx.Agent() as agent:
+            ep = agent.connect(child.hello["address"])
+            yield agent, ep, ep.unpack_remote_key(child.hello["key"]), child
+    finally:
+        child.close()
 
 
 def _read(state: dict, offset: int, n: int) -> bytes:

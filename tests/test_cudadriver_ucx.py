@@ -147,23 +147,35 @@ def test_region_server_client_orders_cuda_transfers(spawn, op, mode):
         assert importer.call("dev_read", "dst") == b"\x3c" * N
 
 
+@pytest.mark.parametrize("api", ["agent", "agent_batch"])
 @pytest.mark.parametrize("op", ["put", "get"])
 @pytest.mark.parametrize("mode", MODES)
-def test_agent_orders_cuda_transfers(spawn, op, mode):
+def test_agent_orders_cuda_transfers(spawn, op, mode, api):
     exporter, importer = spawn(), spawn()
     made = exporter.call("agent_cuda_memory", N)
     importer.call("agent_connect", made["address"], made["key"])
     where = "legacy" if mode == "legacy" else "stream"
     if op == "put":
         importer.call("pending", "src", N, 0x77, where)
-        assert importer.call("transfer", "agent", "put", "src", mode) == {"current": None}
+        assert importer.call("transfer", api, "put", "src", mode) == {"current": None}
         assert exporter.call("read_at", made["base"], N) == b"\x77" * N
     else:
         exporter.call("write_at", made["base"], b"\x4d" * N)
         importer.call("pending", "dst", N, 0x11, where)
-        assert importer.call("transfer", "agent", "get", "dst", mode) == {"current": None}
+        assert importer.call("transfer", api, "get", "dst", mode) == {"current": None}
         assert importer.call("dev_read_now", "dst") == b"\x4d" * N
         assert importer.call("dev_read", "dst") == b"\x4d" * N
+
+
+def test_an_agents_batch_takes_cuda_memory_of_one_device_only(spawn):
+    exporter, importer = spawn(), spawn()
+    made = exporter.call("agent_cuda_memory", N)
+    importer.call("agent_connect", made["address"], made["key"])
+    importer.call("pending_on", "a", 64, 0)
+    importer.call("pending_on", "b", 64, 1)
+    assert "item 1 is host memory and item 0 cuda memory" in importer.call("batch_refusal", ["a", "host"])
+    assert "item 1 is on device 1 and item 0 on device 0" in importer.call("batch_refusal", ["a", "b"])
+    assert importer.call("batch_refusal", ["a", "a"]) == "accepted"
 
 
 # -- UCX_MEMTYPE_CACHE is one setting per process --------------------------------------

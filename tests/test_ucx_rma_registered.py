@@ -27,11 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def sides():
     """(this process's agent, an endpoint to the peer, the peer's key, the peer)."""
-    child = Child(_rma_peer.setup, 8 * MiB)
-    with ucx.Agent() as agent:
-        ep = agent.connect(child.hello["address"])
-        yield agent, ep, ep.unpack_remote_key(child.hello["key"]), child
-    child.close()
+    with _rma_peer.connected(8 * MiB) as sides:
+        yield sides
 
 
 @pytest.fixture

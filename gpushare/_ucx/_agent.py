@@ -9,7 +9,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import _buffers, _types
@@ -23,6 +23,7 @@ from .._errors import (
 )
 from . import _device
 from ._address import PeerAddress, check_worker_address
+from ._batch import release_all, resolve_items
 from ._common import (
     ADDRESS_MAGIC,
     KEY_MAGIC,
@@ -145,9 +146,7 @@ class Endpoint(Connection):
     def _submit(self, op: str, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable | None, callback_data: Any, nbytes: int | None, stream: Any) -> Request:
         n = self._check_open()
-        if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
-            raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
-        rkey._check_open()
+        self._check_key(rkey)
         if type(remote_address) is not int or not 0 <= remote_address < 1 << 64:
             _types.in_range(remote_address, "remote_address")  # raises
         if callback is not None and not callable(callback):
@@ -188,7 +187,16 @@ class Endpoint(Connection):
         except BaseException:
             local.release()
             raise
-        req = Request._from_native(nreq, local, self)
+        return self._request(nreq, local, on_done, holder)
+
+    def _check_key(self, rkey: RemoteKey) -> None:
+        if not isinstance(rkey, RemoteKey) or rkey._endpoint is not self:
+            raise InvalidInputError("rkey must be a RemoteKey unpacked on this endpoint (Endpoint.unpack_remote_key)")
+        rkey._check_open()
+
+    def _request(self, nreq: Any, held: Any, on_done: Callable[[], None] | None, holder: list) -> Request:
+        """The Request of native request ``nreq``, holding ``held`` (its local buffers) until done."""
+        req = Request._from_native(nreq, held, self)
         if on_done is not None:
             holder.append(req)
             nreq.add_callback(on_done)
@@ -196,6 +204,33 @@ class Endpoint(Connection):
             with self._lock:
                 self._inflight.append(req)
         return req
+
+    def _submit_batch(self, op: str, items: Any, rkey: RemoteKey, callback: Callable | None, callback_data: Any,
+                      stream: Any) -> Request:
+        n = self._check_open()
+        self._check_key(rkey)
+        if callback is not None and not callable(callback):
+            raise InvalidInputError("callback must be callable or None")
+        consumer = None if stream is None else _device.consumer_stream(stream)
+        locals_, remote = resolve_items(items, op, rkey._base, rkey._base + rkey._size, consumer)
+        try:
+            holder: list[Request] = []
+            on_done = None if callback is None else user_callback(callback, callback_data, holder, op)
+            if self._inflight:
+                self._prune()
+            for first_on_stream in {lb.stream: lb for lb in locals_}.values():  # one per producer's stream
+                _device.order_before(first_on_stream, consumer)  # as for one request
+            registration = self._agent._registration
+            memhs = [registration(lb.address, lb.nbytes, lb.memory_type) for lb in locals_]
+            first = locals_[0] if locals_ else None
+            with _device.on_memory_device(first):
+                nreq = n.rma_batch(op == "put", [lb.address for lb in locals_], [lb.nbytes for lb in locals_],
+                                   remote, rkey._native, 0 if first is None else MEMORY_TYPE_CODES[first.memory_type],
+                                   memhs, None)
+        except BaseException:
+            release_all(locals_)
+            raise
+        return self._request(nreq, locals_, on_done, holder)
 
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
@@ -254,6 +289,52 @@ class Endpoint(Connection):
         must be writable.
         """
         return self._submit("get", buffer, remote_address, rkey, callback, callback_data, nbytes, stream)
+
+    def mem_put_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey,
+                      callback: Callable[[GpuShareError | None, Any], Any] | None = None,
+                      callback_data: Any = None, *, stream: Any = None) -> Request:
+        """Write each ``(buffer, remote_address)`` of ``items`` to the peer, as one request.
+
+        One call posts every put (one request of UCX's each), without the
+        GIL: what many small puts cost in Python is paid once.  The request
+        is done when every put is, and fails with the first put's failure.
+        Completion is local, as for :meth:`mem_put`: the data is in the
+        peer's memory after a later :meth:`flush`.
+
+        Parameters
+        ----------
+        items : iterable of (buffer, int)
+            Up to 65,536 (:data:`MAX_BATCH_ITEMS`) pairs of a source
+            buffer, as :meth:`mem_put` takes one, and its target address
+            inside the key's region.  All host memory, or all CUDA memory on
+            one device.
+        rkey, callback, callback_data, stream
+            As for :meth:`mem_put` (``stream`` orders the work before every
+            put of the batch).
+
+        Raises
+        ------
+        OutOfBoundsError
+            If any range falls outside the key's region (nothing is sent).
+        InvalidInputError
+            For an item that is no pair, a bad buffer, mixed memory types or
+            devices, or more than :data:`MAX_BATCH_ITEMS` items (nothing is
+            sent).
+        ClosedError
+            If the endpoint or agent is closed.
+        """
+        return self._submit_batch("put", items, rkey, callback, callback_data, stream)
+
+    def mem_get_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey,
+                      callback: Callable[[GpuShareError | None, Any], Any] | None = None,
+                      callback_data: Any = None, *, stream: Any = None) -> Request:
+        """Read into each ``(buffer, remote_address)`` of ``items`` from the peer, as one request.
+
+        The data is in every buffer when the request completes.  Arguments
+        and errors as in :meth:`mem_put_batch`; the buffers must be
+        writable.
+        """
+        return self._submit_batch("get", items, rkey, callback, callback_data, stream)
 
     def flush(self, callback: Callable[[GpuShareError | None, Any], Any] | None = None,
               callback_data: Any = None) -> Request:

@@ -91,26 +91,90 @@ RemoteKey Endpoint::unpackRemoteKey(nb::bytes blob)
 
 namespace {
 
+// The parts of one batch request: its completion, once the last part and
+// the poster are done (the poster holds one count until it has posted every
+// part), with the first failure of a part.
+struct BatchState {
+  std::shared_ptr<Completion> completion;
+  std::atomic<size_t> left{1};
+  std::atomic<int> status{UCS_OK};
+
+  void fail(ucs_status_t s)
+  {
+    int ok = UCS_OK;
+    status.compare_exchange_strong(ok, static_cast<int>(s));
+  }
+
+  void finishOne()
+  {
+    if (left.fetch_sub(1, std::memory_order_acq_rel) == 1)
+      completion->complete(static_cast<ucs_status_t>(status.load(std::memory_order_acquire)));
+  }
+};
+
 // What a put or get posted with ucp_put_nbx/ucp_get_nbx needs until UCX
-// calls back: its completion, and the local memory handle, the caller's
-// (kept registered until then, even if the caller closes it) or one made
-// for it.
+// calls back: its completion (or its batch's), and the local memory handle,
+// the caller's (kept registered until then, even if the caller closes it)
+// or one made for it.
 struct RmaCtx {
   std::shared_ptr<Completion> completion;
+  std::shared_ptr<BatchState> batch;
   std::shared_ptr<ucxx::MemoryHandle> userMemh;
   std::unique_ptr<OwnMemh> memh;
+
+  // The handle UCX is to use for the buffer: the caller's, else, where the
+  // context runs without UCX's registration cache (`own`: its handle), one of
+  // ours, since every buffer UCX may move by zero-copy must come with a
+  // handle UCX did not register itself (OwnMemh); else none.  Sets `failed`
+  // where ours cannot be made.
+  ucp_mem_h local(ucp_context_h own, uintptr_t buffer, size_t length, ucs_memory_type_t mtype, ucs_status_t& failed)
+  {
+    if (userMemh) return userMemh->getHandle();
+    if (own == nullptr || length == 0) return nullptr;
+    memh = std::make_unique<OwnMemh>(own, reinterpret_cast<void*>(buffer), length, mtype);
+    if (memh->memh == nullptr) failed = memh->status;
+    return memh->memh;
+  }
 };
 
 void onRmaDone(void* request, ucs_status_t status, void* user)
 {
   auto* ctx = static_cast<RmaCtx*>(user);
   auto c    = std::move(ctx->completion);
+  auto b    = std::move(ctx->batch);
   delete ctx;  // unmaps our own handle: UCX is done with the buffer
   ucp_request_free(request);
-  c->complete(status);
+  if (b) {
+    if (status != UCS_OK) b->fail(status);
+    b->finishOne();
+  } else {
+    c->complete(status);
+  }
+}
+
+// Post one put or get whose callback gets `ctx`.
+ucs_status_ptr_t postRma(bool put, ucp_ep_h eh, uintptr_t buffer, size_t length, uint64_t remoteAddress,
+                         ucp_rkey_h kh, ucs_memory_type_t mtype, ucp_mem_h local, RmaCtx* ctx)
+{
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.cb.send      = &onRmaDone;
+  p.user_data    = ctx;
+  p.memory_type  = mtype;
+  if (local != nullptr) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = local;
+  }
+  return put ? ucp_put_nbx(eh, reinterpret_cast<const void*>(buffer), length, remoteAddress, kh, &p)
+             : ucp_get_nbx(eh, reinterpret_cast<void*>(buffer), length, remoteAddress, kh, &p);
 }
 
 }  // namespace
+
+ucp_context_h Endpoint::ownContext(const std::shared_ptr<ucxx::Endpoint>& e)
+{
+  return ownMemh ? std::dynamic_pointer_cast<ucxx::Context>(e->getWorker()->getParent())->getHandle() : nullptr;
+}
 
 Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk,
                       int memoryType, MemoryHandle* memh, nb::object callback)
@@ -121,38 +185,21 @@ Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remote
   auto c = newCompletion(std::move(callback));
   Request r(c, put ? "put" : "get");
   if (failFast(e, c)) return r;
-  auto* ctx       = new RmaCtx{c, memh != nullptr ? memh->forTransfer() : nullptr, nullptr};
-  auto mtype      = static_cast<ucs_memory_type_t>(memoryType);
-  ucp_mem_h local = ctx->userMemh ? ctx->userMemh->getHandle() : nullptr;
-  if (local == nullptr && length > 0 && ownMemh) {
-    // Without UCX's registration cache, every buffer UCX may move by
-    // zero-copy comes with a handle UCX did not register itself (OwnMemh).
-    ctx->memh = std::make_unique<OwnMemh>(std::dynamic_pointer_cast<ucxx::Context>(e->getWorker()->getParent())->getHandle(),
-                                          reinterpret_cast<void*>(buffer), length, mtype);
-    if (ctx->memh->memh == nullptr) {
-      ucs_status_t s = ctx->memh->status;
-      delete ctx;
-      throw NativeError(statusName(s), std::string("ucp_mem_map of the local buffer failed: ") +
-                                         ucs_status_string(s));
-    }
-    local = ctx->memh->memh;
+  auto* ctx         = new RmaCtx{c, nullptr, memh != nullptr ? memh->forTransfer() : nullptr, nullptr};
+  auto mtype        = static_cast<ucs_memory_type_t>(memoryType);
+  ucs_status_t fail = UCS_OK;
+  ucp_mem_h local   = ctx->local(ownContext(e), buffer, length, mtype, fail);
+  if (fail != UCS_OK) {
+    delete ctx;
+    throw NativeError(statusName(fail), std::string("ucp_mem_map of the local buffer failed: ") +
+                                          ucs_status_string(fail));
   }
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  p.cb.send      = &onRmaDone;
-  p.user_data    = ctx;
-  p.memory_type  = mtype;
-  if (local != nullptr) {
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    p.memh = local;
-  }
-  ucp_ep_h eh     = e->getHandle();
-  ucp_rkey_h kh   = key->getHandle();
+  ucp_ep_h eh   = e->getHandle();
+  ucp_rkey_h kh = key->getHandle();
   ucs_status_ptr_t sp;
   {
     nb::gil_scoped_release nogil;
-    sp = put ? ucp_put_nbx(eh, reinterpret_cast<const void*>(buffer), length, remoteAddress, kh, &p)
-             : ucp_get_nbx(eh, reinterpret_cast<void*>(buffer), length, remoteAddress, kh, &p);
+    sp = postRma(put, eh, buffer, length, remoteAddress, kh, mtype, local, ctx);
   }
   if (!UCS_PTR_IS_PTR(sp)) {
     delete ctx;
@@ -173,6 +220,61 @@ Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress
                          MemoryHandle* memh, nb::object callback)
 {
   return rma(false, buffer, length, remoteAddress, rk, memoryType, memh, std::move(callback));
+}
+
+Request Endpoint::rmaBatch(bool put, const std::vector<uintptr_t>& buffers, const std::vector<size_t>& lengths,
+                           const std::vector<uint64_t>& remoteAddresses, RemoteKey& rk, int memoryType,
+                           nb::list memhs, nb::object callback)
+{
+  const size_t n = buffers.size();
+  if (lengths.size() != n || remoteAddresses.size() != n || nb::len(memhs) != n)
+    throw NativeError("UCS_ERR_INVALID_PARAM", "a batch needs as many lengths, remote addresses and handles as buffers");
+  auto e   = get();
+  auto key = rk.key;
+  if (!key) throw NativeError("UCS_ERR_INVALID_PARAM", "remote key is closed");
+  // The caller's handles, held until UCX is done with each part (a closed one gives none).
+  std::vector<std::shared_ptr<ucxx::MemoryHandle>> userMemh(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    nb::handle h = memhs[i];
+    if (!h.is_none()) userMemh[i] = nb::cast<MemoryHandle*>(h)->forTransfer();
+    total += lengths[i];
+  }
+  auto c = newCompletion(std::move(callback));
+  Request r(c, put ? "put" : "get");
+  if (failFast(e, c)) return r;
+  auto batch        = std::make_shared<BatchState>();
+  batch->completion = c;
+  auto mtype        = static_cast<ucs_memory_type_t>(memoryType);
+  ucp_ep_h eh       = e->getHandle();
+  ucp_rkey_h kh     = key->getHandle();
+  ucp_context_h own = ownContext(e);
+  {
+    nb::gil_scoped_release nogil;
+    for (size_t i = 0; i < n; ++i) {
+      auto* ctx         = new RmaCtx{nullptr, batch, std::move(userMemh[i]), nullptr};
+      ucs_status_t fail = UCS_OK;
+      ucp_mem_h local   = ctx->local(own, buffers[i], lengths[i], mtype, fail);
+      if (fail != UCS_OK) {
+        batch->fail(fail);
+        delete ctx;
+        break;  // the parts posted so far run to completion
+      }
+      batch->left.fetch_add(1, std::memory_order_acq_rel);
+      ucs_status_ptr_t sp = postRma(put, eh, buffers[i], lengths[i], remoteAddresses[i], kh, mtype, local, ctx);
+      if (!UCS_PTR_IS_PTR(sp)) {
+        delete ctx;
+        batch->left.fetch_sub(1, std::memory_order_acq_rel);  // never the last count: the poster holds one
+        if (UCS_PTR_STATUS(sp) != UCS_OK) {
+          batch->fail(UCS_PTR_STATUS(sp));
+          break;
+        }
+      }
+    }
+  }
+  batch->finishOne();  // the poster's count
+  posted(r, total);
+  return r;
 }
 
 Request Endpoint::flush(nb::object callback)

@@ -117,9 +117,21 @@ class Endpoint {
   Request memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
                  MemoryHandle* memh, nb::object callback);
 
+  // Puts or gets of many buffers against one key as one request, posted in
+  // one call without the GIL: done when every part is, failed with the first
+  // failure of a part (a part that cannot start stops the posting; those
+  // posted before it still run to completion).  `memhs[i]`: the caller's
+  // MemoryHandle registering part i, or None.
+  Request rmaBatch(bool put, const std::vector<uintptr_t>& buffers, const std::vector<size_t>& lengths,
+                   const std::vector<uint64_t>& remoteAddresses, RemoteKey& rk, int memoryType, nb::list memhs,
+                   nb::object callback);
+
   Request flush(nb::object callback);
 
  private:
+  // The context's handle where it runs without UCX's registration cache, else null.
+  ucp_context_h ownContext(const std::shared_ptr<ucxx::Endpoint>& e);
+
   Request rma(bool put, uintptr_t buffer, size_t length, uint64_t remoteAddress, RemoteKey& rk, int memoryType,
               MemoryHandle* memh, nb::object callback);
 
