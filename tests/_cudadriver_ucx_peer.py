@@ -286,6 +286,18 @@ def batch_refusal(state: dict, names: list) -> str:
     return "accepted"
 
 
+def put_batch_of(state: dict, names: list, mode: str) -> None:
+    """A put batch of device memory ``names`` (each as ``mode`` presents it) to consecutive
+    ranges of the peer's key, then a flush."""
+    ep, rk = state["ep"], state["rk"]
+    items, at = [], rk.base_address
+    for name in names:
+        items.append((_buffer(state, name, mode)[0], at))
+        at += state["devs"][name][1]
+    ep.mem_put_batch(items, rk).wait(30)
+    ep.flush().wait(30)
+
+
 def pending_on(state: dict, name: str, n: int, ordinal: int) -> None:
     """Device memory on device ``ordinal``, nothing queued; no context is current afterwards."""
     d = drv()

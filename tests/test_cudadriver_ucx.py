@@ -167,6 +167,18 @@ def test_agent_orders_cuda_transfers(spawn, op, mode, api):
         assert importer.call("dev_read", "dst") == b"\x4d" * N
 
 
+def test_an_agents_batch_follows_the_work_queued_on_each_items_stream(spawn):
+    """Two items whose producers' memsets are queued on two streams of their own (each named by
+    its array interface): the batch's puts carry both memsets' bytes."""
+    exporter, importer = spawn(), spawn()
+    made = exporter.call("agent_cuda_memory", 2 * N)
+    importer.call("agent_connect", made["address"], made["key"])
+    importer.call("pending", "one", N, 0x21, "stream")
+    importer.call("pending", "two", N, 0x22, "stream")
+    importer.call("put_batch_of", ["one", "two"], "cai")
+    assert exporter.call("read_at", made["base"], 2 * N) == b"\x21" * N + b"\x22" * N
+
+
 def test_an_agents_batch_takes_cuda_memory_of_one_device_only(spawn):
     exporter, importer = spawn(), spawn()
     made = exporter.call("agent_cuda_memory", N)

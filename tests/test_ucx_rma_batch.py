@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -175,6 +176,37 @@ def test_a_peer_killed_under_a_batch_fails_it_and_crashes_nothing():
         late = ep.mem_put_batch([(b"x", rk.base_address)], rk)
         assert isinstance(late.exception(timeout=30), gpushare.UCXConnectionError)
         ep.close()
+
+
+def test_closing_the_endpoint_while_a_batch_is_posted_crashes_nothing():
+    """close() in another thread waits for a batch being posted (65,536 puts, without the GIL), and
+    no post starts after it: each batch ends, done, failed, or refused as closed, and the endpoint
+    is closed.  The closes come at fractions of a whole batch's time, so that some meet it in
+    Python, some while it is posted, some after."""
+    with _rma_peer.connected(MiB) as (agent, ep, rk, peer):
+        items = [(b"\x06", rk.base_address + i % 4096) for i in range(ucx.MAX_BATCH_ITEMS)]
+        start = time.monotonic()
+        ep.mem_put_batch(items, rk).wait(60)
+        took = time.monotonic() - start
+        ep.close()
+        for fraction in (0.0, 0.5, 0.8, 0.9, 0.95, 1.0, 1.2):
+            ep = agent.connect(peer.hello["address"])
+            rk = ep.unpack_remote_key(peer.hello["key"])
+            items = [(item, rk.base_address + at - items[0][1]) for item, at in items]
+            closer = threading.Timer(fraction * took, ep.close)
+            closer.start()
+            try:
+                req = ep.mem_put_batch(items, rk)
+            except (gpushare.ClosedError, gpushare.UCXConnectionError) as exc:  # closed before it was posted
+                assert "closed" in str(exc), exc
+            else:
+                err = req.exception(timeout=60)
+                assert err is None or isinstance(err, gpushare.UCXError), err
+            closer.join()
+            assert ep.closed
+            with pytest.raises(gpushare.ClosedError):
+                ep.mem_put_batch(items[:1], rk)
+        assert peer.call("read", 0, 4) == b"\x06" * 4  # the peer served them all
 
 
 _OWN_HANDLES = textwrap.dedent("""

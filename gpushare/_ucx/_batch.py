@@ -31,11 +31,12 @@ def _pairs(items: Any) -> list | tuple:
         pairs = items
     else:
         try:
-            pairs = list(itertools.islice(iter(items), MAX_BATCH_ITEMS + 1))
+            it = iter(items)
         except TypeError:
             raise InvalidInputError(
                 f"items must be an iterable of (buffer, remote_address) pairs, not {type(items).__name__}"
             ) from None
+        pairs = list(itertools.islice(it, MAX_BATCH_ITEMS + 1))  # the iterator's own errors go on
     if len(pairs) > MAX_BATCH_ITEMS:
         raise InvalidInputError(f"a batch holds at most {MAX_BATCH_ITEMS} items; this one has more "
                                 "(split it into several batches)")

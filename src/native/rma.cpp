@@ -199,7 +199,9 @@ Request Endpoint::rma(bool put, uintptr_t buffer, size_t length, uint64_t remote
   ucs_status_ptr_t sp;
   {
     nb::gil_scoped_release nogil;
-    sp = postRma(put, eh, buffer, length, remoteAddress, kh, mtype, local, ctx);
+    std::lock_guard<std::mutex> posting(gate->mutex);
+    sp = gate->closed ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                      : postRma(put, eh, buffer, length, remoteAddress, kh, mtype, local, ctx);
   }
   if (!UCS_PTR_IS_PTR(sp)) {
     delete ctx;
@@ -251,10 +253,23 @@ Request Endpoint::rmaBatch(bool put, const std::vector<uintptr_t>& buffers, cons
   ucp_context_h own = ownContext(e);
   {
     nb::gil_scoped_release nogil;
-    for (size_t i = 0; i < n; ++i) {
-      auto* ctx         = new RmaCtx{nullptr, batch, std::move(userMemh[i]), nullptr};
+    std::lock_guard<std::mutex> posting(gate->mutex);
+    if (gate->closed) batch->fail(UCS_ERR_CANCELED);
+    for (size_t i = 0; i < n && !gate->closed; ++i) {
+      // A peer that failed meanwhile gets no more (see failFast).
+      if ((i & 63) == 63 && !e->isAlive()) {
+        batch->fail(UCS_ERR_CONNECTION_RESET);
+        break;
+      }
+      RmaCtx* ctx       = nullptr;
       ucs_status_t fail = UCS_OK;
-      ucp_mem_h local   = ctx->local(own, buffers[i], lengths[i], mtype, fail);
+      ucp_mem_h local   = nullptr;
+      try {
+        ctx   = new RmaCtx{nullptr, batch, std::move(userMemh[i]), nullptr};
+        local = ctx->local(own, buffers[i], lengths[i], mtype, fail);
+      } catch (const std::bad_alloc&) {
+        fail = UCS_ERR_NO_MEMORY;
+      }
       if (fail != UCS_OK) {
         batch->fail(fail);
         delete ctx;
@@ -305,6 +320,11 @@ void Endpoint::close(double timeout)
   // progress thread of its own): requests completed there, canceled ones
   // among them, hand their callbacks to the progress thread, as in a waiter.
   DeferTo here(progress && !progress->closed.load(std::memory_order_acquire) ? progress.get() : deferTo);
+  auto g = gate;
+  withoutGil([&g] {
+    std::lock_guard<std::mutex> posting(g->mutex);
+    g->closed = true;
+  });
   auto e = ep;
   uint64_t periodNs = 100'000'000;  // 100 ms per attempt
   uint64_t attempts = std::max<uint64_t>(1, static_cast<uint64_t>(timeout * 10.0));

@@ -80,6 +80,13 @@ class Endpoint {
   // Its context runs without UCX's registration cache (the agent's settings
   // or the environment's): every zero-copy buffer comes with a handle of ours.
   bool ownMemh{false};
+  // Posting and closing take turns: close() waits for a post under way (a
+  // batch posts many without the GIL) and no post starts after it.
+  struct PostGate {
+    std::mutex mutex;
+    bool closed{false};
+  };
+  std::shared_ptr<PostGate> gate{std::make_shared<PostGate>()};
   Endpoint(std::shared_ptr<ucxx::Endpoint> e, std::shared_ptr<Progress> p, bool own = false)
     : ep(std::move(e)), progress(std::move(p)), ownMemh(own)
   {
