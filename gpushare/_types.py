@@ -182,6 +182,8 @@ def timeout(value: object) -> float | None:
     """A wait's ``timeout``: ``None`` (no limit) or a non-negative number of seconds."""
     if value is None:
         return None
+    if (type(value) is float or type(value) is int) and value >= 0:  # the usual case (NaN: below)
+        return float(value)
     if not _seconds(value) or value < 0:  # type: ignore[operator]
         raise InvalidInputError(f"timeout must be a non-negative number of seconds or None, not {value!r}")
     return float(value)  # type: ignore[arg-type]

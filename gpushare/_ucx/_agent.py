@@ -17,13 +17,12 @@ from .._errors import (
     ClosedError,
     GpuShareError,
     InvalidInputError,
-    OutOfBoundsError,
     UCXConnectionError,
     WaitTimeoutError,
 )
 from . import _device
 from ._address import PeerAddress, check_worker_address
-from ._batch import release_all, resolve_items
+from ._batch import check_range, release_all, resolve_items
 from ._common import (
     ADDRESS_MAGIC,
     KEY_MAGIC,
@@ -162,12 +161,7 @@ class Endpoint(Connection):
                     raise InvalidInputError(
                         f"buffer holds {local.nbytes} bytes; the {op} needs {nbytes}"
                     )
-            lo, hi = rkey._base, rkey._base + rkey._size
-            if remote_address < lo or remote_address + nbytes > hi:
-                raise OutOfBoundsError(
-                    f"{op} of {nbytes} bytes at 0x{remote_address:x} falls outside the key's "
-                    f"region [0x{lo:x}, 0x{hi:x})"
-                )
+            check_range(op, remote_address, nbytes, rkey._base, rkey._base + rkey._size)
             holder: list[Request] = []
             on_done = None if callback is None else user_callback(callback, callback_data, holder, op)
 

@@ -15,10 +15,19 @@ from .. import _buffers, _types
 from .._errors import InvalidInputError, OutOfBoundsError
 from . import _device
 
-__all__ = ["MAX_BATCH_ITEMS", "resolve_items", "release_all"]
+__all__ = ["MAX_BATCH_ITEMS", "check_range", "resolve_items", "release_all"]
 
 #: Items one batch may hold (docs/limits.md).
 MAX_BATCH_ITEMS = 1 << 16
+
+
+def check_range(op: str, address: int, nbytes: int, lo: int, hi: int, item: int | None = None) -> None:
+    """Refuse a transfer of ``nbytes`` at ``address`` that does not lie inside the key's region
+    ``[lo, hi)``: a single request's (``item`` None) or a batch's item ``item``."""
+    if address < lo or address + nbytes > hi:
+        where, then = ("", "") if item is None else (f"item {item}: ", "; nothing of the batch was sent")
+        raise OutOfBoundsError(f"{where}{op} of {nbytes} bytes at 0x{address:x} falls outside the key's "
+                               f"region [0x{lo:x}, 0x{hi:x}){then}")
 
 
 def release_all(locals_: list[_buffers.LocalBuffer]) -> None:
@@ -64,11 +73,7 @@ def resolve_items(items: Any, op: str, lo: int, hi: int,
                 _types.in_range(address, f"item {i}'s remote_address")  # raises
             local = _device.resolve(buffer, writable=writable, stream=consumer)
             locals_.append(local)
-            if address < lo or address + local.nbytes > hi:
-                raise OutOfBoundsError(
-                    f"item {i}: {op} of {local.nbytes} bytes at 0x{address:x} falls outside the key's "
-                    f"region [0x{lo:x}, 0x{hi:x}); nothing of the batch was sent"
-                )
+            check_range(op, address, local.nbytes, lo, hi, i)
             first = locals_[0]
             if local.memory_type != first.memory_type:
                 raise InvalidInputError(f"item {i} is {local.memory_type} memory and item 0 {first.memory_type} "

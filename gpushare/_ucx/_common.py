@@ -255,13 +255,8 @@ class Request:
         UCXError
             If the request failed.
         """
-        if timeout is None:
-            t = -1.0
-        elif (type(timeout) is float or type(timeout) is int) and timeout >= 0:  # NaN and bools: below
-            t = float(timeout)
-        else:
-            t = _types.timeout(timeout)  # checked there (a NumPy float64, a float, passes)
-        if not self._native.wait(t):
+        t = _types.timeout(timeout)
+        if not self._native.wait(-1.0 if t is None else t):
             raise WaitTimeoutError(f"{self.kind} did not complete within {timeout} s")
         self._buffer = None
         if self._native.ok():
