@@ -23,10 +23,13 @@ waits for it, so each figure is what one synchronous caller gets:
   ``get_batch``/``put_batch`` (gpushare; the puts gathered, as the sharing
   API does for host memory).
 
-``--seed`` compares instead the seed API's puts (``gpushare.ucx.Agent``,
-``Endpoint.mem_put`` with 16 in flight, then a flush; and one
-``Endpoint.mem_put_batch`` of the same 16 puts, then a flush) of 4 KiB, 64 KiB and
-1 MiB with NIXL's WRITE of 16 descriptors of the same size in one transfer,
+``--seed`` compares instead the seed API's puts (``gpushare.ucx.Agent``:
+``Endpoint.mem_put`` with 16 in flight; one ``Endpoint.mem_put_batch`` of the
+same 16 puts; and one post of those 16 prepared once with
+``Endpoint.prepare_put_batch``; each followed by a flush posted behind the
+puts, so that its acknowledgement follows theirs) of 4 KiB, 64 KiB and
+1 MiB with NIXL's WRITE of 16 descriptors of the same size in one transfer
+(prepared once, posted each time, its flush behind its puts),
 and with ``ucx_perftest``'s ``ucp_put_bw`` in the same error-handling mode
 (``-e``: gpushare's agents and NIXL's UCX backend handle peer failure) and
 in its default mode (no error handling), so that what error handling costs
@@ -219,23 +222,35 @@ def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None 
             for size in SIZES:
                 iters = _iters(INFLIGHT * size, quick)
 
+                # The flush is posted behind the puts, as NIXL's WRITE posts its
+                # own: its ack then follows theirs, no round trip of its own.
                 def once(view=local[:size]) -> None:
                     reqs = [ep.mem_put(view, rk.base_address, rk) for _ in range(INFLIGHT)]
+                    reqs.append(ep.flush())
                     for r in reqs:
                         r.wait(60)
-                    ep.flush().wait(60)
 
                 def batch(items=[(local[:size], rk.base_address)] * INFLIGHT) -> None:
-                    ep.mem_put_batch(items, rk).wait(60)  # the same puts as NIXL's 16 descriptors
+                    done = ep.mem_put_batch(items, rk)  # the same puts as NIXL's 16 descriptors
                     ep.flush().wait(60)
+                    done.wait(60)
 
-                for kind, fn in (("put", once), ("batch", batch)):
+                # Prepared once, posted per transfer, as NIXL's transfer handle is.
+                plan = ep.prepare_put_batch([(local[:size], rk.base_address)] * INFLIGHT, rk)
+
+                def prepared(plan=plan) -> None:
+                    done = plan.post()
+                    ep.flush().wait(60)
+                    done.wait(60)
+
+                for kind, fn in (("put", once), ("batch", batch), ("plan", prepared)):
                     fn()
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         fn()
                     results[(kind, size)] = INFLIGHT * size * iters / (time.perf_counter() - t0) / MiB
-            del once, batch, local
+                plan.close()
+            del once, batch, prepared, plan, local
             ep.close()
     return results
 
@@ -341,14 +356,15 @@ def _seed_main(args, mine: int | None, theirs: int | None) -> int:
           f"({', '.join(f'{k}={v}' for k, v in settings.items())}); "
           f"median of {args.runs} runs (lowest-highest); MiB/s; ratios of the medians; "
           f"{_ucx_versions()}\n")
-    print("gpushare: mem_put x 16; gpushare batch: one mem_put_batch of 16 items, as NIXL's one WRITE of 16 "
-          "descriptors\n")
+    print("gpushare put: mem_put x 16; batch: one mem_put_batch of 16 items, as NIXL's one WRITE of 16 "
+          "descriptors; plan: the same 16 items prepared once (prepare_put_batch), one post each time, as NIXL "
+          "prepares its transfer once; each with a flush posted behind the puts, as NIXL's\n")
     print(f"{'size':>8} {'':>6} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
           f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")
     for size in SIZES:
         theirs_cols = [[r[("put", size)] for r in nixl], [r[("perftest -e", size)] for r in ref],
                        [r[("perftest", size)] for r in ref]]
-        for kind in ("put", "batch"):
+        for kind in ("put", "batch", "plan"):
             mine_col = [r[(kind, size)] for r in ours]
             g = statistics.median(mine_col)
             ratios = [g / statistics.median(c) for c in theirs_cols]

@@ -29,16 +29,17 @@ from ._ucx import _loader
 from ._ucx._agent import Agent, Endpoint
 from ._ucx._batch import MAX_BATCH_ITEMS
 from ._ucx._common import PROGRESS_MODES, Request
+from ._ucx._plan import BatchPlan
 from ._ucx._registered import MemoryHandle, RemoteKey
 from ._ucx._local import LocalPeer
 from ._ucx._node import KEY_BYTES
 from ._ucx._peer import Client, Peer, client
 from ._ucx._server import Region, Server, server
 
-__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "PROGRESS_MODES", "ucx_version", "LocalPeer",
+__all__ = ["Agent", "Endpoint", "MemoryHandle", "RemoteKey", "Request", "BatchPlan", "PROGRESS_MODES", "ucx_version", "LocalPeer",
            "Server", "Region", "Client", "Peer", "server", "client", "KEY_BYTES", "MAX_BATCH_ITEMS"]
 
-for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, Server, Region, Client, Peer, LocalPeer):
+for _cls in (Agent, Endpoint, MemoryHandle, RemoteKey, Request, BatchPlan, Server, Region, Client, Peer, LocalPeer):
     _cls.__module__ = __name__  # they present themselves as gpushare.ucx.X
 del _cls
 

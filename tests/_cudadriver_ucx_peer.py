@@ -298,6 +298,30 @@ def put_batch_of(state: dict, names: list, mode: str) -> None:
     ep.flush().wait(30)
 
 
+def plan_of(state: dict, names: list, mode: str) -> None:
+    """A prepared put batch of device memory ``names`` (as put_batch_of lays them out), kept."""
+    ep, rk = state["ep"], state["rk"]
+    items, at = [], rk.base_address
+    for name in names:
+        items.append((_buffer(state, name, mode)[0], at))
+        at += state["devs"][name][1]
+    state["plan"] = ep.prepare_put_batch(items, rk)
+
+
+def post_plan(state: dict) -> None:
+    """Post the kept plan, then flush."""
+    state["plan"].post().wait(30)
+    state["ep"].flush().wait(30)
+
+
+def requeue(state: dict, name: str, value: int) -> None:
+    """Queue another memset of device memory ``name`` to ``value`` on its stream (not run)."""
+    d = drv()
+    ptr, n, stream = state["devs"][name]
+    with on_device(0):
+        ok(d.cuMemsetD8Async(ptr, value, n, stream if stream is not None else 0), "cuMemsetD8Async")
+
+
 def pending_on(state: dict, name: str, n: int, ordinal: int) -> None:
     """Device memory on device ``ordinal``, nothing queued; no context is current afterwards."""
     d = drv()

@@ -5,10 +5,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from _procs import Child, idle_cpu
+
+
+def recorder() -> tuple[Any, list, threading.Event]:
+    """A request callback that records its (error, data) calls, the list, and an event set by
+    its first call."""
+    seen: list = []
+    done = threading.Event()
+
+    def callback(error, data):
+        seen.append((error, data))
+        done.set()
+
+    return callback, seen, done
 
 
 def setup(region_size: int, agent_kwargs: dict | None = None) -> dict:

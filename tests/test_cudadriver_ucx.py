@@ -167,16 +167,36 @@ def test_agent_orders_cuda_transfers(spawn, op, mode, api):
         assert importer.call("dev_read", "dst") == b"\x4d" * N
 
 
-def test_an_agents_batch_follows_the_work_queued_on_each_items_stream(spawn):
-    """Two items whose producers' memsets are queued on two streams of their own (each named by
-    its array interface): the batch's puts carry both memsets' bytes."""
+def _two_items_on_two_streams(spawn):
+    """(exporter, importer, the exporter's agent memory of 2 N bytes): the importer connected,
+    with device memory "one" and "two", memsets to 0x21 and 0x22 queued on a stream of each."""
     exporter, importer = spawn(), spawn()
     made = exporter.call("agent_cuda_memory", 2 * N)
     importer.call("agent_connect", made["address"], made["key"])
     importer.call("pending", "one", N, 0x21, "stream")
     importer.call("pending", "two", N, 0x22, "stream")
+    return exporter, importer, made
+
+
+def test_an_agents_batch_follows_the_work_queued_on_each_items_stream(spawn):
+    """Two items whose producers' memsets are queued on two streams of their own (each named by
+    its array interface): the batch's puts carry both memsets' bytes."""
+    exporter, importer, made = _two_items_on_two_streams(spawn)
     importer.call("put_batch_of", ["one", "two"], "cai")
     assert exporter.call("read_at", made["base"], 2 * N) == b"\x21" * N + b"\x22" * N
+
+
+def test_each_post_of_a_plan_follows_the_work_queued_since_on_each_items_stream(spawn):
+    """A plan made once: each post carries the bytes of the memsets queued (not run) on the
+    items' streams before that post, made after the plan."""
+    exporter, importer, made = _two_items_on_two_streams(spawn)
+    importer.call("plan_of", ["one", "two"], "cai")
+    importer.call("post_plan")
+    assert exporter.call("read_at", made["base"], 2 * N) == b"\x21" * N + b"\x22" * N
+    importer.call("requeue", "one", 0x31)
+    importer.call("requeue", "two", 0x32)
+    importer.call("post_plan")
+    assert exporter.call("read_at", made["base"], 2 * N) == b"\x31" * N + b"\x32" * N
 
 
 def test_an_agents_batch_takes_cuda_memory_of_one_device_only(spawn):

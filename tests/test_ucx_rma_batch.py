@@ -143,13 +143,7 @@ def test_a_key_of_another_endpoint_is_refused(sides):
 
 def test_the_callback_runs_once_when_every_part_is_done(sides):
     agent, ep, rk, peer = sides
-    seen: list = []
-    done = threading.Event()
-
-    def callback(error, data):
-        seen.append((error, data))
-        done.set()
-
+    callback, seen, done = _rma_peer.recorder()
     data = _pieces(32, 64 * KiB, 5)
     req = ep.mem_put_batch([(d, rk.base_address + i * 64 * KiB) for i, d in enumerate(data)], rk,
                            callback, "tag")

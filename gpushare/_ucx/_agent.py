@@ -22,7 +22,8 @@ from .._errors import (
 )
 from . import _device
 from ._address import PeerAddress, check_worker_address
-from ._batch import check_range, release_all, resolve_items
+from . import _plan
+from ._batch import check_range
 from ._common import (
     ADDRESS_MAGIC,
     KEY_MAGIC,
@@ -199,33 +200,6 @@ class Endpoint(Connection):
                 self._inflight.append(req)
         return req
 
-    def _submit_batch(self, op: str, items: Any, rkey: RemoteKey, callback: Callable | None, callback_data: Any,
-                      stream: Any) -> Request:
-        n = self._check_open()
-        self._check_key(rkey)
-        if callback is not None and not callable(callback):
-            raise InvalidInputError("callback must be callable or None")
-        consumer = None if stream is None else _device.consumer_stream(stream)
-        locals_, remote = resolve_items(items, op, rkey._base, rkey._base + rkey._size, consumer)
-        try:
-            holder: list[Request] = []
-            on_done = None if callback is None else user_callback(callback, callback_data, holder, op)
-            if self._inflight:
-                self._prune()
-            for first_on_stream in {lb.stream: lb for lb in locals_}.values():  # one per producer's stream
-                _device.order_before(first_on_stream, consumer)  # as for one request
-            registration = self._agent._registration
-            memhs = [registration(lb.address, lb.nbytes, lb.memory_type) for lb in locals_]
-            first = locals_[0] if locals_ else None
-            with _device.on_memory_device(first):
-                nreq = n.rma_batch(op == "put", [lb.address for lb in locals_], [lb.nbytes for lb in locals_],
-                                   remote, rkey._native, 0 if first is None else MEMORY_TYPE_CODES[first.memory_type],
-                                   memhs, None)
-        except BaseException:
-            release_all(locals_)
-            raise
-        return self._request(nreq, locals_, on_done, holder)
-
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,
                 callback_data: Any = None, *, nbytes: int | None = None, stream: Any = None) -> Request:
@@ -317,7 +291,7 @@ class Endpoint(Connection):
         ClosedError
             If the endpoint or agent is closed.
         """
-        return self._submit_batch("put", items, rkey, callback, callback_data, stream)
+        return _plan.post_once(self, "put", items, rkey, callback, callback_data, stream)
 
     def mem_get_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey,
                       callback: Callable[[GpuShareError | None, Any], Any] | None = None,
@@ -328,7 +302,21 @@ class Endpoint(Connection):
         and errors as in :meth:`mem_put_batch`; the buffers must be
         writable.
         """
-        return self._submit_batch("get", items, rkey, callback, callback_data, stream)
+        return _plan.post_once(self, "get", items, rkey, callback, callback_data, stream)
+
+    def prepare_put_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey) -> _plan.BatchPlan:
+        """The puts of ``items`` to the peer, resolved and checked now, posted by each
+        :meth:`BatchPlan.post <gpushare.ucx.BatchPlan.post>` as one request.
+
+        Items and errors as in :meth:`mem_put_batch`, raised here (nothing is sent).  The plan
+        keeps the buffers referenced until it is closed; each post sends their contents then.
+        """
+        return _plan.prepare(self, "put", items, rkey, None)
+
+    def prepare_get_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey) -> _plan.BatchPlan:
+        """The gets of ``items`` from the peer, as :meth:`prepare_put_batch`; the buffers must be
+        writable."""
+        return _plan.prepare(self, "get", items, rkey, None)
 
     def flush(self, callback: Callable[[GpuShareError | None, Any], Any] | None = None,
               callback_data: Any = None) -> Request:

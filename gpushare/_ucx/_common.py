@@ -201,8 +201,9 @@ class Request:
     """A non-blocking operation (put, get or flush) in flight.
 
     Made by :meth:`Endpoint.mem_put`, :meth:`Endpoint.mem_get`, their
-    batches (:meth:`Endpoint.mem_put_batch`, :meth:`Endpoint.mem_get_batch`)
-    and :meth:`Endpoint.flush`; not constructed by users.  It can be waited on,
+    batches (:meth:`Endpoint.mem_put_batch`, :meth:`Endpoint.mem_get_batch`,
+    :meth:`BatchPlan.post`) and :meth:`Endpoint.flush`; not constructed by
+    users.  It can be waited on,
     polled, given callbacks, and awaited from asyncio.  The local buffer stays
     referenced until the request completes.
     """
@@ -210,7 +211,8 @@ class Request:
     __slots__ = ("_native", "_buffer", "_endpoint", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("Request objects are made by Endpoint.mem_put/mem_get/mem_put_batch/mem_get_batch/flush")
+        raise TypeError("Request objects are made by Endpoint.mem_put/mem_get/mem_put_batch/mem_get_batch/flush "
+                        "and BatchPlan.post")
 
     @classmethod
     def _from_native(cls, nreq: Any, buffer: _buffers.LocalBuffer | None, endpoint: Connection) -> Request:
