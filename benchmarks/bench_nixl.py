@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 
-from bench_ucx import _exporter, _server_exporter, perftest, spawned
+from bench_ucx import _exporter, _server_exporter, cores as _cores, perftest, pinned as _pinned, spawned
 from _report import spread
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -69,23 +69,6 @@ BATCH = 64
 BATCH_SIZE = 64 * KiB
 REGION = max(max(SIZES), BATCH * BATCH_SIZE)
 INFLIGHT = 16  # the seed-API comparison's puts in flight
-
-
-def _pinned(conn, cpu, target, *args) -> None:
-    """Run ``target(conn, *args)`` on core ``cpu`` (None: anywhere); threads
-    it starts stay there too."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    target(conn, *args)
-
-
-def _cores(pin: bool) -> tuple[int | None, int | None]:
-    """(importer's core, exporter's core), or (None, None) unpinned or with
-    fewer than two cores."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not pin or len(cpus) < 2:
-        return None, None
-    return cpus[0], cpus[1]
 
 
 def _iters(nbytes: int, quick: bool) -> int:

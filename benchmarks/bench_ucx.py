@@ -8,7 +8,13 @@ gpushare run between two processes on this machine with the same UCX_TLS and
 the same error-handling mode, and the script prints, per message size, the
 bandwidth of each and the ratio gpushare / ucx_perftest (higher is better;
 the target is >= 0.9 from 64 KiB up), then the small-message latency of a
-get and the ratio gpushare / ucx_perftest (lower is better).
+get and the ratio gpushare / ucx_perftest (lower is better).  gpushare's
+puts and gets are measured two ways: one ``mem_put``/``mem_get`` per
+message (up to 512 in flight), and 16 messages per post of a plan prepared
+once (``prepare_put_batch``/``prepare_get_batch``, up to 32 posts in
+flight), the rows marked ``plan``; the local buffer is registered once
+(``Agent.create_memory_handle``), as perftest's UCX caches its
+registration.
 
 Settings measured:
 
@@ -34,6 +40,11 @@ Settings measured:
 (threads, file descriptors, RSS, CPU while idle) with one agent per region,
 as the sharing API does today, with and without the shared-memory
 transports, and with one region server.
+
+In the three RMA settings the importer (perftest's client) runs on the
+first core this process may use and the exporter (perftest's server) on
+the second, threads included (``--no-pin`` leaves placement to the
+scheduler), as ``bench_nixl.py`` places its two sides.
 
 Every figure, gpushare's and perftest's alike, is the median of ``--runs``
 runs (lowest-highest), and every ratio a ratio of medians.  Unit: MiB/s
@@ -88,6 +99,23 @@ def _on_core(cpu: int | None):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def pinned(conn, cpu, target, *args) -> None:
+    """Run ``target(conn, *args)`` on core ``cpu`` (None: anywhere); threads
+    it starts stay there too."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    target(conn, *args)
+
+
+def cores(pin: bool) -> tuple[int | None, int | None]:
+    """(importer's core, exporter's core), or (None, None) unpinned or with
+    fewer than two cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return cpus[0], cpus[1]
+
+
 def perftest(test: str, size: int, iters: int, tls: str, error_handling: bool,
              wait: str | None = None, settings: dict[str, str] | None = None,
              cores: tuple[int | None, int | None] = (None, None)) -> tuple[float, float, float]:
@@ -138,10 +166,9 @@ def _exporter(conn, tls: str, error_handling: bool, size: int, progress: str, li
         conn.recv()
 
 
-def gpushare_bw(ep, rk, op: str, size: int, iters: int, window: int = 512) -> float:
-    import numpy as np
-
-    buf = np.ones(size, np.uint8)
+def gpushare_bw(ep, rk, op: str, buf, iters: int, window: int = 512) -> float:
+    """MiB/s of ``iters`` puts or gets of all of ``buf``, up to ``window`` in flight."""
+    size = len(buf)
     fn = ep.mem_put if op == "put" else ep.mem_get
     inflight = []
     t0 = time.perf_counter()
@@ -153,6 +180,25 @@ def gpushare_bw(ep, rk, op: str, size: int, iters: int, window: int = 512) -> fl
         r.wait(120)
     ep.flush().wait(120)
     return size * iters / (time.perf_counter() - t0) / MiB
+
+
+def gpushare_plan_bw(ep, rk, op: str, buf, iters: int, per_post: int = 16, window: int = 32) -> float:
+    """As gpushare_bw, the puts or gets posted ``per_post`` at a time by one plan
+    (``Endpoint.prepare_put_batch``/``prepare_get_batch``), prepared once."""
+    size = len(buf)
+    prepare = ep.prepare_put_batch if op == "put" else ep.prepare_get_batch
+    posts = max(1, iters // per_post)
+    with prepare([(buf, rk.base_address)] * per_post, rk) as plan:
+        inflight = []
+        t0 = time.perf_counter()
+        for _ in range(posts):
+            inflight.append(plan.post())
+            if len(inflight) >= window:
+                inflight.pop(0).wait(120)
+        for r in inflight:
+            r.wait(120)
+        ep.flush().wait(120)
+        return size * posts * per_post / (time.perf_counter() - t0) / MiB
 
 
 def gpushare_lat(ep, rk, iters: int) -> float:
@@ -316,11 +362,14 @@ def run_server(sizes, runs: int, quick: bool) -> None:
         peer.close()
 
 
-def run(settings, sizes, runs: int, quick: bool) -> None:
+def run(settings, sizes, runs: int, quick: bool, pin: bool = True) -> None:
+    import numpy as np
+
     from gpushare import ucx
     from gpushare._ucx._common import rma_config
 
     same = {f"UCX_{k}": v for k, v in rma_config().items()}  # perftest runs with the agents' settings
+    all_cpus = os.sched_getaffinity(0)
     print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; median of {runs} runs "
           "(lowest-highest); MiB/s for bandwidths, us for latencies, operations/s for rates; perftest with "
           f"the agents' settings {' '.join(f'{k}={v}' for k, v in same.items())}\n")
@@ -341,43 +390,58 @@ def run(settings, sizes, runs: int, quick: bool) -> None:
                 proof_name = f"\0gpushare-bench-{os.getpid()}"
                 listener.bind(proof_name)
                 listener.listen(1)
-            with spawned(_exporter, tls, eh, max(sizes), progress, proof_name) as (address, key):
-                with ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
-                    peer = ucx.LocalPeer.from_socket(listener.accept()[0]) if listener is not None else None
-                    ep = agent.connect(address, local_peer=peer)
-                    rk = ep.unpack_remote_key(key)
-                    lanes = [ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[" in ln]
-                    print(f"   gpushare endpoint: {'; '.join(lanes) or '?'}")
-                    print(f"   {'size':>8} {'op':>4} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
-                    for size in sizes:
-                        n = _iters(size, quick)
-                        for op in ("put", "get"):
-                            # perftest and gpushare alternate, run by run, so that a change
-                            # of load during the run weighs on both alike
-                            test = "ucp_put_bw" if op == "put" else "ucp_get"
-                            ref, got = [], []
-                            try:
-                                for _ in range(runs):
-                                    ref.append(perftest(test, size, n, tls, eh, settings=same)[0])
-                                    got.append(gpushare_bw(ep, rk, op, size, n))
-                            except Exception as exc:  # noqa: BLE001 - report and go on
-                                print(f"   {_label(size):>8} {op:>4} failed: {exc}")
-                                continue
-                            print(f"   {_label(size):>8} {op:>4} {_fmt(got):>22} {_fmt(ref):>22} "
-                                  f"{_ratio(got, ref):6.2f}")
-                    ref_lat, got_lat = [], []
-                    for _ in range(runs):
+            mine, theirs = cores(pin)
+            if mine is not None:  # before the agent starts its threads: they stay on this core too
+                os.sched_setaffinity(0, {mine})
+            with spawned(pinned, theirs, _exporter, tls, eh, max(sizes), progress, proof_name) as (address, key), \
+                    ucx.Agent(transports=tls, error_handling=eh, progress=progress) as agent:
+                peer = ucx.LocalPeer.from_socket(listener.accept()[0]) if listener is not None else None
+                ep = agent.connect(address, local_peer=peer)
+                rk = ep.unpack_remote_key(key)
+                lanes = [ln.strip("# ").strip() for ln in ep.transport_info().splitlines() if "lane[" in ln]
+                print(f"   gpushare endpoint: {'; '.join(lanes) or '?'}")
+                print(f"   {'size':>8} {'op':>8} {'gpushare MiB/s':>22} {'perftest MiB/s':>22} {'ratio':>6}")
+                # The local buffer registered once, as perftest's UCX caches its registration
+                # (gpushare's processes run without UCX's cache: docs/ucx.md, "Memory hooks").
+                mh = agent.create_memory_handle(max(sizes))
+                local = np.frombuffer(mh.buffer, np.uint8)
+                local[:] = 1
+                for size in sizes:
+                    n = _iters(size, quick)
+                    buf = local[:size]
+                    for op in ("put", "get"):
+                        # perftest and gpushare alternate, run by run, so that a change
+                        # of load during the run weighs on both alike
+                        test = "ucp_put_bw" if op == "put" else "ucp_get"
+                        ref, got, planned = [], [], []
                         try:
-                            ref_lat.append(perftest("ucp_get", 8, li, tls, eh, settings=same)[1])
-                        except Exception:  # noqa: BLE001 - the latency line says so
-                            ref_lat.append(float("nan"))
-                        got_lat.append(gpushare_lat(ep, rk, li))
-                    print(f"   8 B get latency: gpushare {_fmt(got_lat, 1).strip()} us, "
-                          f"perftest {_fmt(ref_lat, 1).strip()} us, "
-                          f"ratio {_ratio(got_lat, ref_lat):.2f} (lower is better)\n")
-                    ep.close()
+                            for _ in range(runs):
+                                ref.append(perftest(test, size, n, tls, eh, settings=same, cores=(mine, theirs))[0])
+                                got.append(gpushare_bw(ep, rk, op, buf, n))
+                                planned.append(gpushare_plan_bw(ep, rk, op, buf, n))
+                        except Exception as exc:  # noqa: BLE001 - report and go on
+                            print(f"   {_label(size):>8} {op:>8} failed: {exc}")
+                            continue
+                        for label, col in ((op, got), (f"{op} plan", planned)):
+                            print(f"   {_label(size):>8} {label:>8} {_fmt(col):>22} {_fmt(ref):>22} "
+                                  f"{_ratio(col, ref):6.2f}")
+                ref_lat, got_lat = [], []
+                for _ in range(runs):
+                    try:
+                        ref_lat.append(perftest("ucp_get", 8, li, tls, eh, settings=same, cores=(mine, theirs))[1])
+                    except Exception:  # noqa: BLE001 - the latency line says so
+                        ref_lat.append(float("nan"))
+                    got_lat.append(gpushare_lat(ep, rk, li))
+                print(f"   8 B get latency: gpushare {_fmt(got_lat, 1).strip()} us, "
+                      f"perftest {_fmt(ref_lat, 1).strip()} us, "
+                      f"ratio {_ratio(got_lat, ref_lat):.2f} (lower is better)\n")
+                del buf, local
+                mh.close()
+                ep.close()
         except Exception as exc:  # noqa: BLE001
             print(f"   setting failed: {exc}\n")
+        finally:
+            os.sched_setaffinity(0, all_cpus)
 
 
 # -- what a worker costs to have -----------------------------------------------------
@@ -461,6 +525,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer iterations per run")
     p.add_argument("--setting", choices=[s[0] for s in SETTINGS], action="append",
                    help="only these settings (repeatable)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the two sides' placement on cores to the scheduler (RMA settings)")
     p.add_argument("--setup-cost", action="store_true",
                    help="only what 100 regions cost: per-share agents against one server")
     args = p.parse_args()
@@ -468,7 +534,7 @@ def main() -> int:
         run_setup_cost(args.runs)
         return 0
     settings = [s for s in SETTINGS if not args.setting or s[0] in args.setting]
-    run(settings, SIZES, runs=args.runs, quick=args.quick)
+    run(settings, SIZES, runs=args.runs, quick=args.quick, pin=args.pin)
     return 0
 
 
