@@ -106,7 +106,9 @@ class Endpoint(Connection):
     def _check_open(self) -> Any:
         if self._closed:
             raise ClosedError("endpoint is closed")
-        self._agent._check_usable()
+        agent = self._agent
+        if os.getpid() != agent._pid or not agent._finalizer.alive:
+            agent._check_usable()  # raises, saying which
         return self._native
 
     def unpack_remote_key(self, blob: bytes) -> RemoteKey:
@@ -166,8 +168,6 @@ class Endpoint(Connection):
             holder: list[Request] = []
             on_done = None if callback is None else user_callback(callback, callback_data, holder, op)
 
-            if self._inflight:
-                self._prune()
             method = n.mem_put if op == "put" else n.mem_get
             # UCX copies CUDA memory on streams of its own: after the work
             # queued before the transfer (see _device).
@@ -195,10 +195,7 @@ class Endpoint(Connection):
         if on_done is not None:
             holder.append(req)
             nreq.add_callback(on_done)
-        if not nreq.done():
-            with self._lock:
-                self._inflight.append(req)
-        return req
+        return self._track(req)
 
     def mem_put(self, buffer: Any, remote_address: int, rkey: RemoteKey,
                 callback: Callable[[GpuShareError | None, Any], Any] | None = None,

@@ -350,18 +350,15 @@ class Connection:
         return n.info()
 
     def _track(self, req: Request) -> Request:
-        """Keep ``req`` (and its buffer) referenced until it completes."""
-        if self._inflight:
-            self._prune()
+        """Keep ``req`` (and its buffer) referenced until it completes; the requests found done
+        at the head of those kept go (one lock for both)."""
         if not req._native.done():
             with self._lock:
-                self._inflight.append(req)
+                inflight = self._inflight
+                while inflight and inflight[0]._native.done():
+                    inflight.popleft()._buffer = None
+                inflight.append(req)
         return req
-
-    def _prune(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0]._native.done():
-                self._inflight.popleft()._buffer = None
 
     def _shutdown(self, timeout: float) -> None:
         if self._closed:

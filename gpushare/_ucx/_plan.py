@@ -103,8 +103,6 @@ class BatchPlan:
                 zero_unused(agent._lock, agent._zero_later)
             holder: list[Request] = []
             on_done = None if callback is None else user_callback(callback, callback_data, holder, self._op)
-            if ep._inflight:
-                ep._prune()
             for first_on_stream in producers:  # one per producer's stream
                 _device.order_before(first_on_stream, consumer)  # as for one request
             with _device.on_memory_device(locals_[0] if locals_ else None):
