@@ -10,7 +10,8 @@ bandwidth of each and the ratio gpushare / ucx_perftest (higher is better;
 the target is >= 0.9 from 64 KiB up), then the small-message latency of a
 get and the ratio gpushare / ucx_perftest (lower is better).  gpushare's
 puts and gets are measured two ways: one ``mem_put``/``mem_get`` per
-message (up to 512 in flight), and 16 messages per post of a plan prepared
+message (up to 512 in flight), and 16 messages per post (fewer where
+perftest's count is smaller: as many in all) of a plan prepared
 once (``prepare_put_batch``/``prepare_get_batch``, up to 32 posts in
 flight), the rows marked ``plan``; the local buffer is registered once
 (``Agent.create_memory_handle``), as perftest's UCX caches its
@@ -187,6 +188,7 @@ def gpushare_plan_bw(ep, rk, op: str, buf, iters: int, per_post: int = 16, windo
     (``Endpoint.prepare_put_batch``/``prepare_get_batch``), prepared once."""
     size = len(buf)
     prepare = ep.prepare_put_batch if op == "put" else ep.prepare_get_batch
+    per_post = max(1, min(per_post, iters))  # as many messages in all as perftest's -n
     posts = max(1, iters // per_post)
     with prepare([(buf, rk.base_address)] * per_post, rk) as plan:
         inflight = []
@@ -201,8 +203,9 @@ def gpushare_plan_bw(ep, rk, op: str, buf, iters: int, per_post: int = 16, windo
         return size * posts * per_post / (time.perf_counter() - t0) / MiB
 
 
-def gpushare_lat(ep, rk, iters: int) -> float:
-    buf = bytearray(8)
+def gpushare_lat(ep, rk, buf, iters: int) -> float:
+    """Microseconds of one 8-byte get into ``buf``, waited for."""
+    buf = buf[:8]
     t0 = time.perf_counter()
     for _ in range(iters):
         ep.mem_get(buf, rk.base_address, rk).wait(60)
@@ -431,7 +434,7 @@ def run(settings, sizes, runs: int, quick: bool, pin: bool = True) -> None:
                         ref_lat.append(perftest("ucp_get", 8, li, tls, eh, settings=same, cores=(mine, theirs))[1])
                     except Exception:  # noqa: BLE001 - the latency line says so
                         ref_lat.append(float("nan"))
-                    got_lat.append(gpushare_lat(ep, rk, li))
+                    got_lat.append(gpushare_lat(ep, rk, local, li))
                 print(f"   8 B get latency: gpushare {_fmt(got_lat, 1).strip()} us, "
                       f"perftest {_fmt(ref_lat, 1).strip()} us, "
                       f"ratio {_ratio(got_lat, ref_lat):.2f} (lower is better)\n")
@@ -442,6 +445,8 @@ def run(settings, sizes, runs: int, quick: bool, pin: bool = True) -> None:
             print(f"   setting failed: {exc}\n")
         finally:
             os.sched_setaffinity(0, all_cpus)
+            if listener is not None:
+                listener.close()
 
 
 # -- what a worker costs to have -----------------------------------------------------

@@ -352,12 +352,14 @@ class Connection:
     def _track(self, req: Request) -> Request:
         """Keep ``req`` (and its buffer) referenced until it completes; the requests found done
         at the head of those kept go (one lock for both)."""
-        if not req._native.done():
+        done = req._native.done()
+        if self._inflight or not done:
             with self._lock:
                 inflight = self._inflight
                 while inflight and inflight[0]._native.done():
                     inflight.popleft()._buffer = None
-                inflight.append(req)
+                if not done:
+                    inflight.append(req)
         return req
 
     def _shutdown(self, timeout: float) -> None:
