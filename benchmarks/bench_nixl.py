@@ -328,7 +328,7 @@ def _seed_main(args, mine: int | None, theirs: int | None) -> int:
     from gpushare._ucx._common import rma_config
 
     config = {"RNDV_THRESH": "auto"} if args.rndv else None  # the agents' further settings
-    settings = rma_config() | (config or {})  # perftest -e's: the agents' own
+    settings = rma_config("tcp") | (config or {})  # perftest -e's: the agents' own
     for _ in range(args.runs):  # alternating, so that each sees the machine in the same states
         nixl.append(nixl_run(args.quick, theirs, seed=True))
         ours.append(seed_run(args.quick, theirs, config))

@@ -371,11 +371,10 @@ def run(settings, sizes, runs: int, quick: bool, pin: bool = True) -> None:
     from gpushare import ucx
     from gpushare._ucx._common import rma_config
 
-    same = {f"UCX_{k}": v for k, v in rma_config().items()}  # perftest runs with the agents' settings
     all_cpus = os.sched_getaffinity(0)
     print(f"UCX {'.'.join(map(str, ucx.ucx_version()))}, {os.cpu_count()} CPUs; median of {runs} runs "
           "(lowest-highest); MiB/s for bandwidths, us for latencies, operations/s for rates; perftest with "
-          f"the agents' settings {' '.join(f'{k}={v}' for k, v in same.items())}\n")
+          "the agents' settings of each setting\n")
     for name, tls, eh in settings:
         if name == "server":
             try:
@@ -383,7 +382,9 @@ def run(settings, sizes, runs: int, quick: bool, pin: bool = True) -> None:
             except Exception as exc:  # noqa: BLE001
                 print(f"   setting failed: {exc}\n")
             continue
-        print(f"== {name} (UCX_TLS={tls}, error handling {'on' if eh else 'off'})")
+        same = {f"UCX_{k}": v for k, v in rma_config(tls).items()}  # perftest runs with the agents' settings
+        print(f"== {name} (UCX_TLS={tls}, error handling {'on' if eh else 'off'}; "
+              f"{' '.join(f'{k}={v}' for k, v in same.items())})")
         progress = "blocking"  # both sides sleep between transfers, so perftest may run in between
         li = 2000 if quick else 10000
         try:

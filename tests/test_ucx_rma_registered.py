@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -206,11 +207,59 @@ def test_an_agents_config_overrides_its_rma_settings():
 def test_the_environment_overrides_the_agents_rma_settings(monkeypatch):
     from gpushare._ucx._common import rma_config
 
-    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
-    monkeypatch.delenv("UCX_WIREUP_VIA_AM_LANE", raising=False)
+    for name in ("UCX_RNDV_THRESH", "UCX_WIREUP_VIA_AM_LANE", "UCX_ADAPTIVE_PROGRESS"):
+        monkeypatch.delenv(name, raising=False)
     assert rma_config() == {"RNDV_THRESH": "inf", "WIREUP_VIA_AM_LANE": "y"}
+    assert rma_config("tcp") == {"RNDV_THRESH": "inf", "WIREUP_VIA_AM_LANE": "y", "ADAPTIVE_PROGRESS": "n"}
+    assert rma_config("ib,tcp,cuda_copy")["ADAPTIVE_PROGRESS"] == "n"
+    assert "ADAPTIVE_PROGRESS" not in rma_config("all")  # shared memory: every pass would poll TCP too
+    assert "ADAPTIVE_PROGRESS" not in rma_config("tcp,sysv,cma")
     monkeypatch.setenv("UCX_RNDV_THRESH", "auto")
-    assert rma_config() == {"WIREUP_VIA_AM_LANE": "y"}
+    monkeypatch.setenv("UCX_ADAPTIVE_PROGRESS", "y")
+    assert rma_config("tcp") == {"WIREUP_VIA_AM_LANE": "y"}
+
+
+def _async_wakeups(pid: int) -> int:
+    """Voluntary context switches of UCX's async thread (``async``) in process ``pid``."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            if f.read().strip() != "async":
+                continue
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            total += int(next(ln.split()[1] for ln in f if ln.startswith("voluntary_ctxt_switches")))
+    return total
+
+
+@pytest.mark.parametrize("adaptive", [None, "y"])
+def test_an_exporters_worker_takes_bursts_of_puts_without_ucxs_async_thread(adaptive):
+    """An agent that is only the target of puts over TCP: each burst reaches its worker directly.
+    With UCX's adaptive progress (``UCX_ADAPTIVE_PROGRESS=y``, as before) its TCP interface stays
+    out of the worker's progress, and UCX's async thread wakes for every burst."""
+    child = Child(_rma_peer.setup, MiB, {"transports": "tcp", "config": {} if adaptive is None
+                                         else {"ADAPTIVE_PROGRESS": adaptive}})
+    try:
+        with ucx.Agent(transports="tcp") as agent:
+            ep = agent.connect(child.hello["address"])
+            rk = ep.unpack_remote_key(child.hello["key"])
+            data = np.full(4096, 3, np.uint8)
+            ep.mem_put(data, rk.base_address, rk).wait(30)
+            ep.flush().wait(30)
+            before = _async_wakeups(child.proc.pid)
+            for i in range(100):
+                for _ in range(8):
+                    ep.mem_put(data, rk.base_address, rk)
+                ep.flush().wait(30)
+                time.sleep(0.001)  # the exporter goes idle between bursts
+            woke = _async_wakeups(child.proc.pid) - before
+            assert child.call("read", 0, 4096) == data.tobytes()
+            ep.close()
+        if adaptive is None:
+            assert woke < 10, woke
+        else:
+            assert woke >= 50, woke  # the behaviour the setting removes, still there when asked for
+    finally:
+        child.close()
 
 
 @pytest.mark.parametrize("bad", [True, False, float("nan"), -1, -0.5, "1", np.float32(1.0)])

@@ -424,7 +424,8 @@ class Agent:
             cfg["TLS"] = transports
         elif "TLS" not in cfg and error_handling and "UCX_TLS" not in os.environ:
             cfg["TLS"] = default_transports()
-        for key, value in (mt_config() | cuda_ipc_config() | rma_config()).items():
+        tls = cfg.get("TLS", os.environ.get("UCX_TLS"))
+        for key, value in (mt_config() | cuda_ipc_config() | rma_config(tls)).items():
             cfg.setdefault(key, value)
         check_memtype_config(cfg)  # one setting per process: see _loader.choose_memtype_cache
         self._progress = progress
@@ -444,7 +445,7 @@ class Agent:
         self._registry: list[tuple[int, int, str, Callable[[], MemoryHandle | None]]] = []
         self._registry_kept = 0
         self._native = native().Agent(cfg, progress == "polling", error_handling,
-                                      wake_timeout_ms(cfg.get("TLS", os.environ.get("UCX_TLS"))),
+                                      wake_timeout_ms(tls),
                                       without_registration_cache(cfg))
         self._address = None
         self._finalizer = weakref.finalize(
