@@ -392,9 +392,11 @@ class Agent:
         Further UCX settings, by name without the ``UCX_`` prefix.  ``UCX_*``
         environment variables apply as usual.  Agents run with rendezvous
         off (``RNDV_THRESH=inf``: TCP puts are zero-copy with error
-        handling) and wire-up on the active-message lane
-        (``WIREUP_VIA_AM_LANE=y``) unless ``config`` or the environment
-        says otherwise (docs/ucx.md).  ``MEMTYPE_CACHE`` is one
+        handling), wire-up on the active-message lane
+        (``WIREUP_VIA_AM_LANE=y``) and, where no transport is shared
+        memory, UCX's adaptive progress off (``ADAPTIVE_PROGRESS=n``: a
+        peer's puts reach the worker without UCX's async thread) unless
+        ``config`` or the environment says otherwise (docs/ucx.md).  ``MEMTYPE_CACHE`` is one
         setting of the whole process in UCX, which gpushare sets to ``n``
         when it loads UCX (``UCX_MEMTYPE_CACHE`` in the environment wins):
         a value other than the process's is refused with

@@ -122,8 +122,9 @@ def rma_config(tls: str | None = None) -> dict[str, str]:
     arrived while it paired the connections, resetting the endpoint.
 
     Where every transport of ``tls`` wakes a sleeping worker (TCP,
-    InfiniBand, the CUDA transports: no shared memory), adaptive progress is
-    off (``ADAPTIVE_PROGRESS=n``).  With it, UCX keeps an interface that has
+    InfiniBand, the CUDA transports, and ``self``: no shared memory),
+    adaptive progress is off (``ADAPTIVE_PROGRESS=n``; measured over TCP
+    only, on InfiniBand each progress pass then also polls its interfaces).  With it, UCX keeps an interface that has
     received no active message out of the worker's progress, and an agent
     that is only the target of puts (an exporter) never receives one: each
     burst of a peer's puts then reached its worker through UCX's async
@@ -136,7 +137,7 @@ def rma_config(tls: str | None = None) -> dict[str, str]:
     ``UCX_ADAPTIVE_PROGRESS`` in the environment win.
     """
     wanted = {"RNDV_THRESH": "inf", "WIREUP_VIA_AM_LANE": "y"}
-    if wake_timeout_ms(tls) == -1:
+    if _without_shared_memory(tls):
         wanted["ADAPTIVE_PROGRESS"] = "n"
     return {k: v for k, v in wanted.items() if "UCX_" + k not in os.environ}
 
@@ -150,6 +151,16 @@ def cuda_ipc_config() -> dict[str, str]:
     if "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in os.environ or not knows_setting("CUDA_IPC_ENABLE_GET_ZCOPY", "y"):
         return {}
     return {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def _without_shared_memory(tls: str | None) -> bool:
+    """Whether transport list ``tls`` names transports that all wake a sleeping worker (``self``,
+    which delivers in the sender's own thread, aside), so none of shared memory; False for UCX's
+    own choice (None, ``all``, a list of exclusions)."""
+    if not tls or tls.startswith("^"):
+        return False
+    names = {t.strip().lower() for t in tls.split(",")} - {"self"}
+    return bool(names) and names <= _WAKING_TRANSPORTS
 
 
 def wake_timeout_ms(tls: str | None) -> int:
