@@ -234,8 +234,7 @@ def resolve(obj: Any, *, writable: bool, stream: int | None = None) -> LocalBuff
         readonly = not obj.flags.writeable
         if writable and readonly:
             raise InvalidInputError("ndarray buffer is read-only; a destination must be writable")
-        reader = _address_reader or host_address_reader()
-        return LocalBuffer(reader(obj) if obj.nbytes else 0, obj.nbytes, "host", readonly, obj)
+        return LocalBuffer(host_address_reader()(obj) if obj.nbytes else 0, obj.nbytes, "host", readonly, obj)
     if plain_torch_cpu(obj):
         # as DLPack would give it (which holds no more than this reference)
         return LocalBuffer(obj.data_ptr(), obj.nbytes, "host", False, obj)

@@ -106,9 +106,7 @@ class Endpoint(Connection):
     def _check_open(self) -> Any:
         if self._closed:
             raise ClosedError("endpoint is closed")
-        agent = self._agent
-        if os.getpid() != agent._pid or not agent._finalizer.alive:
-            agent._check_usable()  # raises, saying which
+        self._agent._check_usable()
         return self._native
 
     def unpack_remote_key(self, blob: bytes) -> RemoteKey:
@@ -544,13 +542,18 @@ class Agent:
             self._endpoints.add(ep)
         return ep
 
+    def _zero_unused(self) -> None:
+        """Turn to zeros the memory of closed handles no transfer uses any more (each transfer
+        does this first; see MemoryHandle.close)."""
+        if self._zero_later:
+            zero_unused(self._lock, self._zero_later)
+
     def _registration(self, address: int, nbytes: int, memory_type: str) -> Any:
         """The native memory handle of this agent's that registers the local
         range, or None (the transfer then registers it for itself).  The
         handle found last is asked first (a caller usually moves data from
         one registered buffer)."""
-        if self._zero_later:
-            zero_unused(self._lock, self._zero_later)
+        self._zero_unused()
         last = self._last_registration()
         if last is not None:
             nmh = last._covering(address, nbytes, memory_type)

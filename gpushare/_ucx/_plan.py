@@ -16,7 +16,6 @@ from .._errors import ClosedError, GpuShareError, InvalidInputError
 from . import _device
 from ._batch import release_all, resolve_items
 from ._common import MEMORY_TYPE_CODES, Request, user_callback
-from ._registered import zero_unused
 
 __all__ = ["BatchPlan", "prepare", "post_once"]
 
@@ -98,9 +97,7 @@ class BatchPlan:
         try:
             n = ep._check_open()
             ep._check_key(self._rkey)
-            agent = ep._agent
-            if agent._zero_later:  # as any transfer does (see MemoryHandle.close)
-                zero_unused(agent._lock, agent._zero_later)
+            ep._agent._zero_unused()
             holder: list[Request] = []
             on_done = None if callback is None else user_callback(callback, callback_data, holder, self._op)
             for first_on_stream in producers:  # one per producer's stream
