@@ -187,7 +187,8 @@ def gpushare_run(quick: bool, cpu: int | None = None) -> dict:
 
 def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None = None) -> dict:
     """The seed API's puts: INFLIGHT ``mem_put`` of each size, then a flush, per iteration
-    (``"put"``), and one ``mem_put_batch`` of INFLIGHT items, then a flush (``"batch"``);
+    (``"put"``), one ``mem_put_batch`` of INFLIGHT items with ``flush=True`` (``"batch"``), and
+    the same items prepared once, each post with ``flush=True`` (``"plan"``);
     ``config``: further UCX settings of both agents."""
     import numpy as np
 
@@ -213,18 +214,16 @@ def seed_run(quick: bool, cpu: int | None = None, config: dict[str, str] | None 
                     for r in reqs:
                         r.wait(60)
 
+                # The same puts as NIXL's 16 descriptors, complete at the peer as its WRITE is
+                # (flush=True: the flush posted by the same call).
                 def batch(items=[(local[:size], rk.base_address)] * INFLIGHT) -> None:
-                    done = ep.mem_put_batch(items, rk)  # the same puts as NIXL's 16 descriptors
-                    ep.flush().wait(60)
-                    done.wait(60)
+                    ep.mem_put_batch(items, rk, flush=True).wait(60)
 
                 # Prepared once, posted per transfer, as NIXL's transfer handle is.
                 plan = ep.prepare_put_batch([(local[:size], rk.base_address)] * INFLIGHT, rk)
 
                 def prepared(plan=plan) -> None:
-                    done = plan.post()
-                    ep.flush().wait(60)
-                    done.wait(60)
+                    plan.post(flush=True).wait(60)
 
                 for kind, fn in (("put", once), ("batch", batch), ("plan", prepared)):
                     fn()
@@ -341,7 +340,8 @@ def _seed_main(args, mine: int | None, theirs: int | None) -> int:
           f"{_ucx_versions()}\n")
     print("gpushare put: mem_put x 16; batch: one mem_put_batch of 16 items, as NIXL's one WRITE of 16 "
           "descriptors; plan: the same 16 items prepared once (prepare_put_batch), one post each time, as NIXL "
-          "prepares its transfer once; each with a flush posted behind the puts, as NIXL's\n")
+          "prepares its transfer once; each complete at the peer, as NIXL's: put with a flush posted behind the "
+          "puts, batch and plan with flush=True (the flush posted by the same call)\n")
     print(f"{'size':>8} {'':>6} {'gpushare':>20} {'NIXL':>20} {'perftest -e':>20} {'perftest':>20} "
           f"{'/NIXL':>6} {'/pt -e':>6} {'/pt':>6}")
     for size in SIZES:

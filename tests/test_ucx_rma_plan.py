@@ -4,6 +4,9 @@ resolved and checked once, posted many times (real processes, loopback, host mem
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import gpushare
 from gpushare import ucx
 
 import _rma_peer
+from _procs import Child
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -130,3 +134,77 @@ def test_an_empty_plan_posts_requests_done_at_once(sides):
 def test_plans_are_made_by_endpoints_only():
     with pytest.raises(TypeError, match="prepare_put_batch"):
         ucx.BatchPlan()
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+                states.append(f.read().rsplit(b")", 1)[1].split()[0])
+        if all(state == b"T" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+@pytest.mark.parametrize("one_shot", [False, True], ids=["plan", "batch"])
+def test_a_put_posted_with_flush_completes_only_once_the_peer_has_the_bytes(sides, one_shot):
+    """A stopped peer holds a request posted with ``flush=True`` back; once it runs again, its
+    memory holds every item's bytes when the request completes.  (Over TCP a put's local
+    completion waits for the peer's acknowledgement too, so this checks what ``flush`` promises,
+    not that the one call posted a flush.)"""
+    agent, ep, rk, peer = sides
+    data = [np.full(8, 40 + i, np.uint8) for i in range(16)]
+    items = [(d, rk.base_address + i * 8) for i, d in enumerate(data)]
+    with ep.prepare_put_batch(items, rk) as plan:
+        plan.post(flush=True).wait(60)  # wired up and warm
+        for d in data:
+            d += 100
+        _stop(peer.proc.pid)
+        try:
+            req = plan.post(flush=True) if not one_shot else ep.mem_put_batch(items, rk, flush=True)
+            time.sleep(0.5)
+            assert not req.done(), "a flushed put completed while the peer was stopped"
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        req.wait(60)
+        assert peer.call("digest", 0, 16 * 8) == _digest(*data)
+
+
+def test_flush_is_for_puts_and_a_bool(sides):
+    agent, ep, rk, peer = sides
+    out = bytearray(8)
+    with ep.prepare_get_batch([(out, rk.base_address)], rk) as plan:
+        with pytest.raises(gpushare.InvalidInputError, match="puts only"):
+            plan.post(flush=True)
+    with ep.prepare_put_batch([(out, rk.base_address)], rk) as plan:
+        with pytest.raises(gpushare.InvalidInputError, match="must be a bool"):
+            plan.post(flush=1)
+    with pytest.raises(gpushare.InvalidInputError, match="must be a bool"):
+        ep.mem_put_batch([(out, rk.base_address)], rk, flush="yes")
+    out.extend(b"x")  # nothing kept pinned by the refusals
+
+
+def test_a_peer_killed_under_a_flushed_post_fails_it_and_the_posts_after_it():
+    child = Child(_rma_peer.setup, 8 * MiB)
+    with ucx.Agent() as agent:
+        ep = agent.connect(child.hello["address"])
+        rk = ep.unpack_remote_key(child.hello["key"])
+        data = [np.full(MiB, i, np.uint8) for i in range(8)]
+        plan = ep.prepare_put_batch([(d, rk.base_address + i * MiB) for i, d in enumerate(data)], rk)
+        plan.post(flush=True).wait(60)
+        _stop(child.proc.pid)  # the post cannot finish before the kill
+        req = plan.post(flush=True)
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.join(10)
+        child.close()
+        assert isinstance(req.exception(timeout=60), gpushare.UCXError)
+        assert isinstance(plan.post(flush=True).exception(timeout=30), gpushare.UCXConnectionError)
+        ep.close()
+        with pytest.raises(gpushare.ClosedError):
+            plan.post(flush=True)
+        plan.close()

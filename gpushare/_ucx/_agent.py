@@ -255,14 +255,16 @@ class Endpoint(Connection):
 
     def mem_put_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey,
                       callback: Callable[[GpuShareError | None, Any], Any] | None = None,
-                      callback_data: Any = None, *, stream: Any = None) -> Request:
+                      callback_data: Any = None, *, stream: Any = None, flush: bool = False) -> Request:
         """Write each ``(buffer, remote_address)`` of ``items`` to the peer, as one request.
 
         One call posts every put (one request of UCX's each), without the
         GIL: what many small puts cost in Python is paid once.  The request
         is done when every put is, and fails with the first put's failure.
         Completion is local, as for :meth:`mem_put`: the data is in the
-        peer's memory after a later :meth:`flush`.
+        peer's memory after a later :meth:`flush`, or when the request
+        completes with ``flush=True`` (a flush posted behind the puts, in
+        the same call).
 
         Parameters
         ----------
@@ -274,6 +276,8 @@ class Endpoint(Connection):
         rkey, callback, callback_data, stream
             As for :meth:`mem_put` (``stream`` orders the work before every
             put of the batch).
+        flush : bool
+            Complete at the peer (default: local completion).
 
         Raises
         ------
@@ -286,7 +290,7 @@ class Endpoint(Connection):
         ClosedError
             If the endpoint or agent is closed.
         """
-        return _plan.post_once(self, "put", items, rkey, callback, callback_data, stream)
+        return _plan.post_once(self, "put", items, rkey, callback, callback_data, stream, flush)
 
     def mem_get_batch(self, items: Iterable[tuple[Any, int]], rkey: RemoteKey,
                       callback: Callable[[GpuShareError | None, Any], Any] | None = None,

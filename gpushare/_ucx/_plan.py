@@ -57,7 +57,7 @@ class BatchPlan:
         return f"<gpushare.ucx.BatchPlan {self._op}, {state}>"
 
     def post(self, callback: Callable[[GpuShareError | None, Any], Any] | None = None,
-             callback_data: Any = None, *, stream: Any = None) -> Request:
+             callback_data: Any = None, *, stream: Any = None, flush: bool = False) -> Request:
         """Post every item as one request.
 
         Parameters
@@ -70,24 +70,32 @@ class BatchPlan:
             made (those streams must outlive the plan), or on the legacy default stream when
             neither is named.  A DLPack producer ordered its pending work when the plan was made
             only: name its stream here to order later work.
+        flush : bool
+            For a put plan: the request completes only once every put is complete at the peer,
+            as if :meth:`Endpoint.flush` had been posted behind the puts and waited for too,
+            without a request of its own (NIXL's WRITE completes so).  Default: local
+            completion, as for :meth:`Endpoint.mem_put_batch`.
 
         Raises
         ------
         ClosedError
             If the plan, its key, its endpoint or its agent is closed.
         InvalidInputError
-            If ``callback`` is not callable.
+            If ``callback`` is not callable, or ``flush`` is not a bool or is asked of a get plan
+            (a get is complete when its data is here).
         """
         if self._state is None:
             raise ClosedError("batch plan is closed")
         if callback is not None and not callable(callback):
             raise InvalidInputError("callback must be callable or None")
-        return self._post(callback, callback_data, None if stream is None else _device.consumer_stream(stream))
+        check_flush(flush, self._op)
+        return self._post(callback, callback_data, None if stream is None else _device.consumer_stream(stream),
+                          flush=flush)
 
     def _post(self, callback: Callable | None, callback_data: Any, consumer: int | None,
-              release: bool = False) -> Request:
+              release: bool = False, flush: bool = False) -> Request:
         """Post the plan; ``release``: release its buffers if it fails before posting (a one-shot
-        batch's)."""
+        batch's); ``flush``: complete at the peer."""
         state = self._state
         if state is None:
             raise ClosedError("batch plan is closed")
@@ -104,7 +112,7 @@ class BatchPlan:
                 _device.order_before(first_on_stream, consumer)  # as for one request
             with _device.on_memory_device(locals_[0] if locals_ else None):
                 nreq = n.rma_batch(self._op == "put", addresses, lengths, remote, self._rkey._native, self._code,
-                                   memhs, None)
+                                   memhs, flush, None)
         except BaseException:
             if release and nreq is None:  # nothing posted: nothing of UCX's uses them
                 release_all(locals_)
@@ -149,17 +157,25 @@ def prepare(endpoint: Any, op: str, items: Any, rkey: Any, consumer: int | None)
     return plan
 
 
+def check_flush(flush: Any, op: str) -> None:
+    if not isinstance(flush, bool):
+        raise InvalidInputError(f"flush must be a bool, not {type(flush).__name__}")
+    if flush and op != "put":
+        raise InvalidInputError("flush applies to puts only: a get is complete when its data is here")
+
+
 def post_once(endpoint: Any, op: str, items: Any, rkey: Any, callback: Callable | None, callback_data: Any,
-              stream: Any) -> Request:
+              stream: Any, flush: bool = False) -> Request:
     """A one-shot batch: the plan of ``items``, posted once and dropped (its buffers released
-    if the post fails)."""
+    if the post fails); ``flush``: complete at the peer."""
     endpoint._check_open()
     endpoint._check_key(rkey)
     if callback is not None and not callable(callback):
         raise InvalidInputError("callback must be callable or None")
+    check_flush(flush, op)
     consumer = None if stream is None else _device.consumer_stream(stream)
     plan = prepare(endpoint, op, items, rkey, consumer)
     try:
-        return plan._post(callback, callback_data, consumer, release=True)
+        return plan._post(callback, callback_data, consumer, release=True, flush=flush)
     finally:
         plan.close()

@@ -75,7 +75,7 @@ void bindAgent(nb::module_& m)
     .def("mem_get", &Endpoint::memGet, "buffer"_a, "length"_a, "remote_address"_a, "rkey"_a,
          "memory_type"_a, "memh"_a.none(), "callback"_a.none())
     .def("rma_batch", &Endpoint::rmaBatch, "put"_a, "buffers"_a, "lengths"_a, "remote_addresses"_a, "rkey"_a,
-         "memory_type"_a, "memhs"_a, "callback"_a.none())
+         "memory_type"_a, "memhs"_a, "flush"_a, "callback"_a.none())
     .def("flush", &Endpoint::flush, "callback"_a.none())
     .def_ro("own_memh", &Endpoint::ownMemh)
     .def("close", &Endpoint::close, "timeout"_a);

@@ -169,6 +169,16 @@ ucs_status_ptr_t postRma(bool put, ucp_ep_h eh, uintptr_t buffer, size_t length,
              : ucp_get_nbx(eh, reinterpret_cast<void*>(buffer), length, remoteAddress, kh, &p);
 }
 
+// Post a flush of the endpoint whose callback gets `ctx`.
+ucs_status_ptr_t postFlush(ucp_ep_h eh, RmaCtx* ctx)
+{
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send      = &onRmaDone;
+  p.user_data    = ctx;
+  return ucp_ep_flush_nbx(eh, &p);
+}
+
 }  // namespace
 
 ucp_context_h Endpoint::ownContext(const std::shared_ptr<ucxx::Endpoint>& e)
@@ -226,7 +236,7 @@ Request Endpoint::memGet(uintptr_t buffer, size_t length, uint64_t remoteAddress
 
 Request Endpoint::rmaBatch(bool put, const std::vector<uintptr_t>& buffers, const std::vector<size_t>& lengths,
                            const std::vector<uint64_t>& remoteAddresses, RemoteKey& rk, int memoryType,
-                           nb::list memhs, nb::object callback)
+                           nb::list memhs, bool flush, nb::object callback)
 {
   const size_t n = buffers.size();
   if (lengths.size() != n || remoteAddresses.size() != n || nb::len(memhs) != n)
@@ -283,6 +293,27 @@ Request Endpoint::rmaBatch(bool put, const std::vector<uintptr_t>& buffers, cons
         if (UCS_PTR_STATUS(sp) != UCS_OK) {
           batch->fail(UCS_PTR_STATUS(sp));
           break;
+        }
+      }
+    }
+    // Remote completion: a flush of the endpoint posted behind the parts, one
+    // more count of the batch, so that the request ends when the peer has
+    // them all (as a flush request of its own would, without its round of
+    // calls from Python).
+    if (flush && !gate->closed && batch->status.load(std::memory_order_acquire) == UCS_OK) {
+      RmaCtx* ctx = nullptr;
+      try {
+        ctx = new RmaCtx{nullptr, batch, nullptr, nullptr};
+      } catch (const std::bad_alloc&) {
+        batch->fail(UCS_ERR_NO_MEMORY);
+      }
+      if (ctx != nullptr) {
+        batch->left.fetch_add(1, std::memory_order_acq_rel);
+        ucs_status_ptr_t sp = postFlush(eh, ctx);
+        if (!UCS_PTR_IS_PTR(sp)) {
+          delete ctx;
+          batch->left.fetch_sub(1, std::memory_order_acq_rel);  // the poster still holds one
+          if (UCS_PTR_STATUS(sp) != UCS_OK) batch->fail(UCS_PTR_STATUS(sp));
         }
       }
     }

@@ -131,7 +131,7 @@ class Endpoint {
   // MemoryHandle registering part i, or None.
   Request rmaBatch(bool put, const std::vector<uintptr_t>& buffers, const std::vector<size_t>& lengths,
                    const std::vector<uint64_t>& remoteAddresses, RemoteKey& rk, int memoryType, nb::list memhs,
-                   nb::object callback);
+                   bool flush, nb::object callback);
 
   Request flush(nb::object callback);
 
