@@ -1,0 +1,62 @@
+"""What an endpoint keeps of its requests in flight: each request's buffer until it completes,
+and no more, even behind a request that never completes (real processes, loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import weakref
+
+import numpy as np
+
+
+import _rma_peer
+from _procs import Child
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_a_request_that_never_completes_keeps_no_finished_request_behind_it():
+    """The request at the head of an endpoint's list is a real get from a stopped peer (posted on
+    another endpoint, so that it stays pending while this one's puts complete).  1,000 puts
+    posted and never waited for, each from an array of its own, then a flush; then 2,100 small
+    puts waited for, which take the list past any length it sweeps at (at most twice the 1,001
+    requests ever in flight): every array of the 1,000 is freed, and the list is not 3,100 long."""
+    stopped = Child(_rma_peer.setup, MiB)
+    try:
+        with _rma_peer.connected(MiB) as (agent, ep, rk, peer):
+            ep_stopped = agent.connect(stopped.hello["address"])
+            rk_stopped = ep_stopped.unpack_remote_key(stopped.hello["key"])
+            os.kill(stopped.proc.pid, signal.SIGSTOP)
+            try:
+                stuck = ep_stopped.mem_get(bytearray(64 * KiB), rk_stopped.base_address, rk_stopped)
+                assert not stuck.done()
+                ep._track(stuck)  # at the head of this endpoint's list
+                arrays = []
+                for i in range(1000):
+                    a = np.full(4 * KiB, i % 256, np.uint8)
+                    arrays.append(weakref.ref(a))
+                    ep.mem_put(a, rk.base_address + (i % 16) * 4 * KiB, rk)
+                    del a
+                ep.flush().wait(60)
+                assert peer.call("read", (999 % 16) * 4 * KiB, 4) == bytes([999 % 256] * 4)
+                for _ in range(2100):
+                    ep.mem_put(b"x", rk.base_address + MiB - 1, rk).wait(60)
+                assert not stuck.done()
+                alive = sum(r() is not None for r in arrays)
+                assert alive == 0, f"{alive} arrays of puts done long ago are still referenced"
+                assert len(ep._inflight) < 2100, len(ep._inflight)
+            finally:
+                os.kill(stopped.proc.pid, signal.SIGCONT)
+            stuck.wait(60)
+            ep_stopped.close()
+    finally:
+        stopped.close()
+
+
+def test_requests_waited_for_leave_nothing_kept():
+    with _rma_peer.connected(MiB) as (agent, ep, rk, peer):
+        for i in range(200):
+            ep.mem_put(np.full(64, i, np.uint8), rk.base_address, rk).wait(60)
+        ep.mem_put(b"y", rk.base_address, rk).wait(60)
+        assert len(ep._inflight) <= 1
