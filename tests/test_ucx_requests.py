@@ -60,3 +60,29 @@ def test_requests_waited_for_leave_nothing_kept():
             ep.mem_put(np.full(64, i, np.uint8), rk.base_address, rk).wait(60)
         ep.mem_put(b"y", rk.base_address, rk).wait(60)
         assert len(ep._inflight) <= 1
+
+
+def test_an_agent_on_tcp_and_self_sleeps_without_a_timer_and_still_completes_unwaited_requests():
+    """``tcp,self`` sleeps with no epoll timeout (self delivers in the poster's thread): requests
+    to itself, never waited for, still run their callbacks, over self and over TCP."""
+    import threading
+
+    from gpushare import ucx
+    from gpushare._ucx._common import wake_timeout_ms
+
+    assert wake_timeout_ms("tcp,self") == -1
+    for error_handling in (False, True):  # self and tcp lanes (error handling rules self out)
+        with ucx.Agent(transports="tcp,self", error_handling=error_handling) as agent:
+            mh = agent.create_memory_handle(MiB)
+            ep = agent.connect(agent.address)
+            rk = ep.unpack_remote_key(mh.create_remote_key().serialize())
+            for size in (8, 4 * KiB, MiB):
+                put_done, get_done = threading.Event(), threading.Event()
+                ep.mem_put(np.full(size, size % 251, np.uint8), rk.base_address, rk,
+                           callback=lambda e, d: put_done.set())
+                assert put_done.wait(10), (error_handling, size)
+                dst = np.zeros(size, np.uint8)
+                ep.mem_get(dst, rk.base_address, rk, callback=lambda e, d: get_done.set())
+                assert get_done.wait(10), (error_handling, size)
+                assert (dst == size % 251).all()
+            ep.close()

@@ -66,9 +66,12 @@ def test_wake_timeout_follows_the_transports():
     assert wake_timeout_ms("tcp") == -1
     assert wake_timeout_ms("tcp,cuda_copy") == -1
     assert wake_timeout_ms(default_transports()) == -1
+    # self delivers in the sender's own thread.
+    for tls in ("tcp,self", "self,tcp,cuda_copy"):
+        assert wake_timeout_ms(tls) == -1, tls
     # Shared memory does not wake a sleeping thread; an exclusion list or
     # UCX's own choice may include it.
-    for tls in ("sm,self", "tcp,posix", "^cma", "", None):
+    for tls in ("sm,self", "tcp,posix", "^cma", "self", "", None):
         assert wake_timeout_ms(tls) == 1
 
 

@@ -35,7 +35,8 @@ from .._errors import CUDAError, WaitTimeoutError
 from . import _await, _driver
 from ._driver import LEGACY_STREAM, check, on_device
 
-__all__ = ["CopyRequest", "copy_async", "copy_sync", "inflight_copies", "own_stream", "drain_own_stream", "wait_for_copies", "KIND_ANY",
+__all__ = ["CopyRequest", "copy_async", "copy_sync", "inflight_copies", "notify_after", "own_stream", "drain_own_stream",
+           "wait_for_copies", "KIND_ANY",
            "KIND_HTOD", "KIND_DTOH", "KIND_DTOD"]
 
 #: Copy kinds, as ``src/cuda/copy.cpp`` names them.
@@ -138,13 +139,7 @@ class _Pending:
         try:
             if self.complete:
                 return
-            drv = _driver.driver()
-            with on_device(self.ordinal):
-                stream = _device(self.ordinal).notify_stream()
-                check(drv.cuStreamWaitEvent(stream, self.event, 0), "cuStreamWaitEvent")
-                code = _native().gs_notify(int(stream), fd)
-            if code:
-                _raise(code, "cuLaunchHostFunc")
+            notify_after(self.ordinal, self.event, fd)
         finally:
             self.lock.release()
 
@@ -281,6 +276,19 @@ class CopyRequest:
             yield from _await.until(self.done, self._pending.notify).__await__()
         if self._error is not None:
             raise self._error
+
+
+def notify_after(ordinal: int, event: Any, fd: int) -> None:
+    """Queue a host function that adds 1 to eventfd ``fd`` once ``event`` (of device
+    ``ordinal``) has completed: on an idle stream of gpushare's own that waits for the event, so
+    nothing is added to the stream the event was recorded on (:mod:`._await`)."""
+    drv = _driver.driver()
+    with on_device(ordinal):
+        stream = _device(ordinal).notify_stream()
+        check(drv.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+        code = _native().gs_notify(int(stream), fd)
+    if code:
+        _raise(code, "cuLaunchHostFunc")
 
 
 def _destroy_event(ordinal: int, event: Any) -> None:

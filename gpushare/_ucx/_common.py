@@ -166,12 +166,12 @@ def _without_shared_memory(tls: str | None) -> bool:
 def wake_timeout_ms(tls: str | None) -> int:
     """epoll timeout of a blocking progress thread for transport list ``tls``.
 
-    -1 (sleep until an event) when every transport wakes the worker; 1 ms
-    otherwise: shared-memory transports deliver without waking a sleeper.
+    -1 (sleep until an event) when every transport wakes the worker (``self``, which delivers
+    in the sender's own thread, aside: :func:`_without_shared_memory`, the rule adaptive
+    progress follows too); 1 ms otherwise: shared-memory transports deliver without waking a
+    sleeper.
     """
-    if tls and not tls.startswith("^") and set(tls.split(",")) <= _WAKING_TRANSPORTS:
-        return -1
-    return 1
+    return -1 if _without_shared_memory(tls) else 1
 
 
 def pack(magic: bytes, memory_type: int, payload: bytes) -> bytes:

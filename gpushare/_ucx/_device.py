@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 from .. import _buffers
-from .._cuda import _driver
+from .._errors import CUDAError
+from .._cuda import _await, _copies, _driver
 
 __all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "order_before_async", "resolve"]
 
@@ -101,8 +103,9 @@ def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
 
 
 async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) -> None:
-    """:func:`order_before` for asyncio: events recorded on those streams are
-    polled between sleeps, so the event loop runs on while the work drains."""
+    """:func:`order_before` for asyncio: an event is recorded on each of those streams and
+    awaited without blocking the loop and without polling in steps (a host function queued
+    after it wakes the loop: :mod:`gpushare._cuda._await`)."""
     if local.memory_type != "cuda":
         return
     drv = _driver.driver()
@@ -115,20 +118,30 @@ async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) ->
                 events.append(_driver.check(drv.cuEventCreate(no_timing), "cuEventCreate"))
                 _driver.check(drv.cuEventRecord(events[-1], s), "cuEventRecord (the work before a ucx-rma transfer)")
         await asyncio.sleep(0)  # the loop runs its other tasks while the work drains
-        delay = 1e-5
-        while events:
-            with _driver.on_device(ordinal):
-                (err,) = drv.cuEventQuery(events[0])
-                if err == drv.CUresult.CUDA_ERROR_NOT_READY:
-                    pass
-                else:
-                    _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
-                    drv.cuEventDestroy(events.pop(0))
-                    continue
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        for event in events:
+            failed: list[BaseException] = []
+            await _await.until(functools.partial(_complete, ordinal, event, failed),
+                               functools.partial(_copies.notify_after, ordinal, event))
+            if failed:
+                raise failed[0]
     finally:
         if events:
             with _driver.on_device(ordinal):
                 for event in events:
                     drv.cuEventDestroy(event)
+
+
+def _complete(ordinal: int, event: Any, failed: list[BaseException]) -> bool:
+    """Whether the work before ``event`` has completed; a failure counts as complete and is
+    kept in ``failed``, for the awaiting task to raise (never raised in the loop's callbacks,
+    which would leave the task waiting)."""
+    drv = _driver.driver()
+    try:
+        with _driver.on_device(ordinal):
+            (err,) = drv.cuEventQuery(event)
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
+    except CUDAError as exc:
+        failed.append(exc)
+    return True
