@@ -61,7 +61,7 @@ def test_the_lookup_skips_closed_and_dropped_handles_and_forgets_them(agent):
     for _ in range(200):
         agent.create_memory_handle(4096).close()
     still_open = sum(1 for h in list(agent._handles) if not h.closed)
-    assert len(agent._registry) <= 2 * still_open + 17  # closed ones go as the list grows
+    assert len(agent._ranges) <= 2 * still_open + 17  # closed ones go as the list grows
 
 
 def test_puts_and_gets_from_registered_memory_move_the_bytes(sides):

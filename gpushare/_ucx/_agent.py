@@ -47,6 +47,7 @@ from ._common import (
 )
 from ._loader import check_memtype_config, keep_forever, native, without_registration_cache
 from ._local import LocalPeer
+from ._ranges import Ranges
 from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated, zero_unused
 from ._rkey import check_remote_key
 
@@ -444,10 +445,8 @@ class Agent:
         self._handles: weakref.WeakSet[MemoryHandle] = weakref.WeakSet()
         # The handle a transfer found its local range in last (see _registration).
         self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
-        #: (low, high, memory type, weak reference) of each handle (see _register), and how
-        #: many entries its last pruning kept.
-        self._registry: list[tuple[int, int, str, Callable[[], MemoryHandle | None]]] = []
-        self._registry_kept = 0
+        #: The handles' ranges, sorted (see _register).
+        self._ranges = Ranges()
         self._native = native().Agent(cfg, progress == "polling", error_handling,
                                       wake_timeout_ms(tls),
                                       without_registration_cache(cfg))
@@ -563,27 +562,21 @@ class Agent:
             nmh = last._covering(address, nbytes, memory_type)
             if nmh is not None:
                 return nmh
-        # The handles' ranges, read without the lock (see _register).
-        for lo, hi, mtype, ref in self._registry:
-            if lo <= address and address + nbytes <= hi and mtype == memory_type:
-                mh = ref()
-                if mh is not None and (nmh := mh._covering(address, nbytes, memory_type)) is not None:
-                    self._last_registration = ref
-                    return nmh
+        # The handles' ranges, read without the lock (see _ranges).
+        for ref in self._ranges.candidates(address, nbytes, memory_type):
+            mh = ref()
+            if mh is not None and (nmh := mh._covering(address, nbytes, memory_type)) is not None:
+                self._last_registration = ref
+                return nmh
         return None
 
     def _register(self, mh: MemoryHandle) -> None:
         """Count ``mh`` among the agent's handles, and add its range to those a transfer looks
-        its local buffer up in.  Entries of handles closed or dropped go when the list has grown
-        past twice what its last pruning kept (into a new list: a transfer reading the old one
-        meanwhile skips them, see _covering), so creation costs O(1) on average and the list
-        holds at most about twice the most handles ever open at once."""
+        its local buffer up in (sorted: :class:`._ranges.Ranges`, which prunes the entries of
+        handles closed or dropped as it grows)."""
         with self._lock:
             self._handles.add(mh)
-            self._registry.append((*mh._range, mh._memory_type, weakref.ref(mh)))
-            if len(self._registry) > 2 * self._registry_kept + 16:
-                self._registry = [e for e in self._registry if (h := e[3]()) is not None and not h.closed]
-                self._registry_kept = len(self._registry)
+            self._ranges.add(*mh._range, mh._memory_type, weakref.ref(mh))
 
     def create_memory_handle(self, size: int, buffer: Any = None, memory_type: str | None = None) -> MemoryHandle:
         """Register memory for remote access; mirrors ``ucxx::createMemoryHandle``.
