@@ -59,17 +59,56 @@ def test_overlapping_ranges_are_all_found_the_latest_start_first():
     assert _found(r, (1 << 30) - 1, 2) == []
 
 
+def _reads_per_lookup(r, lookups):
+    """The most entries any one of ``lookups`` (address, nbytes, expected count) read."""
+    r._entries = _Counted(r._entries)
+    most = 0
+    for address, nbytes, expected in lookups:
+        _Counted.reads = 0
+        assert len(_found(r, address, nbytes)) == expected, address
+        most = max(most, _Counted.reads)
+    return most
+
+
 def test_a_lookup_reads_a_few_entries_however_many_there_are():
     """Without overlap a lookup is a bisection and one or two entries: at most 40 reads of
-    4,000 entries each (asking every handle would read 4,000)."""
+    4,000 entries (asking every handle would read 4,000)."""
     n = 4000
     r, _ = _ranges([(i * 8192, i * 8192 + 4096) for i in range(n)])
-    r._entries = _Counted(r._entries)
-    _Counted.reads = 0
-    for i in range(n):
-        assert len(_found(r, i * 8192 + 10, 100)) == 1
-        assert _found(r, i * 8192 + 5000, 100) == []
-    assert _Counted.reads <= 40 * 2 * n, _Counted.reads
+    lookups = [(i * 8192 + 10, 100, 1) for i in range(n)] + [(i * 8192 + 5000, 100, 0) for i in range(n)]
+    assert _reads_per_lookup(r, lookups) <= 40
+
+
+def test_one_long_range_does_not_stretch_every_lookup():
+    """An arena of 1 GiB among 2,000 small handles (above it in memory, so it holds none of
+    them): a lookup that finds nothing still reads at most 40 entries."""
+    n = 2000
+    base = 1 << 40
+    r, _ = _ranges([(base + i * 8192, base + i * 8192 + 4096) for i in range(n)] + [(0, 1 << 30)])
+    lookups = [(base + i * 8192 + 5000, 100, 0) for i in range(n)] + [(4096, 100, 1)]
+    assert _reads_per_lookup(r, lookups) <= 40
+
+
+def test_an_addition_during_a_look_never_hides_a_handle_that_was_there(monkeypatch):
+    """A handle added (below the one looked up) while a reader bisects shifts the entries the
+    reader is about to read: the reader sees the version change and looks again."""
+    from gpushare._ucx import _ranges as module
+
+    r, (target,) = _ranges([(1 << 20, (1 << 20) + 4096)])
+    real = module.bisect.bisect_left
+    added = []
+
+    def bisect_then_add(*args, **kwargs):
+        at = real(*args, **kwargs)
+        if not added:
+            h = _Handle()
+            added.append(h)
+            r.add(0, 4096, "host", lambda: h)  # before the target: shifts it up by one
+        return at
+
+    monkeypatch.setattr(module.bisect, "bisect_left", bisect_then_add)
+    assert _found(r, (1 << 20) + 8, 8) == [target]
+    assert added
 
 
 def test_entries_of_closed_and_dropped_handles_are_pruned_as_the_list_grows():

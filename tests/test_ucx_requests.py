@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import weakref
 
 import numpy as np
 
+from gpushare import ucx
+from gpushare._ucx._common import wake_timeout_ms
 
 import _rma_peer
 from _procs import Child
@@ -64,11 +67,9 @@ def test_requests_waited_for_leave_nothing_kept():
 
 def test_an_agent_on_tcp_and_self_sleeps_without_a_timer_and_still_completes_unwaited_requests():
     """``tcp,self`` sleeps with no epoll timeout (self delivers in the poster's thread): requests
-    to itself, never waited for, still run their callbacks, over self and over TCP."""
-    import threading
-
-    from gpushare import ucx
-    from gpushare._ucx._common import wake_timeout_ms
+    to itself, never waited for, still run their callbacks, with and without error handling
+    (UCX's lanes for them: TCP for the transfers either way, self for wire-up without error
+    handling)."""
 
     assert wake_timeout_ms("tcp,self") == -1
     for error_handling in (False, True):  # self and tcp lanes (error handling rules self out)

@@ -143,8 +143,11 @@ def _stop(pid: int) -> None:
     while time.monotonic() < deadline:
         states = []
         for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
-                states.append(f.read().rsplit(b")", 1)[1].split()[0])
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+                    states.append(f.read().rsplit(b")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
         if all(state == b"T" for state in states):
             return
         time.sleep(0.01)
@@ -154,9 +157,7 @@ def _stop(pid: int) -> None:
 @pytest.mark.parametrize("one_shot", [False, True], ids=["plan", "batch"])
 def test_a_put_posted_with_flush_completes_only_once_the_peer_has_the_bytes(sides, one_shot):
     """A stopped peer holds a request posted with ``flush=True`` back; once it runs again, its
-    memory holds every item's bytes when the request completes.  (Over TCP a put's local
-    completion waits for the peer's acknowledgement too, so this checks what ``flush`` promises,
-    not that the one call posted a flush.)"""
+    memory holds every item's bytes when the request completes."""
     agent, ep, rk, peer = sides
     data = [np.full(8, 40 + i, np.uint8) for i in range(16)]
     items = [(d, rk.base_address + i * 8) for i, d in enumerate(data)]
@@ -164,8 +165,8 @@ def test_a_put_posted_with_flush_completes_only_once_the_peer_has_the_bytes(side
         plan.post(flush=True).wait(60)  # wired up and warm
         for d in data:
             d += 100
-        _stop(peer.proc.pid)
         try:
+            _stop(peer.proc.pid)
             req = plan.post(flush=True) if not one_shot else ep.mem_put_batch(items, rk, flush=True)
             time.sleep(0.5)
             assert not req.done(), "a flushed put completed while the peer was stopped"
@@ -173,6 +174,28 @@ def test_a_put_posted_with_flush_completes_only_once_the_peer_has_the_bytes(side
             os.kill(peer.proc.pid, signal.SIGCONT)
         req.wait(60)
         assert peer.call("digest", 0, 16 * 8) == _digest(*data)
+
+
+def test_flush_true_posts_a_flush_an_empty_batch_shows_it(sides):
+    """Over TCP a put's own completion waits for the peer's acknowledgement too, so puts alone
+    cannot tell a flushed batch from another; an empty batch can.  With the peer stopped and a
+    put in flight, an empty batch completes at once, and one with ``flush=True`` waits for
+    that put (a flush of the endpoint) until the peer runs again."""
+    agent, ep, rk, peer = sides
+    ep.mem_put(b"warm", rk.base_address, rk).wait(60)
+    try:
+        _stop(peer.proc.pid)
+        pending = ep.mem_put(b"held back", rk.base_address, rk)
+        assert ep.mem_put_batch([], rk).done()
+        flushed = ep.mem_put_batch([], rk, flush=True)
+        time.sleep(0.5)
+        assert not pending.done()
+        assert not flushed.done(), "flush=True posted no flush"
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    flushed.wait(60)
+    assert pending.done()
+    assert peer.call("read", 0, 9) == b"held back"
 
 
 def test_flush_is_for_puts_and_a_bool(sides):
@@ -191,20 +214,23 @@ def test_flush_is_for_puts_and_a_bool(sides):
 
 def test_a_peer_killed_under_a_flushed_post_fails_it_and_the_posts_after_it():
     child = Child(_rma_peer.setup, 8 * MiB)
-    with ucx.Agent() as agent:
-        ep = agent.connect(child.hello["address"])
-        rk = ep.unpack_remote_key(child.hello["key"])
-        data = [np.full(MiB, i, np.uint8) for i in range(8)]
-        plan = ep.prepare_put_batch([(d, rk.base_address + i * MiB) for i, d in enumerate(data)], rk)
-        plan.post(flush=True).wait(60)
-        _stop(child.proc.pid)  # the post cannot finish before the kill
-        req = plan.post(flush=True)
-        os.kill(child.proc.pid, signal.SIGKILL)
-        child.proc.join(10)
+    try:
+        with ucx.Agent() as agent:
+            ep = agent.connect(child.hello["address"])
+            rk = ep.unpack_remote_key(child.hello["key"])
+            data = [np.full(MiB, i, np.uint8) for i in range(8)]
+            with ep.prepare_put_batch([(d, rk.base_address + i * MiB) for i, d in enumerate(data)], rk) as plan:
+                plan.post(flush=True).wait(60)
+                _stop(child.proc.pid)  # the post cannot finish before the kill
+                req = plan.post(flush=True)
+                os.kill(child.proc.pid, signal.SIGKILL)
+                child.proc.join(10)
+                assert isinstance(req.exception(timeout=60), gpushare.UCXError)
+                assert isinstance(plan.post(flush=True).exception(timeout=30), gpushare.UCXConnectionError)
+                ep.close()
+                with pytest.raises(gpushare.ClosedError):
+                    plan.post(flush=True)
+    finally:
+        if child.proc.is_alive():
+            os.kill(child.proc.pid, signal.SIGKILL)
         child.close()
-        assert isinstance(req.exception(timeout=60), gpushare.UCXError)
-        assert isinstance(plan.post(flush=True).exception(timeout=30), gpushare.UCXConnectionError)
-        ep.close()
-        with pytest.raises(gpushare.ClosedError):
-            plan.post(flush=True)
-        plan.close()

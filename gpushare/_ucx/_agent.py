@@ -278,7 +278,9 @@ class Endpoint(Connection):
             As for :meth:`mem_put` (``stream`` orders the work before every
             put of the batch).
         flush : bool
-            Complete at the peer (default: local completion).
+            Complete at the peer (default: local completion); an empty
+            batch with it completes once every put posted on the endpoint
+            before it has.
 
         Raises
         ------
@@ -286,8 +288,8 @@ class Endpoint(Connection):
             If any range falls outside the key's region (nothing is sent).
         InvalidInputError
             For an item that is no pair, a bad buffer, mixed memory types or
-            devices, or more than :data:`MAX_BATCH_ITEMS` items (nothing is
-            sent).
+            devices, more than :data:`MAX_BATCH_ITEMS` items, or a
+            ``flush`` that is no bool (nothing is sent).
         ClosedError
             If the endpoint or agent is closed.
         """

@@ -42,7 +42,6 @@ import functools
 from typing import Any
 
 from .. import _buffers
-from .._errors import CUDAError
 from .._cuda import _await, _copies, _driver
 
 __all__ = ["consumer_stream", "ordinal_of", "on_memory_device", "order_before", "order_before_async", "resolve"]
@@ -104,8 +103,9 @@ def order_before(local: _buffers.LocalBuffer, stream: int | None) -> None:
 
 async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) -> None:
     """:func:`order_before` for asyncio: an event is recorded on each of those streams and
-    awaited without blocking the loop and without polling in steps (a host function queued
-    after it wakes the loop: :mod:`gpushare._cuda._await`)."""
+    awaited without blocking the loop: a host function queued behind it wakes the loop through
+    its eventfd (:mod:`gpushare._cuda._await`, whose slow poll, 1 ms doubling to 10 ms, only
+    covers a driver that runs host functions late)."""
     if local.memory_type != "cuda":
         return
     drv = _driver.driver()
@@ -142,6 +142,6 @@ def _complete(ordinal: int, event: Any, failed: list[BaseException]) -> bool:
         if err == drv.CUresult.CUDA_ERROR_NOT_READY:
             return False
         _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
-    except CUDAError as exc:
+    except Exception as exc:  # noqa: BLE001 - raised by the awaiting task instead
         failed.append(exc)
     return True

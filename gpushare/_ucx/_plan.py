@@ -158,6 +158,7 @@ def prepare(endpoint: Any, op: str, items: Any, rkey: Any, consumer: int | None)
 
 
 def check_flush(flush: Any, op: str) -> None:
+    """Refuse a ``flush`` that is no bool, or is asked of gets."""
     if not isinstance(flush, bool):
         raise InvalidInputError(f"flush must be a bool, not {type(flush).__name__}")
     if flush and op != "put":

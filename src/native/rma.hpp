@@ -128,7 +128,10 @@ class Endpoint {
   // one call without the GIL: done when every part is, failed with the first
   // failure of a part (a part that cannot start stops the posting; those
   // posted before it still run to completion).  `memhs[i]`: the caller's
-  // MemoryHandle registering part i, or None.
+  // MemoryHandle registering part i, or None.  `flush`: a flush of the
+  // endpoint posted behind the parts as one more part, so that the request
+  // completes at the peer (none after a failed part or on a failed peer; an
+  // empty batch with it is a flush of everything posted on the endpoint).
   Request rmaBatch(bool put, const std::vector<uintptr_t>& buffers, const std::vector<size_t>& lengths,
                    const std::vector<uint64_t>& remoteAddresses, RemoteKey& rk, int memoryType, nb::list memhs,
                    bool flush, nb::object callback);
