@@ -27,7 +27,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gpushare"
 #: each other (without a cycle).
 LAYERS: dict[str, int] = {
     # L0 base: stdlib only
-    "_version": 0, "_errors": 0, "_types": 0, "_process": 0, "_memory": 0,
+    "_version": 0, "_errors": 0, "_types": 0, "_process": 0, "_memory": 0, "_ranges": 0,
     # L1 data and wire
     "_descriptors": 1, "_manifest": 1, "_torch_alloc": 1, "_share": 1, "_buffers": 1, "_dlpack": 1, "_auth": 1, "_control": 1, "_launch": 1, "_reopen": 1,
     "_progress": 1,

@@ -28,6 +28,7 @@ from .._descriptors import (
     VirtualMemoryFabricBufferDescriptor,
 )
 from .._errors import ClosedError, CUDAError, InvalidInputError, UnsupportedError
+from .._ranges import Ranges
 from .._types import round_up
 from . import _copies, _driver
 
@@ -325,21 +326,27 @@ def allocate_device(size: int, device: int, *, chunk_size: int | None = None) ->
         # Buffer.from_handle records the current context's default stream
         # for deallocation: it needs the context pushed above.
         buf = Buffer.from_handle(ptr, size, mr=mr)
-    _allocated.add(buf)
+    _allocated.add(int(buf.handle), int(buf.handle) + int(buf.size), None, weakref.ref(buf))
     return buf
 
 
-#: VMM buffers this process allocated (and can export), to find the one a CUDA array lies in.
-_allocated: weakref.WeakSet = weakref.WeakSet()
+def _exportable(buf: Any) -> bool:
+    mr = getattr(buf, "memory_resource", None)
+    return mr is not None and not getattr(mr, "closed", True) and bool(getattr(mr, "exporter", False))
+
+
+#: VMM buffers this process allocated (and can export), by address, to find the one a CUDA
+#: array lies in (by bisection, not buffer by buffer).
+_allocated = Ranges(_exportable)
 
 
 def containing(address: int, nbytes: int) -> tuple[Any, int] | None:
     """The open VMM buffer this process allocated that holds ``nbytes``
     bytes at ``address`` (a slice or typed view of an array over it, made by
     CuPy, torch or ``gpushare.empty``), and the offset in it."""
-    for buf in list(_allocated):
-        mr = getattr(buf, "memory_resource", None)
-        if mr is None or getattr(mr, "closed", True) or not getattr(mr, "exporter", False):
+    for ref in _allocated.candidates(address, nbytes, None):
+        buf = ref()
+        if buf is None or not _exportable(buf):
             continue
         start = int(buf.handle)
         if start <= address and address + nbytes <= start + int(buf.size):

@@ -30,6 +30,7 @@ from .._descriptors import MAX_ALLOCATIONS, MAX_SIZE, PosixFdBufferDescriptor
 from .._errors import ClosedError, GpuShareError, InvalidInputError, UnsupportedError
 from .._memory import check_memfd
 from .._process import check_same_node
+from .._ranges import Ranges
 from .._types import round_up
 from . import broker as _broker
 from .base import (
@@ -464,7 +465,7 @@ def allocate_host(size: int, *, chunk_size: int | None = None, huge_pages: Any =
         else:
             if shmem_thp() in ("always", "within_size", "advise", "force"):
                 buf._huge = "thp"
-    _allocated.add(buf)
+    _allocated.add(buf.ptr, buf.ptr + buf.size, None, weakref.ref(buf))
     return buf
 
 
@@ -518,18 +519,22 @@ def prefault(buf: HostBuffer) -> None:
         raise GpuShareError(f"could not fault in the mapping ({exc.strerror})") from None
 
 
-#: Buffers this process allocated (and can export), to find the one an array lies in.
-_allocated: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+def _exportable(buf: HostBuffer) -> bool:
+    res = buf._res
+    return not res.closed and bool(res.fds)
+
+
+#: Buffers this process allocated (and can export), by address, to find the one an array lies
+#: in (the same lookup for every array of a state dict: by bisection, not buffer by buffer).
+_allocated = Ranges(_exportable)
 
 
 def containing(address: int, nbytes: int) -> tuple[HostBuffer, int] | None:
     """The open buffer this process allocated that holds ``nbytes`` bytes at
     ``address`` (an array over it, a slice, a typed view), and their offset in it."""
-    for buf in list(_allocated):
-        res = buf._res
-        if res.closed or not res.fds:
-            continue
-        if buf.ptr <= address and address + nbytes <= buf.ptr + buf.size:
+    for ref in _allocated.candidates(address, nbytes, None):
+        buf = ref()
+        if buf is not None and _exportable(buf) and buf.ptr <= address and address + nbytes <= buf.ptr + buf.size:
             return buf, address - buf.ptr
     return None
 

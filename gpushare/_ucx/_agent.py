@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import _buffers, _types
+from .._ranges import Ranges
 from .._errors import (
     ClosedError,
     GpuShareError,
@@ -47,7 +48,6 @@ from ._common import (
 )
 from ._loader import check_memtype_config, keep_forever, native, without_registration_cache
 from ._local import LocalPeer
-from ._ranges import Ranges
 from ._registered import MemoryHandle, RemoteKey, _alloc_ordinal, _free_allocated, zero_unused
 from ._rkey import check_remote_key
 
@@ -448,7 +448,7 @@ class Agent:
         # The handle a transfer found its local range in last (see _registration).
         self._last_registration: Callable[[], MemoryHandle | None] = lambda: None
         #: The handles' ranges, sorted (see _register).
-        self._ranges = Ranges()
+        self._ranges = Ranges(lambda mh: not mh.closed)
         self._native = native().Agent(cfg, progress == "polling", error_handling,
                                       wake_timeout_ms(tls),
                                       without_registration_cache(cfg))
@@ -564,7 +564,7 @@ class Agent:
             nmh = last._covering(address, nbytes, memory_type)
             if nmh is not None:
                 return nmh
-        # The handles' ranges, read without the lock (see _ranges).
+        # The handles' ranges, read without the lock (see gpushare._ranges).
         for ref in self._ranges.candidates(address, nbytes, memory_type):
             mh = ref()
             if mh is not None and (nmh := mh._covering(address, nbytes, memory_type)) is not None:
@@ -574,7 +574,7 @@ class Agent:
 
     def _register(self, mh: MemoryHandle) -> None:
         """Count ``mh`` among the agent's handles, and add its range to those a transfer looks
-        its local buffer up in (sorted: :class:`._ranges.Ranges`, which prunes the entries of
+        its local buffer up in (sorted: :class:`gpushare._ranges.Ranges`, which prunes the entries of
         handles closed or dropped as it grows)."""
         with self._lock:
             self._handles.add(mh)

@@ -1,5 +1,5 @@
-"""The sorted ranges of an agent's memory handles (``gpushare._ucx._ranges``): which handle
-registers a transfer's local buffer, found by bisection."""
+"""Address ranges found by bisection (``gpushare._ranges``): which of an agent's memory handles
+registers a transfer's local buffer, which buffer this process allocated holds an array."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 
 from gpushare import ucx
-from gpushare._ucx._ranges import Ranges
+from gpushare._ranges import Ranges
 
 
 class _Handle:
@@ -26,7 +26,7 @@ class _Counted(list):
 
 
 def _ranges(spans, mtype="host"):
-    r, handles = Ranges(), []
+    r, handles = Ranges(lambda h: not h.closed), []
     for lo, hi in spans:
         h = _Handle()
         handles.append(h)
@@ -92,7 +92,7 @@ def test_one_long_range_does_not_stretch_every_lookup():
 def test_an_addition_during_a_look_never_hides_a_handle_that_was_there(monkeypatch):
     """A handle added (below the one looked up) while a reader bisects shifts the entries the
     reader is about to read: the reader sees the version change and looks again."""
-    from gpushare._ucx import _ranges as module
+    from gpushare import _ranges as module
 
     r, (target,) = _ranges([(1 << 20, (1 << 20) + 4096)])
     real = module.bisect.bisect_left
@@ -112,7 +112,7 @@ def test_an_addition_during_a_look_never_hides_a_handle_that_was_there(monkeypat
 
 
 def test_entries_of_closed_and_dropped_handles_are_pruned_as_the_list_grows():
-    r = Ranges()
+    r = Ranges(lambda h: not h.closed)
     open_ = []
     for i in range(1000):
         h = _Handle()
@@ -139,3 +139,32 @@ def test_an_agent_finds_each_of_2000_handles_of_a_batch():
         assert agent._registration(arrays[7].ctypes.data, 16, "host") is None
         for mh in handles:
             mh.close()
+
+
+def test_the_buffer_holding_each_of_2000_arrays_is_found_by_bisection():
+    """``gs.empty`` arrays, each a buffer of its own (a state dict allocated tensor by tensor):
+    each array's buffer is found, a plain array is found in none, and no lookup reads more
+    than 40 entries of the process's buffers (asking each would read 2,000 and more)."""
+    import gpushare as gs
+    from gpushare._paths import host_fd
+
+    arrays = [gs.empty(4096, dtype=np.uint8) for _ in range(2000)]
+    plain = [np.zeros(4096, np.uint8) for _ in range(100)]
+    counted = _Counted(host_fd._allocated._entries)
+    host_fd._allocated._entries = counted
+    try:
+        most = 0
+        for a in arrays:
+            _Counted.reads = 0
+            found = host_fd.containing(a.ctypes.data + 8, 16)
+            assert found is not None and found[1] == 8
+            assert found[0].ptr == a.ctypes.data
+            most = max(most, _Counted.reads)
+        for a in plain:
+            _Counted.reads = 0
+            assert host_fd.containing(a.ctypes.data, a.nbytes) is None
+            most = max(most, _Counted.reads)
+        assert most <= 40, most
+    finally:
+        if host_fd._allocated._entries is counted:
+            host_fd._allocated._entries = list(counted)
