@@ -27,6 +27,7 @@ from ._offering import device_ordinal, memory_of
 from ._paths.base import Memory
 from ._paths.broker import release_registrations
 from ._process import node_key
+from ._ranges import Ranges
 from ._share import Share
 from ._types import collection_paused, path_names
 
@@ -141,14 +142,33 @@ def _key_path(tree: Any, leaf: int | None) -> str | None:
     return None
 
 
-def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
+class _Found:
+    """The gpushare.allocate buffers and CUDA blocks found so far, by address (a tree of N
+    tensors each in a buffer of its own costs O(N log N) to sort out, not O(N^2)), and the
+    latest of them."""
+
+    __slots__ = ("_ranges", "latest")
+
+    def __init__(self) -> None:
+        self._ranges = Ranges(lambda alloc: True)
+        self.latest: _Allocation | None = None
+
+    def add(self, alloc: _Allocation) -> None:
+        self._ranges.add(alloc.address, alloc.address + alloc.nbytes, alloc.memory_type, lambda: alloc)
+        self.latest = alloc
+
+    def holding(self, t: _Tensor) -> _Allocation | None:
+        for ref in self._ranges.candidates(t.address, t.nbytes, t.memory_type):
+            return ref()
+        return None
+
+
+def _allocation_of(t: _Tensor, found: _Found) -> _Allocation:
     """The allocation ``t`` lies in: the one its offers name.  ``found``:
-    gpushare.allocate buffers and CUDA blocks found so far, most recent
-    first (the next tensor most likely lies in one of them)."""
-    for alloc in found:
-        if (alloc.memory_type == t.memory_type and alloc.address <= t.address
-                and t.address + t.nbytes <= alloc.address + alloc.nbytes):
-            return alloc
+    gpushare.allocate buffers and CUDA blocks found so far."""
+    alloc = found.holding(t)
+    if alloc is not None:
+        return alloc
     memory, _ = memory_of(t.span, t.memory_type, (t.address, t.nbytes), t.readonly, False)
     obj = memory.obj
     if obj is not t.span:  # a gpushare.allocate buffer (or a gpushare.empty array's)
@@ -157,7 +177,7 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
             alloc = _Allocation(obj, local.address, local.nbytes, t.memory_type, t.device, local.readonly)
         finally:
             local.release()
-        found.insert(0, alloc)
+        found.add(alloc)
         return alloc
     np = sys.modules.get("numpy")
     if np is not None and isinstance(t.obj, np.ndarray):
@@ -175,7 +195,7 @@ def _allocation_of(t: _Tensor, found: list[_Allocation]) -> _Allocation:
         found_range = _paths.base_allocation(t.address, t.device)
         if found_range is not None:
             alloc = _Allocation(None, *found_range, "cuda", t.device, t.readonly, by_span=True, hull=True)
-            found.insert(0, alloc)
+            found.add(alloc)
             return alloc
     storage = getattr(t.obj, "untyped_storage", None)
     torch = sys.modules.get("torch")
@@ -241,7 +261,7 @@ def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.
     col_part, col_offset, col_span = columns.part, columns.offset, columns.spans
     col_dtype, col_ndim, col_dims = columns.dtype, columns.ndim, columns.dims.extend
     plain_dtypes: dict[Any, int] = {}  # a NumPy dtype that travels as it is -> its index; -1 for the others
-    found: list[_Allocation] = []
+    found = _Found()
     allocations: list[_Allocation] = []
     by_key: dict[Any, int] = {}
     last: _Allocation | None = None  # the gpushare.allocate buffer of the tensor before
@@ -291,7 +311,7 @@ def _columns(objs: list[Any], pending: set[tuple[int, int]]) -> tuple[_manifest.
                 if index is None:
                     index = by_key[alloc.key] = len(allocations)
                     allocations.append(alloc)
-                last, last_index = (alloc, index) if found and alloc is found[0] else (None, 0)
+                last, last_index = (alloc, index) if alloc is found.latest else (None, 0)
             if ro:
                 allocations[index].readonly = True
             if t is not None and t.strides is not None:

@@ -168,3 +168,36 @@ def test_the_buffer_holding_each_of_2000_arrays_is_found_by_bisection():
     finally:
         if host_fd._allocated._entries is counted:
             host_fd._allocated._entries = list(counted)
+
+
+def test_a_bundle_of_2000_buffers_sorts_its_tensors_out_by_bisection(monkeypatch):
+    """Exporting a tree of 2,000 arrays, each a ``gs.empty`` buffer of its own, finds each
+    tensor's allocation among those found before reading at most 40 entries (asking each
+    allocation found so far would read up to 1,999); every tensor is its own part."""
+    import gpushare as gs
+    from gpushare import _export_tree
+
+    most = [0]
+
+    class Counting(Ranges):
+        __slots__ = ()
+
+        def add(self, *args):
+            super().add(*args)
+            if type(self._entries) is not _Counted:
+                self._entries = _Counted(self._entries)
+
+        def candidates(self, *args):
+            _Counted.reads = 0
+            found = super().candidates(*args)
+            most[0] = max(most[0], _Counted.reads)
+            return found
+
+    monkeypatch.setattr(_export_tree, "Ranges", Counting)
+    tree = {f"w{i}": gs.empty(64, dtype=np.float32) for i in range(2000)}
+    share = gs.export(tree, paths=["cma"])  # host-fd would need an fd per buffer in one grant
+    try:
+        assert share.allocations == 2000
+        assert 0 < most[0] <= 40, most[0]
+    finally:
+        share.revoke()
