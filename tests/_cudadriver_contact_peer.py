@@ -123,6 +123,11 @@ def close_with_copy_in_flight(state: dict, name: str, data: bytes, unrelated: in
     after = _read_on_own_stream(scratch, n)
     out = {"unrelated_at_close": before[:8], "unrelated_later": after[:8],
            "request_done": True if request is None else request.done()}
+    if drop:  # the dropped request's copy, complete since the close, goes at the next copy's look
+        from gpushare._cuda import _copies
+
+        _copies._retire_orphans()
+        out["inflight_after"] = _copies.inflight_copies()
     for s in (user_stream, copy_stream):
         d.cuStreamDestroy(s)
     d.cuMemFree(scratch)

@@ -229,6 +229,8 @@ def test_close_waits_for_its_own_copies_and_leaves_other_work_queued(spawn, kind
     assert seen["unrelated_later"] == b"\x77" * 8, seen
     # The put queued on the view landed before the memory was unmapped or freed.
     assert seen["request_done"] is True
+    if drop:
+        assert seen["inflight_after"] == 0, seen  # the dropped request's copy was let go
     assert exporter.call("read", "buf", 0, len(data)) == data
 
 

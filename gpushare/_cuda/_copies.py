@@ -50,6 +50,9 @@ _NO_DRIVER = -2
 _inflight_lock = threading.Lock()
 #: Every stream-ordered copy gpushare queued that nobody has yet seen complete.
 _inflight: set[_Pending] = set()
+#: Those of them whose request was dropped unfinished (a subset, looked at by every copy: kept
+#: apart so that a copy costs nothing per copy in flight).
+_orphans: set[_Pending] = set()
 
 
 class _Pending:
@@ -159,6 +162,7 @@ class _Pending:
                 return
             self.retired = True
             _inflight.discard(self)
+            _orphans.discard(self)
         keep, self.keep = self.keep, None
         release = getattr(keep, "release", None)
         if release is not None:
@@ -171,14 +175,19 @@ def _orphan(pending: _Pending) -> None:
     """The request was dropped unfinished: the registry alone holds the
     copy now, and retires it once it is seen complete."""
     pending.orphan = True
+    with _inflight_lock:
+        if not pending.retired:
+            _orphans.add(pending)
     if pending.complete:
         pending.retire()
 
 
 def _retire_orphans() -> None:
     """Retire the dropped requests whose copies have completed."""
+    if not _orphans:
+        return
     with _inflight_lock:
-        orphans = [p for p in _inflight if p.orphan]
+        orphans = list(_orphans)
     for p in orphans:
         try:
             if p.query():
