@@ -282,10 +282,11 @@ class Bundle:
         self._check()
         kind, items = self._node
         if kind == "d":
-            for name, node in items:
-                if name == key:
-                    return self._item(node)
-            raise KeyError(key)
+            try:
+                node = self._state.manifest.named(self._node)[key]
+            except (KeyError, TypeError):  # TypeError: an unhashable key, in no dict
+                raise KeyError(key) from None
+            return self._item(node)
         if isinstance(key, bool) or not isinstance(key, int):
             raise TypeError(f"a {self.kind.__name__} of the bundle is indexed by int, not {type(key).__name__}")
         return self._item(items[key])
@@ -301,7 +302,10 @@ class Bundle:
         return iter([self._item(node) for node in items])
 
     def __contains__(self, key: object) -> bool:
-        return self._node[0] == "d" and any(name == key for name, _ in self._node[1])
+        try:
+            return self._node[0] == "d" and key in self._state.manifest.named(self._node)
+        except TypeError:  # an unhashable key
+            return False
 
     def keys(self) -> list[str]:
         """The keys of a dict node."""

@@ -75,7 +75,7 @@ class Manifest:
     """A validated manifest: its parts, its leaves (made on demand), its tree."""
 
     __slots__ = ("parts", "tree", "digest", "arrays", "spans", "dims_at", "_columns", "_dtypes", "_dims_at",
-                 "_strides", "_spans", "count", "_runs")
+                 "_strides", "_spans", "count", "_runs", "_names")
 
     def __init__(self, parts: tuple[Part, ...], tree: Any, digest: bytes, columns: tuple[np.ndarray, ...],
                  dtypes: list[tuple[str, str | None, tuple[int, int, int] | None]], dims_at: np.ndarray,
@@ -95,6 +95,7 @@ class Manifest:
         self._spans = spans.tolist()
         self.count = len(self._spans)
         self._runs: dict[int, Any] = {}  # id of a node of the tree -> run_of(node)
+        self._names: dict[int, dict[Any, Any]] = {}  # id of a dict node of the tree -> named(node)
 
     def run_of(self, node: Any) -> tuple[list[str] | None, int] | None:
         """For a node of the tree (a dict, list or tuple) whose items are all
@@ -104,6 +105,18 @@ class Manifest:
         found = self._runs.get(key, 0)
         if found == 0:
             found = self._runs[key] = _run(node)
+        return found
+
+    def named(self, node: Any) -> dict[Any, Any]:
+        """A dict node's items by key, the first of a key that comes twice (made once per
+        node: looking each key of a state dict up costs O(1), not a pass over its keys)."""
+        key = id(node)
+        found = self._names.get(key)
+        if found is None:
+            found = {}
+            for name, child in node[1]:
+                found.setdefault(name, child)
+            self._names[key] = found
         return found
 
     def strided(self) -> dict[int, tuple[int, ...]]:

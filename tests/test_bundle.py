@@ -379,3 +379,28 @@ def test_a_bundles_slow_path_warning_points_at_the_caller_of_open():
     finally:
         mine.send(None)
         proc.join(30)
+
+
+def test_a_dict_nodes_keys_are_looked_up_in_a_table_made_once():
+    """Each key of a 5,000-key dict (and of a nested one) found by a table the manifest makes
+    once per node, not by a pass over the keys; missing and unhashable keys are KeyErrors (and
+    not ``in``)."""
+    tree = {"layers": {f"w{i}": np.full(4, i % 256, np.uint8) for i in range(5000)}, "step": np.arange(3)}
+    share = gs.export(tree)
+    b = gs.open(share)
+    try:
+        layers = b["layers"]
+        for i in range(0, 5000, 7):
+            assert np.asarray(layers[f"w{i}"].get())[0] == i % 256
+            assert f"w{i}" in layers
+        assert np.array_equal(np.asarray(b["step"].get()), np.arange(3))
+        assert len(b._state.manifest._names) == 2  # one table per dict node looked in
+        for missing in ("nope", 3, ("w1",)):
+            with pytest.raises(KeyError):
+                layers[missing]
+            assert missing not in layers
+        with pytest.raises(KeyError):
+            layers[["w1"]]
+        assert ["w1"] not in layers
+    finally:
+        b.close()
