@@ -52,8 +52,11 @@ _SPAWNED: tuple[type, ...] = tuple(getattr(multiprocessing.context, name) for na
 _state = threading.local()
 _lock = threading.Lock()
 _moving = threading.Lock()
-#: share ids of the bundles this process sent, until they end (see :func:`outstanding`)
+#: share ids of the bundles this process sent, until they end (see :func:`outstanding`); those
+#: that ended are dropped by :func:`outstanding`, and whenever the set has doubled since the
+#: last such look (a program that never asks keeps only about twice the bundles still held)
 _sent: set[str] = set()
+_sent_kept = 0
 _original_dumps: Any = None
 
 
@@ -124,7 +127,17 @@ def _carry(items: list[Any], kinds: list[tuple]) -> Carrier:
         raise TypeError(f"gpushare.export of a list gave a {type(share).__name__}, not a BundleShare")
     with _lock:
         _sent.add(share.share_id)
+        if len(_sent) > 2 * _sent_kept + 64:
+            _drop_ended()
     return Carrier(share, tuple(kinds))
+
+
+def _drop_ended() -> None:
+    """Forget the bundles sent that have ended (under ``_lock``)."""
+    global _sent_kept
+    for share_id in [s for s in _sent if not is_live(s)]:
+        _sent.discard(share_id)
+    _sent_kept = len(_sent)
 
 
 def _move_torch(tensors: list[Any]) -> None:
@@ -468,7 +481,6 @@ def outstanding() -> int:
     """How many bundles this process sent through pickling are still held
     for a receiver (not yet opened, or opened and still in use there)."""
     with _lock:
-        for share_id in [s for s in _sent if not is_live(s)]:
-            _sent.discard(share_id)
+        _drop_ended()
         return len(_sent)
 

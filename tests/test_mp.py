@@ -332,3 +332,17 @@ def test_cupy_arrays_and_cuda_tensors_through_a_queue(method):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_sender_that_never_asks_how_many_are_held_keeps_no_record_of_ended_bundles():
+    """300 messages, each received (here) and dropped, so that its bundle ends; nobody calls
+    ``outstanding()``: the sender's record of the bundles it sent stays small."""
+    a = gs.empty(64, dtype=np.uint8)
+    a[:] = 9
+    for _ in range(300):
+        b = pickle.loads(ForkingPickler.dumps(a))
+        assert int(b[0]) == 9
+        del b
+    gc.collect()
+    assert len(_pickling._sent) <= 70, len(_pickling._sent)
+    assert gmp.outstanding() == 0
