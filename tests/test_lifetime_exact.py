@@ -102,3 +102,31 @@ def test_a_refused_import_does_not_fall_back_to_a_path_that_grants_more():
         other.close()
         share.revoke()
         buf.close()
+
+
+def test_a_connection_forgets_the_retries_of_shares_that_ended():
+    """One connection fails to use 200 shares in turn (each then revoked): what it keeps of the
+    retries they bought stays small, not one entry per share it ever failed to use; a share
+    still live keeps its retry."""
+    from gpushare._exporter.registry import get_exporter
+
+    buf = gs.allocate(4096, device="host")
+    live = gs.export(buf, lifetime="revoked")
+    with _session(live) as s:
+        _control.send(s, {"op": "open", "id": 0, "share": live.share_id, "token": live.token, "path": "host-fd"})
+        reply = _control.recv(s, 10)
+        assert reply.get("ok"), reply
+        _control.send(s, {"op": "failed", "lease": reply["lease"]})
+        for i in range(1, 201):
+            share = gs.export(buf, lifetime="revoked")
+            _control.send(s, {"op": "open", "id": i, "share": share.share_id, "token": share.token, "path": "host-fd"})
+            reply = _control.recv(s, 10)
+            assert reply.get("ok"), reply
+            _control.send(s, {"op": "failed", "lease": reply["lease"]})
+            share.revoke()
+        _control.send(s, {"op": "open", "id": 999, "share": live.share_id, "token": live.token, "path": "ucx-rma"})
+        assert _control.recv(s, 10).get("ok")  # the live share's retry is still there
+        sessions = [x for x in get_exporter()._sessions if live.share_id in x.retries]
+        assert len(sessions) == 1 and len(sessions[0].retries) <= 40, [len(x.retries) for x in sessions]
+    live.revoke()
+    buf.close()

@@ -81,6 +81,8 @@ class Session(Protocol):
         #: share, so a fallback stays one import and a peer cannot collect a
         #: payload per message (each path at most once per counted import).
         self.retries: dict[str, list[Any]] = {}
+        #: How many entries the last pruning of ``retries`` kept (see _forget_ended).
+        self._retries_kept = 0
         self._next_lease = 1
         self.page_sent = False  # the state page went to this importer
         #: A bundle's open request split over frames, until its last.
@@ -406,7 +408,22 @@ class Session(Protocol):
                 waits = export.opens == 0  # the importer falls back next: the policy waits for that open
             if not waits:
                 export.after_close()
+        if failed and len(self.retries) > 2 * self._retries_kept + 16:
+            self._forget_ended()
         self._idle(conn)
+
+    def _forget_ended(self) -> None:
+        """Drop the retries of shares that ended (revoked, retired, no longer the exporter's):
+        none of them opens again.  Done when the entries have doubled since the last time, so
+        a connection that lives for hours keeps about twice the entries of its live shares,
+        not one per share it ever failed to use."""
+        live = {}
+        for share_id, entry in self.retries.items():
+            export = entry[0]
+            if not (export.revoked or export.retired) and self.exporter.get(share_id) is export:
+                live[share_id] = entry
+        self.retries = live
+        self._retries_kept = len(live)
 
 
 class _Bundled:
