@@ -63,9 +63,10 @@ _original_dumps: Any = None
 def _after_fork() -> None:
     """A forked child: locks that a feeder thread of the parent held are free
     here, and the parent's bundles are not this process's to count."""
-    global _lock, _moving
+    global _lock, _moving, _sent_kept
     _lock, _moving = threading.Lock(), threading.Lock()
     _sent.clear()
+    _sent_kept = 0
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -1,21 +1,24 @@
-"""Address ranges kept sorted by start, each with a tag and a weak reference to what owns it,
-found by bisection: which of an agent's memory handles registers a transfer's local buffer
+"""Address ranges, each with a tag and a reference to what owns it, found by bisection: which
+of an agent's memory handles registers a transfer's local buffer
 (``gpushare._ucx.Agent._registration``, the tag its memory type), which buffer this process
 allocated holds an array (``gpushare._paths.host_fd.containing``,
-``gpushare._cuda.vmm.containing``).  A batch of N buffers each in a range of its own (a state
-dict registered or allocated tensor by tensor) costs O(N log N) to look up, where asking every
-range cost O(N^2).
+``gpushare._cuda.vmm.containing``), which allocation found so far holds a tensor of a tree being
+exported (``gpushare._export_tree._Found``).  A batch of N buffers each in a range of its own (a
+state dict registered or allocated tensor by tensor) costs O(N log N) to look up, where asking
+every range cost O(N^2).
 
-Readers take no lock unless an addition overlaps their look: an addition inserts into the
-sorted list in place between two increments of a version number (odd while it is under way),
+Ranges are kept in one list per size class (lengths of the same bit length), each sorted by
+start: a range of class c is shorter than 2**c, so only the entries of that class that start
+within 2**c before the end of what is looked up can hold it, and where ranges do not overlap
+those are two or three.  A lookup costs a bisection per class present, however large or small
+the ranges beside it.
+
+Readers take no lock unless an addition overlaps their look: an addition inserts into its
+class's list in place between two increments of a version number (odd while it is under way),
 and a reader that sees the version odd, or changed by the end of its look, looks again under
-the lock, so it never misses a range that was there before it began.  A pruning publishes a new
-list.  Each candidate found is for the caller to check against its owner (a closed owner, or
-one whose address was reused, is the caller's to skip).
-
-Ranges of at least :data:`LONG` bytes are kept apart, in a short list looked at whole: the
-sorted list is searched only as far back as its longest range reaches, which one large range
-(an arena) would otherwise stretch over every entry.
+the lock, so it never misses a range that was there before it began.  A pruning, or a class
+seen for the first time, publishes new lists.  Each candidate found is for the caller to check
+against its owner (a closed owner, or one whose address was reused, is the caller's to skip).
 """
 
 from __future__ import annotations
@@ -25,12 +28,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Ranges", "LONG"]
+__all__ = ["Ranges"]
 
-#: Ranges at least this long are looked at whole rather than by bisection.
-LONG = 64 << 20
-
-# (start, end, tag, weak reference to the owner)
+# (start, end, tag, reference to the owner: a weak one, or a function that returns it)
 Entry = tuple[int, int, Any, Callable[[], Any]]
 
 
@@ -44,47 +44,53 @@ class Ranges:
     adding costs O(1) amortized in Python (an insertion moves pointers in C) and they number at
     most about twice the most owners alive at once."""
 
-    __slots__ = ("_alive", "_entries", "_long", "_longest", "_kept", "_version", "_lock")
+    __slots__ = ("_alive", "_classes", "_count", "_kept", "_version", "_lock")
 
     def __init__(self, alive: Callable[[Any], bool]) -> None:
         self._alive = alive
-        self._entries: list[Entry] = []  # shorter than LONG, sorted by start
-        self._long: list[Entry] = []  # at least LONG
-        #: The longest range in _entries: no entry that starts further before an address holds it.
-        self._longest = 0
+        #: size class (bit length of the length) -> its entries, sorted by start
+        self._classes: dict[int, list[Entry]] = {}
+        self._count = 0
         self._kept = 0
         self._version = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._long)
-
-    def _live(self, entries: list[Entry]) -> list[Entry]:
-        return [e for e in entries if (owner := e[3]()) is not None and self._alive(owner)]
+        return self._count
 
     def add(self, start: int, end: int, tag: Any, ref: Callable[[], Any]) -> None:
         """Add the range ``[start, end)`` of the owner ``ref`` refers to."""
         entry = (start, end, tag, ref)
+        size_class = (end - start).bit_length()
+        held: list[Any] = []  # owners looked at by a pruning: let go after the lock
         with self._lock:
             self._version += 1  # odd: readers meanwhile look again under the lock
             try:
-                if len(self) > 2 * self._kept + 16:
-                    self._entries, self._long = self._live(self._entries), self._live(self._long)
-                    self._kept = len(self)
-                    self._longest = max((e[1] - e[0] for e in self._entries), default=0)
-                if end - start >= LONG:
-                    self._long = [*self._long, entry]
-                else:
-                    self._longest = max(self._longest, end - start)
-                    bisect.insort_right(self._entries, entry, key=_start)
+                classes = self._classes
+                if self._count > 2 * self._kept + 16:
+                    classes = {}
+                    for c, entries in self._classes.items():
+                        kept = []
+                        for e in entries:
+                            owner = e[3]()
+                            if owner is not None and self._alive(owner):
+                                kept.append(e)
+                                held.append(owner)
+                        if kept:
+                            classes[c] = kept
+                    self._kept = self._count = sum(map(len, classes.values()))
+                if size_class not in classes:
+                    classes = {**classes, size_class: []}
+                bisect.insort_right(classes[size_class], entry, key=_start)
+                self._classes = classes
+                self._count += 1
             finally:
                 self._version += 1
+        del held
 
     def candidates(self, address: int, nbytes: int, tag: Any) -> list[Callable[[], Any]]:
         """References to the owners of the ranges with ``tag`` that hold ``[address, address +
-        nbytes)``: of the sorted ranges, the one that starts last first (only those that start
-        within the longest sorted range's length before the end are looked at), then the long
-        ones."""
+        nbytes)``, the one that starts last first."""
         version = self._version
         if not version & 1:
             found = self._look(address, nbytes, tag)
@@ -94,16 +100,15 @@ class Ranges:
             return self._look(address, nbytes, tag)
 
     def _look(self, address: int, nbytes: int, tag: Any) -> list[Callable[[], Any]]:
-        entries, longest, long_ = self._entries, self._longest, self._long
         end = address + nbytes
-        last = bisect.bisect_right(entries, address, key=_start)
-        first = bisect.bisect_left(entries, end - longest, 0, last, key=_start)
         found = []
-        for i in range(last - 1, first - 1, -1):
-            _, hi, t, ref = entries[i]
-            if end <= hi and t == tag:
-                found.append(ref)
-        for lo, hi, t, ref in long_:
-            if lo <= address and end <= hi and t == tag:
-                found.append(ref)
-        return found
+        for size_class, entries in list(self._classes.items()):
+            last = bisect.bisect_right(entries, address, key=_start)
+            first = bisect.bisect_left(entries, end - (1 << size_class), 0, last, key=_start)
+            for i in range(last - 1, first - 1, -1):
+                lo, hi, t, ref = entries[i]
+                if end <= hi and t == tag:
+                    found.append((lo, ref))
+        if len(found) > 1:
+            found.sort(key=_start, reverse=True)
+        return [ref for _, ref in found]

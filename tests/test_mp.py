@@ -330,10 +330,6 @@ def test_cupy_arrays_and_cuda_tensors_through_a_queue(method):
     assert float(msg["c"][0]) == -1.0 and int(msg["t"][0]) == -1
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def test_a_sender_that_never_asks_how_many_are_held_keeps_no_record_of_ended_bundles():
     """300 messages, each received (here) and dropped, so that its bundle ends; nobody calls
     ``outstanding()``: the sender's record of the bundles it sent stays small."""
@@ -346,3 +342,7 @@ def test_a_sender_that_never_asks_how_many_are_held_keeps_no_record_of_ended_bun
     gc.collect()
     assert len(_pickling._sent) <= 70, len(_pickling._sent)
     assert gmp.outstanding() == 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from gpushare import ucx
 from gpushare._ranges import Ranges
@@ -59,9 +60,14 @@ def test_overlapping_ranges_are_all_found_the_latest_start_first():
     assert _found(r, (1 << 30) - 1, 2) == []
 
 
+def _count_reads(r):
+    """Make every list of ``r`` count the entries read from it."""
+    r._classes = {c: _Counted(entries) for c, entries in r._classes.items()}
+
+
 def _reads_per_lookup(r, lookups):
     """The most entries any one of ``lookups`` (address, nbytes, expected count) read."""
-    r._entries = _Counted(r._entries)
+    _count_reads(r)
     most = 0
     for address, nbytes, expected in lookups:
         _Counted.reads = 0
@@ -79,13 +85,16 @@ def test_a_lookup_reads_a_few_entries_however_many_there_are():
     assert _reads_per_lookup(r, lookups) <= 40
 
 
-def test_one_long_range_does_not_stretch_every_lookup():
-    """An arena of 1 GiB among 2,000 small handles (above it in memory, so it holds none of
-    them): a lookup that finds nothing still reads at most 40 entries."""
+@pytest.mark.parametrize("long_size", [1 << 30, 16 << 20, 40 << 10], ids=["1GiB", "16MiB", "40KiB"])
+def test_long_ranges_do_not_stretch_every_lookup(long_size):
+    """Ranges of other sizes beside 2,000 small ones (an arena of 1 GiB, a buffer of 16 MiB or
+    of 40 KiB, below them in memory, so they hold none of them): a lookup, found or not,
+    still reads at most 40 entries."""
     n = 2000
     base = 1 << 40
-    r, _ = _ranges([(base + i * 8192, base + i * 8192 + 4096) for i in range(n)] + [(0, 1 << 30)])
-    lookups = [(base + i * 8192 + 5000, 100, 0) for i in range(n)] + [(4096, 100, 1)]
+    r, _ = _ranges([(base + i * 8192, base + i * 8192 + 4096) for i in range(n)] + [(base - long_size, base)])
+    lookups = ([(base + i * 8192 + 5000, 100, 0) for i in range(n)] + [(base + i * 8192 + 8, 100, 1) for i in range(n)]
+               + [(base - 4096, 100, 1)])
     assert _reads_per_lookup(r, lookups) <= 40
 
 
@@ -141,33 +150,29 @@ def test_an_agent_finds_each_of_2000_handles_of_a_batch():
             mh.close()
 
 
-def test_the_buffer_holding_each_of_2000_arrays_is_found_by_bisection():
+def test_the_buffer_holding_each_of_2000_arrays_is_found_by_bisection(monkeypatch):
     """``gs.empty`` arrays, each a buffer of its own (a state dict allocated tensor by tensor):
     each array's buffer is found, a plain array is found in none, and no lookup reads more
     than 40 entries of the process's buffers (asking each would read 2,000 and more)."""
     import gpushare as gs
     from gpushare._paths import host_fd
 
+    monkeypatch.setattr(host_fd, "_allocated", Ranges(host_fd._exportable))  # this test's buffers alone
     arrays = [gs.empty(4096, dtype=np.uint8) for _ in range(2000)]
     plain = [np.zeros(4096, np.uint8) for _ in range(100)]
-    counted = _Counted(host_fd._allocated._entries)
-    host_fd._allocated._entries = counted
-    try:
-        most = 0
-        for a in arrays:
-            _Counted.reads = 0
-            found = host_fd.containing(a.ctypes.data + 8, 16)
-            assert found is not None and found[1] == 8
-            assert found[0].ptr == a.ctypes.data
-            most = max(most, _Counted.reads)
-        for a in plain:
-            _Counted.reads = 0
-            assert host_fd.containing(a.ctypes.data, a.nbytes) is None
-            most = max(most, _Counted.reads)
-        assert most <= 40, most
-    finally:
-        if host_fd._allocated._entries is counted:
-            host_fd._allocated._entries = list(counted)
+    _count_reads(host_fd._allocated)
+    most = 0
+    for a in arrays:
+        _Counted.reads = 0
+        found = host_fd.containing(a.ctypes.data + 8, 16)
+        assert found is not None and found[1] == 8
+        assert found[0].ptr == a.ctypes.data
+        most = max(most, _Counted.reads)
+    for a in plain:
+        _Counted.reads = 0
+        assert host_fd.containing(a.ctypes.data, a.nbytes) is None
+        most = max(most, _Counted.reads)
+    assert most <= 40, most
 
 
 def test_a_bundle_of_2000_buffers_sorts_its_tensors_out_by_bisection(monkeypatch):
@@ -184,8 +189,7 @@ def test_a_bundle_of_2000_buffers_sorts_its_tensors_out_by_bisection(monkeypatch
 
         def add(self, *args):
             super().add(*args)
-            if type(self._entries) is not _Counted:
-                self._entries = _Counted(self._entries)
+            _count_reads(self)
 
         def candidates(self, *args):
             _Counted.reads = 0

@@ -24,6 +24,7 @@ makes the device's primary context current for the call.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import sys
@@ -51,8 +52,11 @@ _inflight_lock = threading.Lock()
 #: Every stream-ordered copy gpushare queued that nobody has yet seen complete.
 _inflight: set[_Pending] = set()
 #: Those of them whose request was dropped unfinished (a subset, looked at by every copy: kept
-#: apart so that a copy costs nothing per copy in flight).
+#: apart so that a copy costs nothing per copy in flight), and those dropped since the last look
+#: (appended by the request's finalizer, which takes no lock: it may run in a garbage
+#: collection that a thread holding ``_inflight_lock`` set off).
 _orphans: set[_Pending] = set()
+_dropped: collections.deque[_Pending] = collections.deque()
 
 
 class _Pending:
@@ -65,7 +69,7 @@ class _Pending:
     nobody can ask again (the request finished or was dropped).
     """
 
-    __slots__ = ("ordinal", "event", "stream", "spans", "keep", "lock", "complete", "error", "orphan", "retired")
+    __slots__ = ("ordinal", "event", "stream", "spans", "keep", "lock", "complete", "error", "retired")
 
     def __init__(self, ordinal: int, event: Any, stream: int, spans: tuple[tuple[int, int], ...], keep: Any) -> None:
         self.ordinal = ordinal
@@ -76,7 +80,6 @@ class _Pending:
         self.lock = threading.Lock()
         self.complete = False
         self.error: BaseException | None = None
-        self.orphan = False
         self.retired = False
 
     def overlaps(self, start: int, end: int) -> bool:
@@ -172,21 +175,21 @@ class _Pending:
 
 
 def _orphan(pending: _Pending) -> None:
-    """The request was dropped unfinished: the registry alone holds the
-    copy now, and retires it once it is seen complete."""
-    pending.orphan = True
-    with _inflight_lock:
-        if not pending.retired:
-            _orphans.add(pending)
-    if pending.complete:
-        pending.retire()
+    """The request was dropped unfinished (its finalizer): the registry alone holds the copy
+    now, and the next copy's look retires it once it is seen complete.  Takes no lock (see
+    ``_dropped``)."""
+    _dropped.append(pending)
 
 
 def _retire_orphans() -> None:
     """Retire the dropped requests whose copies have completed."""
-    if not _orphans:
+    if not _orphans and not _dropped:
         return
     with _inflight_lock:
+        while _dropped:
+            p = _dropped.popleft()
+            if not p.retired:
+                _orphans.add(p)
         orphans = list(_orphans)
     for p in orphans:
         try:
