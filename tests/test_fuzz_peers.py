@@ -282,7 +282,9 @@ def test_any_offer_payload_is_a_view_or_an_error(host_share, path, payload):
         pass
     else:
         view.close()
-    assert _fds() == before
+    # Nothing left open by the import.  (Not "the same set": an fd of an earlier test's, a
+    # connection ending on its idle timeout in the service thread, may close meanwhile.)
+    assert not _fds() - before
 
 
 # ------------------------------------------------------------------ cma requests, read by the exporter
