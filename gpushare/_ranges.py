@@ -24,7 +24,9 @@ against its owner (a closed owner, or one whose address was reused, is the calle
 from __future__ import annotations
 
 import bisect
+import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +46,7 @@ class Ranges:
     adding costs O(1) amortized in Python (an insertion moves pointers in C) and they number at
     most about twice the most owners alive at once."""
 
-    __slots__ = ("_alive", "_classes", "_count", "_kept", "_version", "_lock")
+    __slots__ = ("_alive", "_classes", "_count", "_kept", "_version", "_lock", "__weakref__")
 
     def __init__(self, alive: Callable[[Any], bool]) -> None:
         self._alive = alive
@@ -54,6 +56,7 @@ class Ranges:
         self._kept = 0
         self._version = 0
         self._lock = threading.Lock()
+        _instances.add(self)
 
     def __len__(self) -> int:
         return self._count
@@ -112,3 +115,18 @@ class Ranges:
         if len(found) > 1:
             found.sort(key=_start, reverse=True)
         return [ref for _, ref in found]
+
+
+#: Every Ranges of this process, for the fork handler below.
+_instances: weakref.WeakSet[Ranges] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child: a lock another thread of the parent held at the fork stays held here
+    for good; each Ranges gets a new one (the entries are whole: an insertion is one step)."""
+    for ranges in list(_instances):
+        ranges._lock = threading.Lock()
+        ranges._version += ranges._version & 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -205,3 +205,52 @@ def test_a_bundle_of_2000_buffers_sorts_its_tensors_out_by_bisection(monkeypatch
         assert 0 < most[0] <= 40, most[0]
     finally:
         share.revoke()
+
+
+def test_a_child_forked_while_another_thread_adds_can_add_and_look():
+    """The parent's lock is held (an addition under way in another thread) at the fork: the
+    child adds and looks up without waiting for it."""
+    import os
+    import threading
+
+    r, (h,) = _ranges([(4096, 8192)])
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with r._lock:
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    holding.wait(10)
+    try:
+        import warnings
+
+        with warnings.catch_warnings():  # Python 3.12 warns of a fork beside threads: the point here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if both work
+            try:
+                other = _Handle()
+                r.add(1 << 20, (1 << 20) + 4096, "host", lambda: other)
+                ok = _found(r, (1 << 20) + 8, 8) == [other] and _found(r, 5000, 8) == [h]
+            except BaseException:
+                ok = False
+            os._exit(0 if ok else 1)
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child hung on the lock held at the fork")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        t.join(10)
