@@ -118,3 +118,25 @@ def test_a_gone_loops_eventfd_serves_the_next_loop():
         fds.add(asyncio.run(fd_of_this_loop()))
         gc.collect()
     assert len(fds) <= 3, fds  # not one per loop (those of loops gone before this test may serve too)
+
+
+def test_a_done_that_raises_is_raised_by_the_waiter(no_poll):
+    """Asked in the loop's callback (woken by the eventfd), ``done`` raises: the waiting task
+    raises it, and the loop's other waiters are still served."""
+    calls: list[int] = []
+    other: list[bool] = []
+
+    def done() -> bool:
+        calls.append(1)
+        if len(calls) > 2:  # not the two looks made in the task itself: the one the eventfd wakes
+            raise RuntimeError("the work failed")
+        return False
+
+    async def main() -> None:
+        a = asyncio.ensure_future(_await.until(done, lambda fd: _later(fd, [])))
+        b = asyncio.ensure_future(_await.until(lambda: bool(other), lambda fd: _later(fd, other, 0.1)))
+        with pytest.raises(RuntimeError, match="the work failed"):
+            await asyncio.wait_for(a, 10)
+        await asyncio.wait_for(b, 10)
+
+    asyncio.run(main())

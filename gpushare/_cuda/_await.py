@@ -71,11 +71,22 @@ class _Waiters:
         except BlockingIOError:
             pass
         for fut, done in list(self.items.items()):
-            if fut.done():
+            if fut.done() or _settle(fut, done):
                 self.items.pop(fut, None)
-            elif done():
-                self.items.pop(fut, None)
-                fut.set_result(None)
+
+
+def _settle(fut: asyncio.Future, done: Callable[[], bool]) -> bool:
+    """Whether ``done()`` says the work is complete, and if so give ``fut`` its result; a
+    ``done`` that raises gives ``fut`` its exception (raised by the awaiting task, never in the
+    loop's callbacks, where it would leave the task waiting)."""
+    try:
+        if not done():
+            return False
+    except Exception as exc:  # noqa: BLE001 - the awaiting task raises it
+        fut.set_exception(exc)
+        return True
+    fut.set_result(None)
+    return True
 
 
 _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waiters] = weakref.WeakKeyDictionary()
@@ -89,8 +100,8 @@ def _waiters(loop: asyncio.AbstractEventLoop) -> _Waiters:
 
 
 async def until(done: Callable[[], bool], notify: Callable[[int], Any]) -> None:
-    """Return once ``done()`` is true.  ``notify(fd)`` queues, after the
-    awaited work, a host function that adds 1 to eventfd ``fd``."""
+    """Return once ``done()`` is true, or raise what it raised.  ``notify(fd)`` queues, after
+    the awaited work, a host function that adds 1 to eventfd ``fd``."""
     if done():
         return
     loop = asyncio.get_running_loop()
@@ -102,10 +113,7 @@ async def until(done: Callable[[], bool], notify: Callable[[int], Any]) -> None:
 
     def poll() -> None:
         nonlocal delay, handle
-        if fut.done():
-            return
-        if done():
-            fut.set_result(None)
+        if fut.done() or _settle(fut, done):
             return
         delay = min(delay * 2, _POLL_LONGEST)
         handle = loop.call_later(delay, poll)

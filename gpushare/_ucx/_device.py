@@ -119,11 +119,8 @@ async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) ->
                 _driver.check(drv.cuEventRecord(events[-1], s), "cuEventRecord (the work before a ucx-rma transfer)")
         await asyncio.sleep(0)  # the loop runs its other tasks while the work drains
         for event in events:
-            failed: list[BaseException] = []
-            await _await.until(functools.partial(_complete, ordinal, event, failed),
+            await _await.until(functools.partial(_complete, ordinal, event),
                                functools.partial(_copies.notify_after, ordinal, event))
-            if failed:
-                raise failed[0]
     finally:
         if events:
             with _driver.on_device(ordinal):
@@ -131,17 +128,13 @@ async def order_before_async(local: _buffers.LocalBuffer, stream: int | None) ->
                     drv.cuEventDestroy(event)
 
 
-def _complete(ordinal: int, event: Any, failed: list[BaseException]) -> bool:
-    """Whether the work before ``event`` has completed; a failure counts as complete and is
-    kept in ``failed``, for the awaiting task to raise (never raised in the loop's callbacks,
-    which would leave the task waiting)."""
+def _complete(ordinal: int, event: Any) -> bool:
+    """Whether the work before ``event`` has completed (raises its failure; ``_await.until``
+    hands it to the awaiting task)."""
     drv = _driver.driver()
-    try:
-        with _driver.on_device(ordinal):
-            (err,) = drv.cuEventQuery(event)
-        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
-    except Exception as exc:  # noqa: BLE001 - raised by the awaiting task instead
-        failed.append(exc)
+    with _driver.on_device(ordinal):
+        (err,) = drv.cuEventQuery(event)
+    if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _driver.check((err,), "cuEventQuery (the work before a ucx-rma transfer)")
     return True
