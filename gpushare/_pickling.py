@@ -39,6 +39,7 @@ from ._exporter.registry import is_live
 from ._open import open as _open
 from ._paths import by_name, holder
 from ._share import BundleShare
+from ._types import Regrowth
 
 __all__ = ["Carrier", "install", "installed", "open_carrier", "outstanding", "rebuild", "revive", "uninstall"]
 
@@ -56,17 +57,17 @@ _moving = threading.Lock()
 #: that ended are dropped by :func:`outstanding`, and whenever the set has doubled since the
 #: last such look (a program that never asks keeps only about twice the bundles still held)
 _sent: set[str] = set()
-_sent_kept = 0
+_sent_pruning = Regrowth(64)
 _original_dumps: Any = None
 
 
 def _after_fork() -> None:
     """A forked child: locks that a feeder thread of the parent held are free
     here, and the parent's bundles are not this process's to count."""
-    global _lock, _moving, _sent_kept
+    global _lock, _moving
     _lock, _moving = threading.Lock(), threading.Lock()
     _sent.clear()
-    _sent_kept = 0
+    _sent_pruning.kept = 0
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -128,17 +129,16 @@ def _carry(items: list[Any], kinds: list[tuple]) -> Carrier:
         raise TypeError(f"gpushare.export of a list gave a {type(share).__name__}, not a BundleShare")
     with _lock:
         _sent.add(share.share_id)
-        if len(_sent) > 2 * _sent_kept + 64:
+        if _sent_pruning.due(len(_sent)):
             _drop_ended()
     return Carrier(share, tuple(kinds))
 
 
 def _drop_ended() -> None:
     """Forget the bundles sent that have ended (under ``_lock``)."""
-    global _sent_kept
     for share_id in [s for s in _sent if not is_live(s)]:
         _sent.discard(share_id)
-    _sent_kept = len(_sent)
+    _sent_pruning.kept = len(_sent)
 
 
 def _move_torch(tensors: list[Any]) -> None:

@@ -30,6 +30,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._types import Regrowth
+
 __all__ = ["Ranges"]
 
 # (start, end, tag, reference to the owner: a weak one, or a function that returns it)
@@ -42,18 +44,18 @@ def _start(entry: Entry) -> int:
 
 class Ranges:
     """The ranges added so far; those whose owner is gone, or no longer ``alive(owner)``, are
-    pruned when the entries have grown past twice what the last pruning kept (plus 16), so
-    adding costs O(1) amortized in Python (an insertion moves pointers in C) and they number at
-    most about twice the most owners alive at once."""
+    pruned when the entries have doubled since the last pruning (:class:`Regrowth`), so adding
+    costs O(1) amortized in Python (an insertion moves pointers in C) and they number at most
+    about twice the most owners alive at once."""
 
-    __slots__ = ("_alive", "_classes", "_count", "_kept", "_version", "_lock", "__weakref__")
+    __slots__ = ("_alive", "_classes", "_count", "_pruning", "_version", "_lock", "__weakref__")
 
     def __init__(self, alive: Callable[[Any], bool]) -> None:
         self._alive = alive
         #: size class (bit length of the length) -> its entries, sorted by start
         self._classes: dict[int, list[Entry]] = {}
         self._count = 0
-        self._kept = 0
+        self._pruning = Regrowth(16)
         self._version = 0
         self._lock = threading.Lock()
         _instances.add(self)
@@ -70,7 +72,7 @@ class Ranges:
             self._version += 1  # odd: readers meanwhile look again under the lock
             try:
                 classes = self._classes
-                if self._count > 2 * self._kept + 16:
+                if self._pruning.due(self._count):
                     classes = {}
                     for c, entries in self._classes.items():
                         kept = []
@@ -81,7 +83,7 @@ class Ranges:
                                 held.append(owner)
                         if kept:
                             classes[c] = kept
-                    self._kept = self._count = sum(map(len, classes.values()))
+                    self._pruning.kept = self._count = sum(map(len, classes.values()))
                 if size_class not in classes:
                     classes = {**classes, size_class: []}
                 bisect.insort_right(classes[size_class], entry, key=_start)

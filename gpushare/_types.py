@@ -223,6 +223,22 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+class Regrowth:
+    """When to prune a collection that only grows between prunings: once it holds more than
+    twice what the last pruning kept (``kept``, set by the pruner) plus ``slack``.  Pruning then
+    costs O(1) an addition, amortized, and the collection holds at most about twice its live
+    entries, plus ``slack``."""
+
+    __slots__ = ("kept", "slack")
+
+    def __init__(self, slack: int) -> None:
+        self.kept = 0
+        self.slack = slack
+
+    def due(self, size: int) -> bool:
+        return size > 2 * self.kept + self.slack
+
+
 def close_all(fds: Iterable[int]) -> None:
     """Close every file descriptor in ``fds``; one that fails to close does not keep
     the others open."""

@@ -21,7 +21,7 @@ from .._paths.base import Grant
 from .._paths.broker import peer_credentials
 from .._connection import Connection, Protocol
 from .._share import altered
-from .._types import collection_paused
+from .._types import Regrowth, collection_paused
 from .lifetimes import Export, refusal_text
 
 if TYPE_CHECKING:
@@ -81,8 +81,8 @@ class Session(Protocol):
         #: share, so a fallback stays one import and a peer cannot collect a
         #: payload per message (each path at most once per counted import).
         self.retries: dict[str, list[Any]] = {}
-        #: How many entries the last pruning of ``retries`` kept (see _forget_ended).
-        self._retries_kept = 0
+        #: When ``retries`` is pruned next (see _forget_ended).
+        self._retries_pruning = Regrowth(16)
         self._next_lease = 1
         self.page_sent = False  # the state page went to this importer
         #: A bundle's open request split over frames, until its last.
@@ -408,7 +408,7 @@ class Session(Protocol):
                 waits = export.opens == 0  # the importer falls back next: the policy waits for that open
             if not waits:
                 export.after_close()
-        if failed and len(self.retries) > 2 * self._retries_kept + 16:
+        if failed and self._retries_pruning.due(len(self.retries)):
             self._forget_ended()
         self._idle(conn)
 
@@ -423,7 +423,7 @@ class Session(Protocol):
             if not (export.revoked or export.retired) and self.exporter.get(share_id) is export:
                 live[share_id] = entry
         self.retries = live
-        self._retries_kept = len(live)
+        self._retries_pruning.kept = len(live)
 
 
 class _Bundled:

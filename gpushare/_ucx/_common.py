@@ -347,22 +347,22 @@ class Request:
         return f"<gpushare.ucx.Request {self.kind} {state}>"
 
 
-#: The fewest requests an endpoint keeps before it sweeps done ones from anywhere in its list.
-_SWEEP_FLOOR = 64
+#: How many requests an endpoint keeps beyond twice those of its last sweep before it sweeps
+#: done ones from anywhere in its list.
+_SWEEP_SLACK = 64
 
 
 class Connection:
     """What :class:`Endpoint` and the region server's ``Peer`` share: a native
     endpoint, the requests in flight (whose buffers stay referenced), close."""
 
-    __slots__ = ("_native", "_inflight", "_sweep_above", "_closed", "_lock", "__weakref__")
+    __slots__ = ("_native", "_inflight", "_sweeping", "_closed", "_lock", "__weakref__")
 
     def _init(self, native_ep: Any) -> None:
         self._native = native_ep
         self._inflight: deque[Request] = deque()
-        #: The length of ``_inflight`` above which _track drops every done request, not only
-        #: those at its head (see _sweep).
-        self._sweep_above = _SWEEP_FLOOR
+        #: When _track drops every done request, not only those at its head (see _sweep).
+        self._sweeping = _types.Regrowth(_SWEEP_SLACK)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -395,7 +395,7 @@ class Connection:
                     inflight.popleft()._buffer = None
                 if not done:
                     inflight.append(req)
-                if len(inflight) > self._sweep_above:
+                if self._sweeping.due(len(inflight)):
                     self._sweep()
         return req
 
@@ -404,7 +404,7 @@ class Connection:
         peer that stopped answering, without error handling) would otherwise keep every later
         one, and its buffer, behind it; sweeping when the list has doubled since the last sweep
         costs O(1) a request, amortized, and keeps the list at most twice as long as the
-        requests in flight at the last sweep (or _SWEEP_FLOOR)."""
+        requests in flight at the last sweep, plus _SWEEP_SLACK."""
         kept: deque[Request] = deque()
         for r in self._inflight:
             if r._native.done():
@@ -412,7 +412,7 @@ class Connection:
             else:
                 kept.append(r)
         self._inflight = kept
-        self._sweep_above = max(_SWEEP_FLOOR, 2 * len(kept))
+        self._sweeping.kept = len(kept)
 
     def _shutdown(self, timeout: float) -> None:
         if self._closed:
