@@ -300,12 +300,13 @@ Request Endpoint::rmaBatch(bool put, const std::vector<uintptr_t>& buffers, cons
     // more count of the batch, so that the request ends when the peer has
     // them all (as a flush request of its own would, without its round of
     // calls from Python).
-    if (flush && !gate->closed && batch->status.load(std::memory_order_acquire) == UCS_OK && !e->isAlive())
-      batch->fail(UCS_ERR_CONNECTION_RESET);  // a failed peer gets no flush (see failFast)
     if (flush && !gate->closed && batch->status.load(std::memory_order_acquire) == UCS_OK) {
       RmaCtx* ctx = nullptr;
       try {
-        ctx = new RmaCtx{nullptr, batch, nullptr, nullptr};
+        if (e->isAlive())  // a failed peer gets no flush (see failFast)
+          ctx = new RmaCtx{nullptr, batch, nullptr, nullptr};
+        else
+          batch->fail(UCS_ERR_CONNECTION_RESET);
       } catch (const std::bad_alloc&) {
         batch->fail(UCS_ERR_NO_MEMORY);
       }
